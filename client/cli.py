@@ -1,0 +1,339 @@
+"""The ``tandem`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from tandem.protocol import Generate, default_socket_path
+
+from .client import Client
+from .errors import DaemonNotRunning, QueueFull, RequestFailed, TandemError
+
+DEFAULT_MODEL = "smollm2-135m"  # mirrors tandem.daemon.models.DEFAULT_MODEL without importing llama.cpp
+
+DESCRIPTION = """\
+tandem: a private, local LLM daemon. Models run in worker processes behind a
+Unix socket; nothing leaves this machine.
+
+  tandem run "Explain this error: ..."    ask once (starts a daemon if none runs)
+  tandem chat                             talk, multi-turn
+  tandem serve --model qwen2.5-coder-1.5b run the daemon in the foreground
+  tandem status | tandem stop             inspect / stop the daemon
+  tandem models pull NAME | list          fetch / list models
+"""
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    d = Generate(id="x", prompt="")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="most tokens to generate (default %(default)s)")
+    p.add_argument(
+        "--temperature", type=float, default=d.temperature, help="0 = greedy, deterministic (default %(default)s)"
+    )
+    p.add_argument("--top-k", type=int, default=d.top_k, help="sample from the k likeliest tokens; 0 = off (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass; 1 = off (default %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: random)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message before the prompt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        help=f"daemon socket (default: $TANDEM_SOCKET, else {default_socket_path()})",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the daemon in the foreground", description="Run the daemon in the foreground.")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="preset name (see `tandem models list`) or path of a .gguf file (default %(default)s; pulled if missing)",
+    )
+    p.add_argument(
+        "--ctx-size", type=int, default=None, help="context length in tokens (default: the model's, capped at 8192)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for llama.cpp (default: all cores)")
+    p.add_argument("--batch-size", type=int, default=512, help="prompt tokens per llama_decode call (default %(default)s)")
+    p.add_argument(
+        "--max-queue", type=int, default=16, help="requests that may wait; more get a `busy` reply (default %(default)s)"
+    )
+    p.add_argument(
+        "--extra-buffers",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="llama.cpp weight repacking/AMX buffers; auto = off on CPUs with AMX, where they crash (default auto)",
+    )
+
+    p = sub.add_parser(
+        "run",
+        help="stream one answer to the terminal",
+        description="Send PROMPT as a user chat message and stream the answer. "
+        "Starts a daemon in the background (pulling the default model) if none is running.",
+    )
+    p.add_argument("prompt", help="the prompt; - reads it from stdin")
+    p.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text (no chat template)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the result instead of streaming")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model for a daemon started by this command (default %(default)s)")
+    p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
+    _sampling_args(p)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat", description="Chat in the terminal. /reset forgets, /exit (or Ctrl-D) leaves.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model for a daemon started by this command (default %(default)s)")
+    p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
+    _sampling_args(p)
+
+    p = sub.add_parser("status", help="show the daemon's model, queue, uptime and memory")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+
+    sub.add_parser("stop", help="shut the daemon down cleanly")
+
+    p = sub.add_parser("models", help="fetch and list models")
+    msub = p.add_subparsers(dest="models_command", metavar="ACTION")
+    pp = msub.add_parser("pull", help="download a preset model into the model store, verifying its sha256")
+    pp.add_argument("name", help="preset name (see `tandem models list`)")
+    msub.add_parser("list", help="list presets and downloaded models")
+    return parser
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _connect(socket: Path, model: str, no_start: bool) -> Client:
+    from .autostart import daemon_answers, start_daemon
+
+    if not daemon_answers(socket):
+        if no_start:
+            raise DaemonNotRunning(f"no tandem daemon is running at {socket}; start one with `tandem serve`")
+        start_daemon(socket, model, say=_say)
+    client = Client(socket)
+    client.connect()
+    return client
+
+
+def _params(args) -> dict:
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _stream_to_terminal(stream) -> None:
+    try:
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        stream.cancel()
+        sys.stdout.write("\n")
+        _say("[cancelled]")
+        raise SystemExit(130) from None
+    sys.stdout.write("\n")
+    done = stream.done
+    if sys.stderr.isatty():
+        t = done.timings
+        _say(
+            f"[{done.usage.completion_tokens} tokens, {t.tokens_per_second:.1f} tok/s, "
+            f"first token {t.time_to_first_token_seconds:.2f} s, finish: {done.finish_reason.value}]"
+        )
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_serve(args) -> int:
+    from tandem.daemon.serve import serve
+
+    extra = {"auto": None, "on": True, "off": False}[args.extra_buffers]
+    return serve(
+        model=args.model,
+        socket_path=args.socket,
+        ctx_size=args.ctx_size,
+        threads=args.threads,
+        batch_size=args.batch_size,
+        max_queue=args.max_queue,
+        extra_buffers=extra,
+    )
+
+
+def cmd_run(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    client = _connect(args.socket, args.model, args.no_start)
+    with client:
+        if args.raw:
+            request = dict(prompt=(args.system + "\n\n" if args.system else "") + prompt)
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            request = dict(messages=messages)
+        if args.json:
+            done = client.complete(**request, **_params(args))
+            print(json.dumps(_done_json(done), indent=2))
+            return 0
+        _stream_to_terminal(client.generate(**request, **_params(args)))
+    return 0
+
+
+def _done_json(done) -> dict:
+    d = asdict(done)
+    d["finish_reason"] = done.finish_reason.value
+    d.pop("id")
+    return {"request_id": done.id, **d}
+
+
+def cmd_chat(args) -> int:
+    client = _connect(args.socket, args.model, args.no_start)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    _say(f"tandem chat with {client.server.model} (context {client.server.n_ctx} tokens). /reset, /exit.")
+    with client:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()
+                return 0
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if line.strip() == "/reset":
+                history = history[:1] if args.system else []
+                _say("[history cleared]")
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            stream = client.generate(messages=history, **_params(args))
+            try:
+                _stream_to_terminal(stream)
+            except SystemExit:
+                history.pop()
+                continue
+            except RequestFailed as exc:
+                history.pop()
+                _say(f"error: {exc.message}")
+                continue
+            history.append({"role": "assistant", "content": stream.done.text})
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def cmd_status(args) -> int:
+    with Client(args.socket) as client:
+        st = client.status()
+    if args.json:
+        print(json.dumps(asdict(st), indent=2))
+        return 0
+    up = st.uptime_seconds
+    print(f"state:     {st.state}" + (f" ({st.failure})" if st.failure else ""))
+    print(f"daemon:    tandem {st.daemon_version}, pid {st.pid}, up {int(up // 3600)}h{int(up % 3600 // 60):02d}m{int(up % 60):02d}s")
+    print(f"socket:    {st.socket_path}")
+    if st.model:
+        m = st.model
+        print(f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, vocab {m.n_vocab:,})")
+    if st.active:
+        a = st.active
+        print(f"active:    {a.id} ({a.completion_tokens} tokens, {a.elapsed_seconds:.1f} s)")
+    else:
+        print("active:    none")
+    print(f"queue:     {st.queue_length} waiting (max {st.max_queue})")
+    reqs = ", ".join(f"{k} {v}" for k, v in sorted(st.requests.items())) or "none yet"
+    print(f"requests:  {reqs}")
+    print(f"tokens:    {st.tokens.get('prompt', 0):,} prompt, {st.tokens.get('completion', 0):,} generated")
+    mem = ", ".join(f"{k} {_mib(v)}" + (f" (pid {st.worker_pids[k]})" if k in st.worker_pids else "") for k, v in st.memory_rss_bytes.items())
+    print(f"memory:    {mem}")
+    print(f"restarts:  {st.worker_restarts}")
+    return 0
+
+
+def cmd_stop(args) -> int:
+    from .autostart import daemon_answers
+
+    socket = args.socket
+    if not daemon_answers(socket):
+        _say(f"no tandem daemon is running at {socket}")
+        return 0
+    with Client(socket) as client:
+        pid = client.status().pid
+        client.shutdown()
+    deadline = time.monotonic() + 30
+    while socket.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if socket.exists():
+        _say(f"the daemon (pid {pid}) was asked to stop but still holds {socket}")
+        return 1
+    _say(f"stopped the daemon (pid {pid})")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from tandem.daemon import models
+
+    if args.models_command == "pull":
+        try:
+            models.pull(args.name, progress=_say, show_pip_progress=sys.stderr.isatty())
+        except models.ModelError as exc:
+            raise TandemError(str(exc)) from None
+        return 0
+    if args.models_command == "list":
+        print(f"model store: {models.models_dir()}")
+        for name, path, description in models.list_models():
+            where = str(path) if path else "(not pulled: tandem models pull " + name + ")"
+            print(f"  {name:22} {description}\n  {'':22} {where}")
+        return 0
+    _say("usage: tandem models {pull NAME | list}")
+    return 2
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "run": cmd_run,
+    "chat": cmd_chat,
+    "status": cmd_status,
+    "stop": cmd_stop,
+    "models": cmd_models,
+}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.socket is None:
+        args.socket = default_socket_path()
+    try:
+        return COMMANDS[args.command](args)
+    except QueueFull as exc:
+        _say(f"tandem: the daemon is busy: {exc}")
+        return 3
+    except RequestFailed as exc:
+        _say(f"tandem: {exc.name}: {exc.message}")
+        return 1
+    except TandemError as exc:
+        _say(f"tandem: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The synchronous Python client.
+
+    from tandem.client import Client
+
+    with Client() as client:
+        stream = client.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
+        for chunk in stream:
+            print(chunk.text, end="", flush=True)
+        print(stream.done.usage)
+
+A ``Client`` owns one ZeroMQ DEALER socket; use it from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator, Optional, Union
+
+import zmq
+
+from tandem.protocol import (
+    Cancel,
+    CancelReply,
+    Chunk,
+    Done,
+    HelloReply,
+    Message,
+    Shutdown,
+    Status,
+    StatusReply,
+    encode,
+    endpoint,
+)
+
+from .core import (
+    START_HINT,
+    MessageLike,
+    ReplyRouter,
+    check_socket_exists,
+    generate_request,
+    hello_request,
+    new_id,
+    raise_for_terminal,
+    resolve_socket,
+)
+from .errors import DaemonNotRunning, DaemonTimeout, TandemError
+
+
+class Client:
+    def __init__(
+        self,
+        socket_path: Optional[Union[str, os.PathLike]] = None,
+        timeout: Optional[float] = 600.0,
+        connect_timeout: float = 5.0,
+    ):
+        """``timeout``: seconds to wait for each reply (None = forever; a queued
+        request may wait long). ``connect_timeout``: seconds for the handshake."""
+        self.socket_path = resolve_socket(socket_path)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.server: Optional[HelloReply] = None
+        self._zctx = zmq.Context.instance()
+        self._sock: Optional[zmq.Socket] = None
+        self._router = ReplyRouter()
+
+    # ------------------------------------------------------------------ connection
+
+    def connect(self) -> HelloReply:
+        """Connect and handshake (done automatically by the first request)."""
+        if self.server is not None:
+            return self.server
+        check_socket_exists(self.socket_path)
+        self._sock = self._zctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint(self.socket_path))
+        hello = hello_request()
+        try:
+            reply = self._request(hello, self.connect_timeout)
+        except DaemonTimeout:
+            self.close()
+            raise DaemonNotRunning(
+                f"nothing answers at {self.socket_path} (a stale socket from a daemon that died?); {START_HINT}"
+            ) from None
+        raise_for_terminal(reply)
+        assert isinstance(reply, HelloReply)
+        self.server = reply
+        return reply
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self.server = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, msg: Message) -> None:
+        if self._sock is None:
+            self.connect()
+        assert self._sock is not None
+        self._router.expect(msg.id)
+        self._sock.send_multipart(encode(msg))
+
+    def _recv(self, request_id: str, timeout: Optional[float]) -> Message:
+        buffered = self._router.pop(request_id)
+        if buffered is not None:
+            return buffered
+        deadline = None if timeout is None else time.monotonic() + timeout
+        assert self._sock is not None
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._sock.poll(None if remaining is None else int(remaining * 1000)):
+                raise DaemonTimeout(f"no reply from the daemon at {self.socket_path} within {timeout} s")
+            msg = self._router.accept(self._sock.recv_multipart(), request_id)
+            if msg is not None:
+                return msg
+
+    def _request(self, msg: Message, timeout: Optional[float]) -> Message:
+        self._send(msg)
+        try:
+            return self._recv(msg.id, timeout)
+        finally:
+            self._router.forget(msg.id)
+
+    # ------------------------------------------------------------------ API
+
+    def generate(
+        self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params
+    ) -> "Stream":
+        """Start a generation; iterate the returned Stream for chunks, then read ``.done``.
+        Params: max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, request_id."""
+        self.connect()
+        req = generate_request(prompt, messages, **params)
+        self._send(req)
+        return Stream(self, req.id)
+
+    def complete(self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params) -> Done:
+        """Generate without streaming; returns the ``done`` message (``.text`` has the answer)."""
+        stream = self.generate(prompt, messages, stream=False, **params)
+        for _ in stream:
+            pass
+        assert stream.done is not None
+        return stream.done
+
+    def status(self) -> StatusReply:
+        self.connect()
+        reply = self._request(Status(id=new_id()), self.connect_timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, StatusReply)
+        return reply
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a queued or running request (any client's). True if it was found."""
+        self.connect()
+        reply = self._request(Cancel(id=new_id(), request_id=request_id), self.connect_timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, CancelReply)
+        return reply.found
+
+    def shutdown(self) -> None:
+        """Ask the daemon to stop (it finishes with every request answered)."""
+        self.connect()
+        raise_for_terminal(self._request(Shutdown(id=new_id()), self.connect_timeout))
+
+
+class Stream:
+    """The chunks of one generation. After iteration, ``done`` holds the terminal
+    message; an ``error``/``busy`` reply raises RequestFailed/QueueFull instead."""
+
+    def __init__(self, client: Client, request_id: str):
+        self.client = client
+        self.request_id = request_id
+        self.done: Optional[Done] = None
+        self.text = ""
+        self._finished = False
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            while not self._finished:
+                msg = self.client._recv(self.request_id, self.client.timeout)
+                if isinstance(msg, Chunk):
+                    self.text += msg.text
+                    yield msg
+                    continue
+                self._finished = True
+                raise_for_terminal(msg)
+                if not isinstance(msg, Done):
+                    raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
+                self.done = msg
+        finally:
+            if self._finished:
+                self.client._router.forget(self.request_id)
+
+    def cancel(self) -> Optional[Done]:
+        """Cancel the request and read the stream to its end. Returns the ``done``."""
+        if self._finished:
+            return self.done
+        self.client.cancel(self.request_id)
+        for _ in self:
+            pass
+        return self.done

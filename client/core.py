@@ -1,0 +1,101 @@
+"""What the sync and asyncio clients share: building requests, reading replies,
+and routing replies to the request they belong to."""
+
+from __future__ import annotations
+
+import collections
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+from tandem.protocol import (
+    PROTOCOL_VERSION,
+    Busy,
+    ChatMessage,
+    Error,
+    Generate,
+    Hello,
+    Message,
+    ProtocolError,
+    decode,
+    default_socket_path,
+)
+
+from .errors import DaemonNotRunning, QueueFull, RequestFailed, TandemError
+
+MessageLike = Union[ChatMessage, dict]
+
+START_HINT = "start one with `tandem serve` (or just `tandem run \"...\"`, which starts one for you)"
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def resolve_socket(socket_path: Optional[Union[str, os.PathLike]]) -> Path:
+    return Path(socket_path) if socket_path is not None else default_socket_path()
+
+
+def check_socket_exists(path: Path) -> None:
+    if not path.exists():
+        raise DaemonNotRunning(f"no tandem daemon is running at {path}; {START_HINT}")
+
+
+def hello_request() -> Hello:
+    return Hello(id=new_id(), protocol_version=list(PROTOCOL_VERSION), client_name="tandem-python")
+
+
+def generate_request(
+    prompt: Optional[str] = None,
+    messages: Optional[Iterable[MessageLike]] = None,
+    **params: Any,
+) -> Generate:
+    chat = None
+    if messages is not None:
+        chat = [m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+    request_id = params.pop("request_id", None) or new_id()
+    req = Generate(id=request_id, prompt=prompt, messages=chat, **params)
+    try:
+        req.check()
+    except ValueError as exc:
+        raise TandemError(f"invalid request: {exc}") from None
+    return req
+
+
+def raise_for_terminal(msg: Message) -> None:
+    """Turn an ``error`` or ``busy`` reply into the matching exception."""
+    if isinstance(msg, Error):
+        raise RequestFailed(msg.code, msg.name, msg.message, msg.id)
+    if isinstance(msg, Busy):
+        raise QueueFull(msg.message, msg.queue_length, msg.max_queue)
+
+
+class ReplyRouter:
+    """Buffers replies per request id, so several requests can share one socket."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, collections.deque] = {}
+
+    def expect(self, request_id: str) -> None:
+        self.buffers.setdefault(request_id, collections.deque())
+
+    def forget(self, request_id: str) -> None:
+        self.buffers.pop(request_id, None)
+
+    def pop(self, request_id: str) -> Optional[Message]:
+        buf = self.buffers.get(request_id)
+        return buf.popleft() if buf else None
+
+    def accept(self, frames: list[bytes], waiting_for: str) -> Optional[Message]:
+        """Decode one reply; return it if it is for ``waiting_for``, else buffer it."""
+        try:
+            msg = decode(frames, replies=True)
+        except ProtocolError as exc:
+            raise TandemError(f"the daemon sent a message this client cannot read: {exc.message}") from None
+        rid = getattr(msg, "id", None)
+        if rid == waiting_for or (rid is None and isinstance(msg, Error)):
+            return msg
+        if rid in self.buffers:
+            self.buffers[rid].append(msg)
+        return None  # a reply to a request nobody waits for any more

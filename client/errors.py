@@ -1,0 +1,37 @@
+"""Exceptions raised by the tandem clients."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class TandemError(Exception):
+    """Base class of every error the client raises."""
+
+
+class DaemonNotRunning(TandemError):
+    """No daemon listens on the socket. The message says how to start one."""
+
+
+class DaemonTimeout(TandemError):
+    """The daemon did not answer in time."""
+
+
+class RequestFailed(TandemError):
+    """The daemon answered a request with an ``error`` message."""
+
+    def __init__(self, code: int, name: str, message: str, request_id: Optional[str]):
+        super().__init__(f"{name} ({code}): {message}")
+        self.code = code
+        self.name = name
+        self.message = message
+        self.request_id = request_id
+
+
+class QueueFull(TandemError):
+    """The daemon answered ``busy``: its request queue is full. Retry later."""
+
+    def __init__(self, message: str, queue_length: int, max_queue: int):
+        super().__init__(message)
+        self.queue_length = queue_length
+        self.max_queue = max_queue

@@ -1,0 +1,34 @@
+"""Rendering chat ``messages`` with the Jinja chat template stored in the GGUF file.
+
+Uses llama-cpp-python's sandboxed Jinja2 formatter (the same rendering its
+own chat API uses), fed with the model's BOS/EOS token texts.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from tandem.protocol import ChatMessage
+
+
+class ChatTemplateError(Exception):
+    pass
+
+
+class ChatTemplate:
+    def __init__(self, template: str, bos_token: str, eos_token: str):
+        self.template = template
+        try:
+            self._formatter = Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token)
+        except Exception as exc:  # jinja2 raises TemplateSyntaxError and friends
+            raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
+
+    def render(self, messages: Sequence[ChatMessage]) -> tuple[str, bool]:
+        """-> (prompt text, whether BOS/EOS should still be added when tokenizing)."""
+        try:
+            result = self._formatter(messages=[{"role": m.role, "content": m.content} for m in messages])
+        except Exception as exc:  # templates raise on roles they do not support, etc.
+            raise ChatTemplateError(f"the model's chat template rejected these messages: {exc}") from None
+        return result.prompt, not result.added_special

@@ -1,0 +1,208 @@
+"""A thin driver for one llama.cpp model through llama-cpp-python's low-level API.
+
+Only the calls tandem needs: load, tokenize, token pieces, and ``decode`` that
+runs a batch of tokens and returns logits *only* for the positions asked for
+(``Llama.eval``/``logits_all`` computes them for every position, which makes
+long prefills minutes instead of seconds on a CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+import llama_cpp as llama
+from llama_cpp import _logger as llama_logger
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+class DecodeError(Exception):
+    pass
+
+
+def default_threads() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_int8" in f.read()
+    except OSError:
+        return False
+
+
+def default_extra_buffers() -> bool:
+    """llama.cpp's extra weight buffers (repacking, and AMX on Intel CPUs that
+    have it). On an AMX-capable Xeon VM the AMX matmul kernel segfaults on the
+    first decode (seen with llama-cpp-python 0.3.36, Q4_1), so they are off
+    where AMX is present and on elsewhere (where repacking speeds up Q4_0/Q4_K)."""
+    return not cpu_has_amx()
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        path: Path | str,
+        n_ctx: Optional[int] = None,
+        n_threads: Optional[int] = None,
+        n_batch: int = 512,
+        flash_attn: bool = False,
+        max_ctx: int = 8192,
+        extra_buffers: Optional[bool] = None,
+    ):
+        self.path = Path(path)
+        llama_logger.set_verbose(False)
+        llama.llama_backend_init()
+        self.extra_buffers = default_extra_buffers() if extra_buffers is None else extra_buffers
+        self._load_model()
+        self.n_ctx_train = int(llama.llama_model_n_ctx_train(self.model))
+        self.n_ctx = int(n_ctx) if n_ctx else min(self.n_ctx_train, max_ctx)
+        self.n_batch = min(n_batch, self.n_ctx)
+        self.n_threads = n_threads or default_threads()
+        self._create_context(flash_attn)
+        self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
+        self._pieces: dict[int, bytes] = {}
+        self.n_past = 0  # tokens in the KV cache of sequence 0
+
+    # ------------------------------------------------------------------ setup
+
+    def _load_model(self) -> None:
+        if not self.path.is_file():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        params = llama.llama_model_default_params()
+        params.use_extra_bufts = self.extra_buffers
+        self.model = llama.llama_model_load_from_file(os.fsencode(self.path), params)
+        if not self.model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a GGUF model file?")
+        self.vocab = llama.llama_model_get_vocab(self.model)
+        self.n_vocab = int(llama.llama_vocab_n_tokens(self.vocab))
+        self.size_bytes = self.path.stat().st_size
+
+    def _create_context(self, flash_attn: bool) -> None:
+        params = llama.llama_context_default_params()
+        params.n_ctx = self.n_ctx
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_batch
+        params.n_seq_max = 1
+        params.n_threads = self.n_threads
+        params.n_threads_batch = self.n_threads
+        params.no_perf = True
+        params.flash_attn_type = (
+            llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        self.ctx = llama.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.path.name}; "
+                "try a smaller --ctx-size"
+            )
+        self.memory = llama.llama_get_memory(self.ctx)
+
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "ctx", None):
+            llama.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            llama.llama_model_free(self.model)
+            self.model = None
+
+    # ------------------------------------------------------------------ vocabulary
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (llama.llama_token * capacity)()
+        n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (llama.llama_token * capacity)()
+            n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes a token stands for (control tokens render as nothing)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            cached = self.token_text(token, special=False)
+            self._pieces[token] = cached
+        return cached
+
+    def token_text(self, token: int, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama.llama_vocab_is_eog(self.vocab, token))
+
+    @property
+    def bos_token(self) -> int:
+        return int(llama.llama_vocab_bos(self.vocab))
+
+    @property
+    def eos_token(self) -> int:
+        return int(llama.llama_vocab_eos(self.vocab))
+
+    def chat_template(self) -> Optional[str]:
+        raw = llama.llama_model_chat_template(self.model, None)
+        return raw.decode("utf-8") if raw else None
+
+    # ------------------------------------------------------------------ decoding
+
+    def clear(self) -> None:
+        llama.llama_memory_clear(self.memory, True)
+        self.n_past = 0
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop KV cache positions >= n_keep."""
+        if n_keep < self.n_past:
+            llama.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
+            self.n_past = n_keep
+
+    def decode(self, tokens: Sequence[int], logits_for: Sequence[int] = (-1,)) -> np.ndarray:
+        """Append ``tokens`` at position ``n_past``; return a (len(logits_for), n_vocab)
+        float32 copy of the logits at those indices into ``tokens`` (negative
+        indices count from the end). Processes ``n_batch`` tokens per llama_decode."""
+        n = len(tokens)
+        if n == 0:
+            raise DecodeError("nothing to decode")
+        if self.n_past + n > self.n_ctx:
+            raise DecodeError(f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}")
+        wanted = {i % n for i in logits_for}
+        out = np.empty((len(logits_for), self.n_vocab), dtype=np.float32)
+        batch = self._batch
+        for start in range(0, n, self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            batch.n_tokens = len(chunk)
+            for j, tok in enumerate(chunk):
+                batch.token[j] = tok
+                batch.pos[j] = self.n_past + j
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = 0
+                batch.logits[j] = (start + j) in wanted
+            rc = llama.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise DecodeError(f"llama_decode returned {rc}")
+            self.n_past += len(chunk)
+            for idx in wanted:
+                if start <= idx < start + len(chunk):
+                    ptr = llama.llama_get_logits_ith(self.ctx, idx - start)
+                    row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+                    for r, i in enumerate(logits_for):
+                        if i % n == idx:
+                            out[r] = row
+        return out

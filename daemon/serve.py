@@ -1,0 +1,50 @@
+"""``tandem serve``: resolve the model, start the daemon, run until stopped."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from . import models
+from .server import Daemon, ServeConfig, ServeError
+
+
+def serve(
+    model: str,
+    socket_path: Path,
+    ctx_size: Optional[int] = None,
+    threads: Optional[int] = None,
+    batch_size: int = 512,
+    max_queue: int = 16,
+    extra_buffers: Optional[bool] = None,
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> int:
+    """Run the daemon in this process until it is stopped. Returns an exit code."""
+    logging.basicConfig(level=logging.INFO, format="tandem %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        if model in models.PRESETS and not models.is_pulled(model):
+            progress(f"tandem: model '{model}' is not downloaded yet; pulling it")
+            models.pull(model, progress=progress)
+        name, path = models.resolve(model)
+        daemon = Daemon(
+            ServeConfig(
+                model_name=name,
+                model_path=path,
+                socket_path=socket_path,
+                ctx_size=ctx_size,
+                threads=threads,
+                batch_size=batch_size,
+                max_queue=max_queue,
+                extra_buffers=extra_buffers,
+            )
+        )
+    except (ServeError, models.ModelError) as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 1
+    daemon.serve_forever()
+    if daemon.state == "failed":
+        print(f"tandem serve: {daemon.failure}", file=sys.stderr)
+        return 1
+    return 0

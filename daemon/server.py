@@ -1,0 +1,552 @@
+"""The daemon's front process: the socket, dispatch, the queue, and status.
+
+It never does model work. A single-threaded ZeroMQ poll loop reads client
+requests from the ROUTER socket, hands one ``generate`` at a time to the
+target worker process, and relays the worker's chunks back to the client
+that asked. Every request message goes through ``dispatch``, which maps its
+type to a ``handle_<op>`` method and turns any failure into an ``error``
+reply, so the daemon never dies of a request.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import logging
+import os
+import signal
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import psutil
+import zmq
+
+from tandem.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    ActiveRequest,
+    Busy,
+    Cancel,
+    CancelReply,
+    Chunk,
+    Done,
+    Error,
+    ErrorCode,
+    FinishReason,
+    Generate,
+    Hello,
+    HelloReply,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    ShutdownReply,
+    Status,
+    StatusReply,
+    Timings,
+    Usage,
+    decode,
+    encode,
+    endpoint,
+)
+from tandem.protocol.paths import MAX_SOCKET_PATH_BYTES
+
+from .version import __version__
+from .worker import WorkerConfig
+from .worker_handle import WorkerHandle
+
+log = logging.getLogger("tandem.daemon")
+
+POLL_MS = 200
+SEND_HWM = 10_000  # messages queued per client before it counts as too slow
+RESTART_BACKOFF_SECONDS = (1, 2, 4, 8, 16, 30)
+
+
+class ServeError(Exception):
+    """The daemon cannot start. The message says why and what to do."""
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    model_path: Path
+    socket_path: Path
+    ctx_size: Optional[int] = None
+    threads: Optional[int] = None
+    batch_size: int = 512
+    max_queue: int = 16
+    extra_buffers: Optional[bool] = None
+
+
+@dataclass
+class Job:
+    """A generate request, queued or running."""
+
+    identity: bytes
+    request: Generate
+    enqueued_at: float
+    started_at: Optional[float] = None
+    completion_tokens: int = 0
+    client_gone: bool = False
+
+
+@dataclass
+class Counters:
+    requests: collections.Counter = field(default_factory=collections.Counter)
+    tokens: collections.Counter = field(default_factory=collections.Counter)
+
+
+# --------------------------------------------------------------------------- socket setup
+
+
+def prepare_socket(path: Path) -> Path:
+    """Create the socket's directory (0700) and check the path fits sun_path."""
+    for candidate in (path, path.parent / ".target-4194304-999.ipc"):
+        if len(os.fsencode(candidate)) > MAX_SOCKET_PATH_BYTES:
+            raise ServeError(
+                f"socket path {path} is too long for a Unix socket (limit {MAX_SOCKET_PATH_BYTES} bytes, "
+                "with room for the worker sockets beside it); set TANDEM_SOCKET or --socket to a shorter path"
+            )
+    directory = path.parent
+    if not directory.exists():
+        old = os.umask(0o077)
+        try:
+            directory.mkdir(mode=0o700, parents=True)
+        finally:
+            os.umask(old)
+    st = directory.stat()
+    if st.st_uid != os.getuid():
+        raise ServeError(f"socket directory {directory} belongs to another user (uid {st.st_uid}); pick another path")
+    if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+        log.warning("socket directory %s is writable by others; the socket itself is 0600", directory)
+    return directory
+
+
+class InstanceLock:
+    """One daemon per socket: an flock on ``<socket>.lock`` holding the pid."""
+
+    def __init__(self, socket_path: Path):
+        self.path = socket_path.with_name(socket_path.name + ".lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise ServeError(
+                f"another tandem daemon (pid {holder}) is already serving {socket_path}. "
+                f"Stop it with `tandem stop`, or start this one on another socket (--socket or TANDEM_SOCKET)."
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+class Daemon:
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.started_at = time.monotonic()
+        self.state = "loading"
+        self.failure = ""
+        self.stopping = False
+        self.queue: collections.deque[Job] = collections.deque()
+        self.active: Optional[Job] = None
+        self.jobs: dict[str, Job] = {}
+        self.counters = Counters()
+        self.restart_due: Optional[float] = None
+        self.ever_ready = False
+        self.on_ready: Optional[Callable[[], None]] = None
+        self._process = psutil.Process()
+        self._setup_socket()
+        self._setup_worker()
+        self._setup_dispatch()
+
+    # ------------------------------------------------------------------ setup steps
+
+    def _setup_socket(self) -> None:
+        path = self.config.socket_path
+        self.socket_dir = prepare_socket(path)
+        self.lock = InstanceLock(path)
+        if path.exists() or path.is_symlink():
+            path.unlink()  # stale: we hold the lock, so nobody serves it
+        self.zctx = zmq.Context()
+        self.front = self.zctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.front.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.front.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
+        self.front.setsockopt(zmq.LINGER, 1000)
+        old = os.umask(0o177)
+        try:
+            self.front.bind(endpoint(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+
+    def _setup_worker(self) -> None:
+        c = self.config
+        self.target = WorkerHandle(
+            self.zctx,
+            WorkerConfig(
+                role="target",
+                model_name=c.model_name,
+                model_path=str(c.model_path),
+                n_ctx=c.ctx_size,
+                n_threads=c.threads,
+                n_batch=c.batch_size,
+                extra_buffers=c.extra_buffers,
+                endpoint="",
+            ),
+            self.socket_dir,
+        )
+        self.target.start()
+
+    def _setup_dispatch(self) -> None:
+        self.handlers: dict[type, Callable] = {
+            Hello: self.handle_hello,
+            Generate: self.handle_generate,
+            Cancel: self.handle_cancel,
+            Status: self.handle_status,
+            Shutdown: self.handle_shutdown,
+        }
+
+    # ------------------------------------------------------------------ main loop
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        log.info("listening on %s (pid %d); loading %s", self.config.socket_path, os.getpid(), self.config.model_name)
+        try:
+            while not self.stopping:
+                self._poll_once()
+        finally:
+            self._shutdown()
+
+    def _on_signal(self, signum, frame) -> None:
+        log.info("received %s; shutting down", signal.Signals(signum).name)
+        self.stopping = True
+
+    def _poll_once(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        if self.target.sock is not None:
+            poller.register(self.target.sock, zmq.POLLIN)
+        if self.target.sentinel is not None and self.target.sock is not None:
+            poller.register(self.target.sentinel, zmq.POLLIN)
+        events = dict(poller.poll(POLL_MS))
+        if self.target.sock is not None and self.target.sock in events:
+            self._drain_worker()
+        if self.front in events:
+            self._drain_front()
+        if self.target.sock is not None and not self.target.alive:
+            self._on_worker_death()
+        if self.restart_due is not None and time.monotonic() >= self.restart_due:
+            self.restart_due = None
+            self.target.start()
+        self._start_next()
+
+    def _drain_front(self, limit: int = 256) -> None:
+        for _ in range(limit):
+            try:
+                frames = self.front.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.dispatch(frames[0], frames[1:])
+
+    def _drain_worker(self, limit: int = 1024) -> None:
+        for _ in range(limit):
+            if self.target.sock is None:
+                return
+            try:
+                frames = self.target.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.on_worker_message(frames)
+
+    # ------------------------------------------------------------------ client side
+
+    def send(self, identity: bytes, msg) -> bool:
+        return self.send_frames(identity, encode(msg))
+
+    def send_frames(self, identity: bytes, frames: list[bytes]) -> bool:
+        """False when the client is gone or not reading (its queue is full)."""
+        try:
+            self.front.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("client %s is not reading its replies; dropping it", identity.hex())
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+
+    def dispatch(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:
+            self.send(identity, Error.of(exc.request_id, exc.code, exc.message))
+            return
+        handler = self.handlers[type(msg)]
+        try:
+            handler(identity, msg)
+        except Exception as exc:  # a bug: answer it, log it, keep serving
+            log.exception("handling %s failed", msg.op.value)
+            self.send(identity, Error.of(msg.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def handle_hello(self, identity: bytes, msg: Hello) -> None:
+        major = msg.protocol_version[0] if msg.protocol_version else -1
+        if major != PROTOCOL_VERSION[0]:
+            self.send(
+                identity,
+                Error.of(
+                    msg.id,
+                    ErrorCode.UNSUPPORTED_VERSION,
+                    f"client speaks protocol {'.'.join(map(str, msg.protocol_version))}; this daemon "
+                    f"(tandem {__version__}) speaks {PROTOCOL_VERSION[0]}.x. Use a client for protocol "
+                    f"{PROTOCOL_VERSION[0]}, or upgrade the daemon.",
+                ),
+            )
+            return
+        info = self.target.info
+        self.send(
+            identity,
+            HelloReply(
+                id=msg.id,
+                protocol_version=list(PROTOCOL_VERSION),
+                daemon_version=__version__,
+                model=self.config.model_name,
+                n_ctx=info.n_ctx if info else 0,
+            ),
+        )
+
+    def handle_generate(self, identity: bytes, msg: Generate) -> None:
+        if self.state == "failed":
+            self.send(identity, Error.of(msg.id, ErrorCode.NOT_READY, f"the daemon has failed: {self.failure}"))
+            return
+        if msg.id in self.jobs:
+            self.send(
+                identity,
+                Error.of(msg.id, ErrorCode.DUPLICATE_REQUEST_ID, f"a request with id {msg.id!r} is already queued or running"),
+            )
+            return
+        if len(self.queue) >= self.config.max_queue:
+            self.counters.requests["busy"] += 1
+            self.send(
+                identity,
+                Busy(
+                    id=msg.id,
+                    queue_length=len(self.queue),
+                    max_queue=self.config.max_queue,
+                    message=f"the queue is full ({len(self.queue)} waiting); retry later or raise --max-queue",
+                ),
+            )
+            return
+        job = Job(identity=identity, request=msg, enqueued_at=time.monotonic())
+        self.jobs[msg.id] = job
+        self.queue.append(job)
+
+    def handle_cancel(self, identity: bytes, msg: Cancel) -> None:
+        job = self.jobs.get(msg.request_id)
+        found = job is not None
+        if job is not None:
+            self._cancel(job)
+        self.send(identity, CancelReply(id=msg.id, request_id=msg.request_id, found=found))
+
+    def handle_status(self, identity: bytes, msg: Status) -> None:
+        self.send(identity, self.status_reply(msg.id))
+
+    def handle_shutdown(self, identity: bytes, msg: Shutdown) -> None:
+        log.info("shutdown requested by a client")
+        self.send(identity, ShutdownReply(id=msg.id))
+        self.stopping = True
+
+    def _cancel(self, job: Job) -> None:
+        if job is self.active:
+            if self.target.sock is not None:
+                self.target.send(Cancel(id=job.request.id, request_id=job.request.id))
+        else:
+            self.queue.remove(job)
+            self._finish(job, self._cancelled_done(job))
+
+    def _cancelled_done(self, job: Job) -> Done:
+        waited = time.monotonic() - job.enqueued_at
+        return Done(
+            id=job.request.id,
+            text="",
+            finish_reason=FinishReason.CANCELLED,
+            usage=Usage(prompt_tokens=0, completion_tokens=0),
+            timings=Timings(0.0, 0.0, 0.0, 0.0, waited),
+        )
+
+    def _finish(self, job: Job, terminal) -> None:
+        """Deliver a request's one terminal message and forget the request."""
+        self.jobs.pop(job.request.id, None)
+        if job is self.active:
+            self.active = None
+        if isinstance(terminal, Done):
+            self.counters.requests[f"done_{terminal.finish_reason.value}"] += 1
+            self.counters.tokens["prompt"] += terminal.usage.prompt_tokens
+            self.counters.tokens["completion"] += terminal.usage.completion_tokens
+        else:
+            self.counters.requests["error"] += 1
+        if not job.client_gone:
+            self.send(job.identity, terminal)
+
+    # ------------------------------------------------------------------ worker side
+
+    def _start_next(self) -> None:
+        if self.active is not None or not self.queue or not self.target.ready or self.stopping:
+            return
+        job = self.queue.popleft()
+        job.started_at = time.monotonic()
+        self.active = job
+        self.target.send(job.request)
+
+    def on_worker_message(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames, replies=True)
+        except ProtocolError as exc:
+            log.error("undecodable message from the worker: %s", exc.message)
+            return
+        if isinstance(msg, Ready):
+            self._on_ready(msg)
+            return
+        job = self.active
+        if job is None or msg.id != job.request.id:
+            if isinstance(msg, Error) and msg.code == ErrorCode.NOT_READY:
+                self._on_load_failure(msg.message)
+            return
+        if isinstance(msg, Chunk):
+            job.completion_tokens += len(msg.token_ids)
+            if not job.client_gone and not self.send_frames(job.identity, frames):
+                job.client_gone = True
+                self._cancel(job)
+            return
+        if isinstance(msg, Done):
+            msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
+        self._finish(job, msg)
+
+    def _on_ready(self, msg: Ready) -> None:
+        self.target.info = msg.model
+        self.state = "ready"
+        self.ever_ready = True
+        elapsed = time.monotonic() - self.target.started_at
+        log.info(
+            "model %s loaded in %.1f s (context %d tokens, worker pid %d); ready",
+            msg.model.name, elapsed, msg.model.n_ctx, msg.pid,
+        )  # fmt: skip
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def _on_load_failure(self, message: str) -> None:
+        log.error("%s", message)
+        self.state = "failed"
+        self.failure = message
+        for job in list(self.queue):
+            self.queue.remove(job)
+            self._finish(job, Error.of(job.request.id, ErrorCode.NOT_READY, message))
+        if self.target.restarts == 0:
+            self.stopping = True  # the model never loaded: nothing to serve
+
+    def _on_worker_death(self) -> None:
+        code = self.target.reap()
+        if self.stopping or self.state == "failed":
+            return
+        log.error("the %s worker died (exit code %s)", self.target.role, code)
+        if not self.ever_ready:
+            self._on_load_failure(f"the model worker died while loading {self.config.model_path} (exit code {code})")
+            return
+        if self.active is not None:
+            job = self.active
+            self._finish(
+                job,
+                Error.of(
+                    job.request.id,
+                    ErrorCode.WORKER_DIED,
+                    f"the model worker died (exit code {code}) while serving this request; "
+                    "it is being restarted and the request may be retried",
+                ),
+            )
+        self.state = "loading"
+        delay = RESTART_BACKOFF_SECONDS[min(self.target.restarts, len(RESTART_BACKOFF_SECONDS) - 1)]
+        self.target.restarts += 1
+        self.restart_due = time.monotonic() + delay
+
+    # ------------------------------------------------------------------ status
+
+    def status_reply(self, request_id: str) -> StatusReply:
+        now = time.monotonic()
+        memory = {"daemon": self._process.memory_info().rss}
+        pids = {}
+        if self.target.alive and self.target.pid:
+            pids["target"] = self.target.pid
+            try:
+                memory["target"] = psutil.Process(self.target.pid).memory_info().rss
+            except psutil.Error:
+                pass
+        active = None
+        if self.active is not None:
+            job = self.active
+            active = ActiveRequest(
+                id=job.request.id,
+                elapsed_seconds=now - (job.started_at or now),
+                completion_tokens=job.completion_tokens,
+            )
+        return StatusReply(
+            id=request_id,
+            state="stopping" if self.stopping else self.state,
+            daemon_version=__version__,
+            pid=os.getpid(),
+            uptime_seconds=now - self.started_at,
+            socket_path=str(self.config.socket_path),
+            model=self.target.info,
+            active=active,
+            queue_length=len(self.queue),
+            max_queue=self.config.max_queue,
+            requests=dict(self.counters.requests),
+            tokens=dict(self.counters.tokens),
+            memory_rss_bytes=memory,
+            worker_pids=pids,
+            worker_restarts=self.target.restarts,
+            failure=self.failure,
+        )
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _shutdown(self) -> None:
+        for job in list(self.queue):
+            self.queue.remove(job)
+            self._finish(job, Error.of(job.request.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+        if self.active is not None and self.target.alive and self.target.sock is not None:
+            self._cancel(self.active)
+            deadline = time.monotonic() + 5
+            while self.active is not None and time.monotonic() < deadline and self.target.alive:
+                if self.target.sock.poll(100, zmq.POLLIN):
+                    self._drain_worker()
+        if self.active is not None:
+            self._finish(self.active, Error.of(self.active.request.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+        if self.target.sock is not None and self.target.alive:
+            try:
+                self.target.send(Shutdown(id="daemon"))
+            except zmq.ZMQError:
+                pass
+        self.target.stop()
+        self.front.close(linger=1000)
+        try:
+            self.config.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        self.lock.release()
+        self.zctx.term()
+        log.info("stopped")

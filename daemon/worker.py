@@ -1,0 +1,170 @@
+"""The model worker process: a thin shell of sockets around ``Engine``.
+
+The daemon spawns ``run_worker_process`` (multiprocessing, spawn start method)
+and talks to it over a ZeroMQ PAIR socket on a private ipc path, using the
+same codec as clients. The worker loads the model, says ``ready``, then serves
+one ``generate`` at a time, streaming ``chunk`` messages and ending each with
+exactly one ``done`` or ``error``. Between decode steps it drains its socket for
+``cancel``/``shutdown``, so a cancel lands within one step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import zmq
+
+from tandem.protocol import (
+    Cancel,
+    Error,
+    ErrorCode,
+    Generate,
+    ModelInfo,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    decode,
+    encode,
+)
+
+# Nothing here imports llama_cpp at module level: the worker sets GOMP_SPINCOUNT
+# before llama.cpp (and its OpenMP runtime) is loaded.
+
+log = logging.getLogger("tandem.worker")
+
+
+@dataclass
+class WorkerConfig:
+    role: str  # "target"
+    model_name: str
+    model_path: str
+    n_ctx: Optional[int]
+    n_threads: Optional[int]
+    n_batch: int
+    extra_buffers: Optional[bool]
+    endpoint: str
+    spin_count: Optional[int] = 10000  # GOMP_SPINCOUNT; see FACTS.md on two llama.cpp processes
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run_worker_process(config: WorkerConfig) -> None:
+    """Entry point of the worker process."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    if config.spin_count is not None:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(config.spin_count))
+    logging.basicConfig(level=logging.INFO, format=f"tandem[{config.role}] %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(config.endpoint)
+    try:
+        WorkerLoop(config, sock).run()
+    finally:
+        sock.close()
+        ctx.term()
+    sys.exit(0)
+
+
+class WorkerLoop:
+    def __init__(self, config: WorkerConfig, sock):
+        self.config = config
+        self.sock = sock
+        self.stopping = False
+        self.cancelled: set[str] = set()
+
+    def send(self, msg) -> None:
+        self.sock.send_multipart(encode(msg))
+
+    def run(self) -> None:
+        try:
+            engine, info = self._load()
+        except Exception as exc:
+            self.send(Error.of(self.config.role, ErrorCode.NOT_READY, f"could not load the model: {exc}"))
+            return
+        self.send(Ready(id=self.config.role, model=info, pid=os.getpid()))
+        while not self.stopping:
+            self._serve_one(engine, self.sock.recv_multipart())
+
+    def _load(self):
+        from .chat import ChatTemplate, ChatTemplateError
+        from .engine import Engine
+        from .llama_model import LlamaModel
+
+        c = self.config
+        model = LlamaModel(
+            c.model_path, n_ctx=c.n_ctx, n_threads=c.n_threads, n_batch=c.n_batch, extra_buffers=c.extra_buffers
+        )
+        template = None
+        source = model.chat_template()
+        if source:
+            try:
+                template = ChatTemplate(
+                    source,
+                    bos_token=model.token_text(model.bos_token, special=True).decode("utf-8", "replace"),
+                    eos_token=model.token_text(model.eos_token, special=True).decode("utf-8", "replace"),
+                )
+            except ChatTemplateError as exc:
+                log.warning("%s; chat requests will be refused", exc)
+        info = ModelInfo(
+            name=c.model_name,
+            path=str(model.path),
+            n_ctx=model.n_ctx,
+            n_ctx_train=model.n_ctx_train,
+            n_vocab=model.n_vocab,
+            size_bytes=model.size_bytes,
+            has_chat_template=template is not None,
+        )
+        return Engine(model, template), info
+
+    def _serve_one(self, engine, frames) -> None:
+        from .engine import RequestError
+
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:  # the daemon validated it; this is a bug
+            log.error("undecodable message from the daemon: %s", exc.message)
+            return
+        if isinstance(msg, Shutdown):
+            self.stopping = True
+            return
+        if isinstance(msg, Cancel):
+            return  # nothing running: it finished before the cancel arrived
+        if not isinstance(msg, Generate):
+            log.error("unexpected %s message from the daemon", msg.op.value)
+            return
+        self.cancelled.clear()
+        try:
+            done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
+            self.send(done)
+        except RequestError as exc:
+            self.send(Error.of(msg.id, exc.code, exc.message))
+        except Exception as exc:  # a bug or a llama.cpp failure: report it, keep serving
+            log.exception("request %s failed", msg.id)
+            self.send(Error.of(msg.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
+
+    def _poll_cancel(self, request_id: str) -> bool:
+        while self.sock.poll(0, zmq.POLLIN):
+            try:
+                msg = decode(self.sock.recv_multipart())
+            except ProtocolError:
+                continue
+            if isinstance(msg, Cancel):
+                self.cancelled.add(msg.request_id)
+            elif isinstance(msg, Shutdown):
+                self.stopping = True
+        return self.stopping or request_id in self.cancelled

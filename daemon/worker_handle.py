@@ -1,0 +1,105 @@
+"""The daemon's side of one worker process: spawn it, talk to it, notice its death.
+
+Each start gets a fresh PAIR socket on a fresh ipc path, so nothing a dead
+worker left queued can reach its successor.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import zmq
+
+from tandem.protocol import ModelInfo, encode, endpoint
+
+from .worker import WorkerConfig, run_worker_process
+
+_spawn = multiprocessing.get_context("spawn")
+
+
+class WorkerHandle:
+    def __init__(self, zctx: zmq.Context, config: WorkerConfig, ipc_dir: Path):
+        self.zctx = zctx
+        self.base_config = config
+        self.ipc_dir = ipc_dir
+        self.generation = 0
+        self.restarts = 0
+        self.process: Optional[multiprocessing.process.BaseProcess] = None
+        self.sock: Optional[zmq.Socket] = None
+        self.ipc_path: Optional[Path] = None
+        self.info: Optional[ModelInfo] = None
+        self.started_at = 0.0
+
+    @property
+    def role(self) -> str:
+        return self.base_config.role
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def sentinel(self) -> Optional[int]:
+        return self.process.sentinel if self.process is not None else None
+
+    def start(self) -> None:
+        self.generation += 1
+        self.info = None
+        self.ipc_path = self.ipc_dir / f".{self.role}-{os.getpid()}-{self.generation}.ipc"
+        self.sock = self.zctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint(self.ipc_path))
+        os.chmod(self.ipc_path, 0o600)
+        config = WorkerConfig(**{**self.base_config.__dict__, "endpoint": endpoint(self.ipc_path)})
+        self.process = _spawn.Process(target=run_worker_process, args=(config,), name=f"tandem-{self.role}", daemon=True)
+        self.process.start()
+        self.started_at = time.monotonic()
+
+    def send(self, msg) -> None:
+        assert self.sock is not None
+        self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+
+    def close_channel(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.ipc_path is not None:
+            try:
+                self.ipc_path.unlink()
+            except FileNotFoundError:
+                pass
+            self.ipc_path = None
+
+    def reap(self) -> Optional[int]:
+        """After the process died: collect its exit code and drop the channel."""
+        code = None
+        if self.process is not None:
+            self.process.join(timeout=1)
+            code = self.process.exitcode
+        self.close_channel()
+        self.info = None
+        return code
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the worker to exit (the caller sent Shutdown), then make sure it does."""
+        if self.process is not None:
+            self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(2)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(2)
+        self.close_channel()

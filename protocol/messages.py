@@ -1,0 +1,293 @@
+"""Every message that crosses a process boundary in tandem, and nothing else.
+
+Keep this file focused on message definitions: the op enum (its values are the
+first frame's bytes), the finish-reason enum, the numbered error codes, and one
+typed dataclass per message. ``codec.py`` turns them into frames and back.
+PROTOCOL.md documents the same shapes for client authors in other languages.
+
+Direction matters: a client sends requests (hello, generate, cancel, status,
+shutdown); the daemon answers with replies. A reply to hello/status/cancel/
+shutdown carries the same op name as the request. ``ready`` is internal: a
+worker process sends it to the daemon when its model is loaded.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+"""(major, minor). A client whose major differs is refused; minors are compatible:
+receivers ignore fields they do not know and fill missing optional fields with
+their defaults."""
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""Largest message body the daemon accepts (bytes of msgpack)."""
+
+MAX_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+class Op(str, enum.Enum):
+    """The first frame of every message is ``Op.value`` encoded as ASCII."""
+
+    HELLO = "hello"
+    GENERATE = "generate"
+    CANCEL = "cancel"
+    STATUS = "status"
+    SHUTDOWN = "shutdown"
+    CHUNK = "chunk"
+    DONE = "done"
+    ERROR = "error"
+    BUSY = "busy"
+    READY = "ready"  # internal: worker -> daemon
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # the model ended its turn (end-of-generation token) or a stop string matched
+    LENGTH = "length"  # max_tokens reached, or the context is full
+    CANCELLED = "cancelled"  # a cancel request, the client going away, or daemon shutdown
+
+
+class ErrorCode(enum.IntEnum):
+    """Numbered error codes. 1xx: the request is at fault (do not retry it as is).
+    2xx: the daemon could not serve it (retrying later may work)."""
+
+    MALFORMED_MESSAGE = 100  # wrong frame count, not msgpack, body not a map
+    UNKNOWN_OP = 101  # first frame is not a known request op
+    INVALID_REQUEST = 102  # a field is missing, has the wrong type or is out of range
+    UNSUPPORTED_VERSION = 103  # hello with a protocol major version the daemon does not speak
+    DUPLICATE_REQUEST_ID = 104  # a request with this id is already queued or running
+    PROMPT_TOO_LONG = 105  # prompt tokens do not fit the context (--ctx-size)
+    MESSAGE_TOO_LARGE = 106  # body over MAX_MESSAGE_BYTES
+    CHAT_TEMPLATE = 107  # messages given but the model has no usable chat template
+    INTERNAL = 200  # a bug: the message says what failed
+    WORKER_DIED = 201  # the model worker process died during the request; it is restarted
+    SHUTTING_DOWN = 202  # the daemon is stopping
+    CLIENT_TOO_SLOW = 203  # the client stopped reading and its send queue overflowed
+    NOT_READY = 204  # the model is not loaded (yet, or it failed to load)
+
+
+class Message:
+    """Base class: every message has an op and a request ``id``."""
+
+    op: ClassVar[Op]
+    id: str
+
+
+@dataclass
+class ChatMessage:
+    role: str  # "system", "user", "assistant" (whatever the model's template knows)
+    content: str
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Timings:
+    time_to_first_token_seconds: float  # request start (dequeued) to first generated token
+    prompt_seconds: float  # tokenizing and prefilling the prompt
+    generation_seconds: float  # first generated token to the last
+    tokens_per_second: float  # completion tokens after the first / generation_seconds
+    queued_seconds: float  # waiting in the queue before the worker took the request
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Hello(Message):
+    op: ClassVar[Op] = Op.HELLO
+    id: str
+    protocol_version: list[int]
+    client_name: str = ""
+
+
+@dataclass
+class Generate(Message):
+    op: ClassVar[Op] = Op.GENERATE
+    id: str
+    prompt: Optional[str] = None  # plain completion prompt (no chat template)
+    messages: Optional[list[ChatMessage]] = None  # chat, rendered with the GGUF's template
+    max_tokens: int = 256
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1 = off
+    seed: Optional[int] = None  # None = a fresh random seed
+    stop: list[str] = field(default_factory=list)
+    stream: bool = True  # False: no chunk messages, only the terminal one
+    ignore_eos: bool = False  # keep generating past end-of-generation tokens
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (plain text) or 'messages' (chat)")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' is empty: give at least one {role, content}")
+        if self.messages is not None and len(self.messages) > MAX_MESSAGES:
+            raise ValueError(f"'messages' has {len(self.messages)} entries; the limit is {MAX_MESSAGES}")
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"'max_tokens' must be between 1 and {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"'temperature' must be between 0 and 100, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"'top_k' must be >= 0 (0 turns it off), got {self.top_k}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"'top_p' must be in (0, 1] (1 turns it off), got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"'seed' must be between 0 and 2**64-1, got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"'stop' has {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}")
+        for s in self.stop:
+            if not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise ValueError(f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters")
+
+
+@dataclass
+class Cancel(Message):
+    op: ClassVar[Op] = Op.CANCEL
+    id: str
+    request_id: str  # the id of the generate request to cancel
+
+
+@dataclass
+class Status(Message):
+    op: ClassVar[Op] = Op.STATUS
+    id: str
+
+
+@dataclass
+class Shutdown(Message):
+    op: ClassVar[Op] = Op.SHUTDOWN
+    id: str
+
+
+# --------------------------------------------------------------------------- replies
+
+
+@dataclass
+class HelloReply(Message):
+    op: ClassVar[Op] = Op.HELLO
+    id: str
+    protocol_version: list[int]
+    daemon_version: str
+    model: str
+    n_ctx: int
+
+
+@dataclass
+class Chunk(Message):
+    op: ClassVar[Op] = Op.CHUNK
+    id: str
+    text: str  # new text since the previous chunk (may be empty while text is held back)
+    token_ids: list[int]  # tokens generated since the previous chunk
+
+
+@dataclass
+class Done(Message):
+    op: ClassVar[Op] = Op.DONE
+    id: str
+    text: str  # the whole completion (the chunks' texts concatenated)
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+@dataclass
+class Error(Message):
+    op: ClassVar[Op] = Op.ERROR
+    id: Optional[str]  # None when the offending message had no readable id
+    code: int  # an ErrorCode value
+    name: str  # the ErrorCode name, for humans and logs
+    message: str
+
+    @classmethod
+    def of(cls, request_id: Optional[str], code: ErrorCode, message: str) -> "Error":
+        return cls(id=request_id, code=int(code), name=code.name, message=message)
+
+
+@dataclass
+class Busy(Message):
+    op: ClassVar[Op] = Op.BUSY
+    id: str
+    queue_length: int
+    max_queue: int
+    message: str
+
+
+@dataclass
+class CancelReply(Message):
+    op: ClassVar[Op] = Op.CANCEL
+    id: str
+    request_id: str
+    found: bool  # False: no such request queued or running (already finished, or never seen)
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: str
+    n_ctx: int
+    n_ctx_train: int
+    n_vocab: int
+    size_bytes: int
+    has_chat_template: bool
+
+
+@dataclass
+class ActiveRequest:
+    id: str
+    elapsed_seconds: float
+    completion_tokens: int
+
+
+@dataclass
+class StatusReply(Message):
+    op: ClassVar[Op] = Op.STATUS
+    id: str
+    state: str  # "loading", "ready", "failed", "stopping"
+    daemon_version: str
+    pid: int
+    uptime_seconds: float
+    socket_path: str
+    model: Optional[ModelInfo]
+    active: Optional[ActiveRequest]
+    queue_length: int
+    max_queue: int
+    requests: dict[str, int]  # counts: "done_stop", "done_length", "done_cancelled", "error", "busy"
+    tokens: dict[str, int]  # counts: "prompt", "completion"
+    memory_rss_bytes: dict[str, int]  # resident memory by process: "daemon", "target"
+    worker_pids: dict[str, int]
+    worker_restarts: int
+    failure: str = ""  # why state is "failed"
+
+
+@dataclass
+class ShutdownReply(Message):
+    op: ClassVar[Op] = Op.SHUTDOWN
+    id: str
+
+
+@dataclass
+class Ready(Message):
+    """Internal: a worker tells the daemon its model is loaded."""
+
+    op: ClassVar[Op] = Op.READY
+    id: str  # the worker's role, e.g. "target"
+    model: ModelInfo
+    pid: int
+
+
+REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Cancel, Status, Shutdown)}
+REPLIES: dict[Op, type] = {
+    m.op: m for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, Ready)
+}
+TERMINAL_OPS = frozenset({Op.DONE, Op.ERROR, Op.BUSY})

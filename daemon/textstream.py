@@ -2,7 +2,8 @@
 
 Two rules, both needed for streaming:
 - never split a UTF-8 character: incomplete trailing bytes wait for the next
-  piece (invalid bytes that can never complete are replaced with U+FFFD);
+  piece (bytes that can never form a character become U+FFFD; an incomplete
+  character left when generation ends is dropped);
 - never emit text past a stop string: text that could be the start of a stop
   string is held back until the next piece decides it.
 """
@@ -40,12 +41,14 @@ class TextStream:
         return out
 
     def flush(self) -> str:
-        """End of generation: release whatever is held (an incomplete UTF-8
-        sequence becomes U+FFFD)."""
+        """End of generation: release whatever is held. An incomplete UTF-8
+        sequence at the very end (max_tokens cut a character in half) is dropped,
+        not turned into U+FFFD; its token ids were still reported."""
         if self.stopped_by is not None:
             return ""
-        out = self._held + self._decoder.decode(b"", final=True)
+        out = self._held
         self._held = ""
+        self._decoder.reset()
         self.text += out
         return out
 

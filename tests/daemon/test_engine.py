@@ -1,0 +1,110 @@
+"""The decoding loop, driven by a scripted stand-in model (pure logic; the real
+model is exercised end to end in tests/integration)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.daemon.engine import Engine, RequestError
+from tandem.protocol import ChatMessage, ErrorCode, FinishReason, Generate
+
+EOS = 0
+
+
+class ScriptedModel:
+    """Tokens are bytes: token t (1..255) is the byte t. Emits ``script`` greedily, then EOS."""
+
+    n_ctx_train = 64
+
+    def __init__(self, script: bytes, n_ctx: int = 64):
+        self.script = list(script)
+        self.n_ctx = n_ctx
+        self.decoded: list[list[int]] = []
+        self.step = 0
+
+    def tokenize(self, text, add_special, parse_special=True):
+        return list(text.encode())
+
+    def piece(self, token):
+        return bytes([token])
+
+    def is_eog(self, token):
+        return token == EOS
+
+    def clear(self):
+        self.step = 0
+
+    def decode(self, tokens, logits_for=(-1,)):
+        self.decoded.append(list(tokens))
+        logits = np.zeros((1, 256), dtype=np.float32)
+        nxt = self.script[self.step] if self.step < len(self.script) else EOS
+        logits[0, nxt] = 10.0
+        self.step += 1
+        return logits
+
+
+def run(model, cancel_after=None, **params):
+    req = Generate(id="r", prompt=params.pop("prompt", "hi"), temperature=0.0, **params)
+    chunks = []
+
+    def should_cancel():
+        return cancel_after is not None and len(chunks) >= cancel_after
+
+    done = Engine(model, None).run(req, chunks.append, should_cancel)
+    return done, chunks
+
+
+def test_generates_until_end_of_generation():
+    done, chunks = run(ScriptedModel(b"hello"))
+    assert done.text == "hello" and done.finish_reason == FinishReason.STOP
+    assert "".join(c.text for c in chunks) == "hello"
+    assert [t for c in chunks for t in c.token_ids] == list(b"hello")
+    assert done.usage.prompt_tokens == 2 and done.usage.completion_tokens == 5
+
+
+def test_max_tokens():
+    done, _ = run(ScriptedModel(b"hello world"), max_tokens=3)
+    assert done.text == "hel" and done.finish_reason == FinishReason.LENGTH
+
+
+def test_ignore_eos_keeps_going():
+    done, _ = run(ScriptedModel(b"ab"), max_tokens=4, ignore_eos=True)
+    assert done.usage.completion_tokens == 4 and done.finish_reason == FinishReason.LENGTH
+
+
+def test_context_full_ends_with_length():
+    done, _ = run(ScriptedModel(b"x" * 100, n_ctx=10), prompt="abcdef")
+    assert done.usage.completion_tokens == 4 and done.finish_reason == FinishReason.LENGTH
+
+
+def test_stop_string():
+    done, _ = run(ScriptedModel(b"one, two, three"), stop=[", th"])
+    assert done.text == "one, two" and done.finish_reason == FinishReason.STOP
+
+
+def test_cancel_ends_within_one_decode_step():
+    model = ScriptedModel(b"x" * 50)
+    done, chunks = run(model, cancel_after=3)
+    assert done.finish_reason == FinishReason.CANCELLED
+    assert len(chunks) == 3
+    assert len(model.decoded) == 3  # the prefill and two steps: no decode after the cancel
+
+
+def test_prompt_too_long_names_the_limit():
+    with pytest.raises(RequestError) as info:
+        run(ScriptedModel(b"x", n_ctx=8), prompt="123456789")
+    assert info.value.code == ErrorCode.PROMPT_TOO_LONG
+    assert "9 tokens" in info.value.message and "8" in info.value.message and "--ctx-size" in info.value.message
+
+
+def test_messages_without_a_chat_template_are_refused():
+    req = Generate(id="r", messages=[ChatMessage("user", "hi")])
+    with pytest.raises(RequestError) as info:
+        Engine(ScriptedModel(b"x"), None).run(req, lambda c: None, lambda: False)
+    assert info.value.code == ErrorCode.CHAT_TEMPLATE and "--raw" in info.value.message
+
+
+def test_no_chunks_when_not_streaming():
+    done, chunks = run(ScriptedModel(b"abc"), stream=False)
+    assert chunks == [] and done.text == "abc"

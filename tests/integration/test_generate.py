@@ -1,0 +1,245 @@
+"""Generation through the real daemon's socket with the real SmolLM2-135M model."""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+
+import pytest
+
+import llama_cpp
+from tandem.client import Client, QueueFull, RequestFailed
+from tandem.daemon.llama_model import default_extra_buffers
+from tandem.protocol import ErrorCode, FinishReason
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    '{"name": "Ada", "languages": [',
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    """llama-cpp-python's own high-level API, in this process, same settings as the daemon."""
+    original = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = default_extra_buffers()  # as the daemon does (see llama_model.py)
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
+    try:
+        import os
+
+        threads = os.cpu_count()
+        llm = llama_cpp.Llama(
+            str(smollm2_path), n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+        )
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = original
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_through_the_socket_equals_llama_cpp_in_process(client, reference, prompt):
+    done = client.complete(prompt=prompt, max_tokens=48, temperature=0.0)
+    ref = reference.create_completion(prompt, max_tokens=48, temperature=0.0)
+    assert done.text == ref["choices"][0]["text"]
+    assert done.usage.completion_tokens == ref["usage"]["completion_tokens"]
+    assert done.usage.prompt_tokens == ref["usage"]["prompt_tokens"]
+
+
+def test_chat_uses_the_gguf_template_like_llama_cpp(client, reference):
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    done = client.complete(messages=messages, max_tokens=32, temperature=0.0)
+    ref = reference.create_chat_completion(messages=messages, max_tokens=32, temperature=0.0)
+    assert done.text == ref["choices"][0]["message"]["content"]
+    assert done.finish_reason.value == ref["choices"][0]["finish_reason"]
+
+
+def test_stream_chunks_concatenate_to_the_final_text(client):
+    stream = client.generate(prompt="Write a haiku about the sea.\n", max_tokens=40, temperature=0.7, seed=3)
+    chunks = list(stream)
+    assert "".join(c.text for c in chunks) == stream.done.text == stream.text
+    assert sum(len(c.token_ids) for c in chunks) == stream.done.usage.completion_tokens
+    assert len(chunks) >= stream.done.usage.completion_tokens  # streamed token by token
+
+
+def test_seeded_sampling_reproduces(client):
+    a = client.complete(prompt="A list of fruits:", max_tokens=24, temperature=1.0, seed=1234)
+    b = client.complete(prompt="A list of fruits:", max_tokens=24, temperature=1.0, seed=1234)
+    assert a.text == b.text
+
+
+def test_stop_strings_cut_the_text_where_the_unstopped_text_has_them(client):
+    prompt = "Count: 1, 2, 3,"
+    full = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, ignore_eos=True).text
+    assert " 6" in full, full  # the test needs the stop string in the unstopped output
+    stopped = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, stop=[" 6"])
+    assert stopped.finish_reason == FinishReason.STOP
+    assert stopped.text == full[: full.index(" 6")]
+    streamed = client.generate(prompt=prompt, max_tokens=40, temperature=0.0, stop=[" 6"])
+    assert "".join(c.text for c in streamed) == stopped.text  # no chunk ever showed the stop string
+
+
+def test_max_tokens_is_honoured(client):
+    done = client.complete(prompt="Tell me a long story.", max_tokens=17, temperature=0.0, ignore_eos=True)
+    assert done.usage.completion_tokens == 17
+    assert done.finish_reason == FinishReason.LENGTH
+
+
+def test_multibyte_utf8_is_never_split(client, reference):
+    prompt = "日本の首都は東京です。日本の有名な食べ物は"
+    stream = client.generate(prompt=prompt, max_tokens=40, temperature=0.0)
+    chunks = list(stream)
+    pieces = [reference.detokenize([t]) for c in chunks for t in c.token_ids]
+    incomplete = []
+    for p in pieces:
+        try:
+            p.decode("utf-8")
+        except UnicodeDecodeError:
+            incomplete.append(p)
+    assert incomplete, "the test needs tokens that are partial UTF-8 characters"
+    assert "\ufffd" not in stream.done.text
+    assert all("\ufffd" not in c.text for c in chunks)
+    # everything but a character that max_tokens may have cut in half at the end
+    assert stream.done.text == codecs.getincrementaldecoder("utf-8")().decode(b"".join(pieces))
+
+
+def test_prompt_over_the_context_gets_the_documented_error(client):
+    with pytest.raises(RequestFailed) as info:
+        client.complete(prompt="word " * 1500, max_tokens=4)
+    assert info.value.code == ErrorCode.PROMPT_TOO_LONG
+    assert "1,024" in info.value.message and "--ctx-size" in info.value.message
+    assert client.complete(prompt="Still alive?", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_duplicate_request_id_is_refused(client, daemon):
+    stream = client.generate(prompt="Go on and on:", max_tokens=400, ignore_eos=True, request_id="same-id")
+    next(iter(stream))
+    with daemon.client() as other, pytest.raises(RequestFailed) as info:
+        other.complete(prompt="x", max_tokens=2, request_id="same-id")
+    assert info.value.code == ErrorCode.DUPLICATE_REQUEST_ID
+    assert stream.cancel().finish_reason == FinishReason.CANCELLED
+
+
+def test_cancel_ends_the_request_promptly(client, daemon):
+    stream = client.generate(prompt="Keep talking:", max_tokens=5000, ignore_eos=True)
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    with daemon.client() as other:
+        assert other.cancel(stream.request_id) is True
+        assert other.cancel("no-such-request") is False
+    rest = list(it)
+    assert stream.done.finish_reason == FinishReason.CANCELLED
+    assert len(rest) <= 3  # chunks already in flight when the cancel landed
+    assert stream.done.usage.completion_tokens < 10
+
+
+def test_status_answers_while_a_generation_runs(client, daemon):
+    stream = client.generate(prompt="Write a very long essay:", max_tokens=2000, ignore_eos=True)
+    it = iter(stream)
+    next(it)
+    seen = []
+    with daemon.client() as other:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            st = other.status()
+            seen.append((time.perf_counter() - t0, st.active.completion_tokens if st.active else None))
+            time.sleep(0.05)
+    assert all(tokens is not None for _, tokens in seen), seen  # the generation was running all along
+    assert seen[-1][1] > seen[0][1]  # and progressing
+    assert max(latency for latency, _ in seen) < 1.0  # answered without waiting for the ~25 s generation
+    stream.cancel()
+
+
+def test_client_going_away_cancels_its_request(daemon):
+    before = Client(daemon.socket).status().requests.get("done_cancelled", 0)
+    c = Client(daemon.socket)
+    stream = c.generate(prompt="Ramble forever:", max_tokens=5000, ignore_eos=True)
+    it = iter(stream)
+    next(it)
+    next(it)
+    c.close()  # no cancel sent: the socket just goes away
+    with daemon.client() as watcher:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            st = watcher.status()
+            if st.active is None:
+                break
+            time.sleep(0.02)
+        assert st.active is None
+        assert st.requests.get("done_cancelled", 0) == before + 1
+
+
+def test_async_client_streams_and_queries_status_concurrently(daemon):
+    import asyncio
+
+    from tandem.client import AsyncClient
+
+    async def main():
+        async with AsyncClient(daemon.socket) as ac:
+            stream = await ac.generate(prompt="def add(a, b):", max_tokens=30, temperature=0.0)
+            texts = []
+            statuses = []
+            async for chunk in stream:
+                texts.append(chunk.text)
+                if len(texts) == 5:
+                    statuses.append(await ac.status())
+            return "".join(texts), stream.done, statuses
+
+    text, done, statuses = asyncio.run(main())
+    assert text == done.text and done.usage.completion_tokens > 5
+    assert statuses[0].active is not None
+
+
+def test_full_queue_answers_busy(start_daemon):
+    d = start_daemon("--max-queue", "1", "--ctx-size", "512")
+    with d.client() as a, d.client() as b, d.client() as c:
+        running = a.generate(prompt="Go:", max_tokens=3000, ignore_eos=True)
+        next(iter(running))
+        queued = b.generate(prompt="Wait:", max_tokens=5)
+        deadline = time.monotonic() + 5
+        while c.status().queue_length < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(QueueFull) as info:
+            c.complete(prompt="One too many", max_tokens=5)
+        assert info.value.max_queue == 1 and info.value.queue_length == 1
+        assert c.status().requests["busy"] == 1
+        running.cancel()
+        list(queued)
+        assert queued.done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_requests_are_served_in_arrival_order(start_daemon):
+    d = start_daemon("--ctx-size", "512")
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        with d.client() as c:
+            c.complete(prompt=f"Number {i}:", max_tokens=8, ignore_eos=True, temperature=0.0)
+            with lock:
+                finished.append(i)
+
+    with d.client() as blocker:
+        running = blocker.generate(prompt="Hold:", max_tokens=3000, ignore_eos=True)
+        next(iter(running))
+        threads = []
+        for i in range(5):
+            t = threading.Thread(target=one, args=(i,))
+            t.start()
+            threads.append(t)
+            deadline = time.monotonic() + 5
+            while blocker.status().queue_length < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        running.cancel()
+        for t in threads:
+            t.join(60)
+    assert finished == [0, 1, 2, 3, 4]

@@ -1,0 +1,170 @@
+"""Every message round-trips through the codec; every malformed input gets a typed error."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+import tandem.protocol as P
+from tandem.protocol import ErrorCode, ProtocolError, decode, encode, packb, unpackb
+
+MODEL = P.ModelInfo("m", "/m.gguf", 1024, 8192, 49152, 98_362_432, True)
+
+REQUESTS = [
+    P.Hello(id="h1", protocol_version=[1, 0], client_name="test"),
+    P.Generate(id="g1", prompt="hello"),
+    P.Generate(
+        id="g2",
+        messages=[P.ChatMessage("system", "be brief"), P.ChatMessage("user", "héllo 世界 🙂")],
+        max_tokens=7,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=2**64 - 1,
+        stop=["\n\n", "END"],
+        stream=False,
+        ignore_eos=True,
+    ),
+    P.Cancel(id="c1", request_id="g1"),
+    P.Status(id="s1"),
+    P.Shutdown(id="x1"),
+]
+
+REPLIES = [
+    P.HelloReply(id="h1", protocol_version=[1, 0], daemon_version="0.1.0", model="m", n_ctx=1024),
+    P.Chunk(id="g1", text="wor", token_ids=[1, 2, 3]),
+    P.Done(
+        id="g1",
+        text="world",
+        finish_reason=P.FinishReason.LENGTH,
+        usage=P.Usage(3, 5),
+        timings=P.Timings(0.1, 0.05, 0.4, 10.0, 0.0),
+    ),
+    P.Error.of("g1", ErrorCode.PROMPT_TOO_LONG, "too long"),
+    P.Error.of(None, ErrorCode.MALFORMED_MESSAGE, "garbage"),
+    P.Busy(id="g3", queue_length=16, max_queue=16, message="full"),
+    P.CancelReply(id="c1", request_id="g1", found=True),
+    P.StatusReply(
+        id="s1",
+        state="ready",
+        daemon_version="0.1.0",
+        pid=42,
+        uptime_seconds=1.5,
+        socket_path="/tmp/t.sock",
+        model=MODEL,
+        active=P.ActiveRequest(id="g1", elapsed_seconds=0.5, completion_tokens=9),
+        queue_length=1,
+        max_queue=16,
+        requests={"done_stop": 2},
+        tokens={"prompt": 10, "completion": 20},
+        memory_rss_bytes={"daemon": 1, "target": 2},
+        worker_pids={"target": 43},
+        worker_restarts=0,
+    ),
+    P.ShutdownReply(id="x1"),
+    P.Ready(id="target", model=MODEL, pid=43),
+]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_request_round_trip(msg):
+    frames = encode(msg)
+    assert frames[0] == msg.op.value.encode()
+    assert decode(frames) == msg
+
+
+@pytest.mark.parametrize("msg", REPLIES, ids=lambda m: type(m).__name__)
+def test_reply_round_trip(msg):
+    assert decode(encode(msg), replies=True) == msg
+
+
+def test_every_message_type_is_covered():
+    covered = {type(m) for m in REQUESTS + REPLIES}
+    assert covered == set(P.REQUESTS.values()) | set(P.REPLIES.values())
+
+
+def test_ndarray_round_trip_without_pickle():
+    for arr in (np.arange(12, dtype=np.float32).reshape(3, 4), np.array([1, 2], dtype=np.int64), np.zeros(0)):
+        back = unpackb(packb({"a": arr}))["a"]
+        assert back.dtype == arr.dtype and back.shape == arr.shape and np.array_equal(back, arr)
+    bad = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["|O", [1], b"x"], use_bin_type=True)), use_bin_type=True)
+    with pytest.raises(ValueError, match="object arrays"):
+        unpackb(bad)
+
+
+def body(**fields):
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+BAD = [
+    ("one frame", [b"status"], ErrorCode.MALFORMED_MESSAGE, "2 frames"),
+    ("three frames", [b"", b"status", body(id="a")], ErrorCode.MALFORMED_MESSAGE, "2 frames"),
+    ("not msgpack", [b"status", b"\xc1\xc1"], ErrorCode.MALFORMED_MESSAGE, "msgpack"),
+    ("truncated msgpack", [b"status", body(id="abc")[:-2]], ErrorCode.MALFORMED_MESSAGE, "msgpack"),
+    ("body not a map", [b"status", msgpack.packb([1, 2])], ErrorCode.MALFORMED_MESSAGE, "map"),
+    ("unknown op", [b"launch", body(id="a")], ErrorCode.UNKNOWN_OP, "launch"),
+    ("reply op sent as request", [b"done", body(id="a")], ErrorCode.UNKNOWN_OP, "known ops"),
+    ("binary op", [b"\xff\xfe", body(id="a")], ErrorCode.UNKNOWN_OP, "unknown op"),
+    ("missing id", [b"status", body()], ErrorCode.INVALID_REQUEST, "'id'"),
+    ("empty id", [b"status", body(id="")], ErrorCode.INVALID_REQUEST, "'id'"),
+    ("huge id", [b"status", body(id="x" * 1000)], ErrorCode.INVALID_REQUEST, "'id'"),
+    ("id wrong type", [b"status", body(id=5)], ErrorCode.INVALID_REQUEST, "'id' must be a string"),
+    ("no prompt", [b"generate", body(id="a")], ErrorCode.INVALID_REQUEST, "exactly one"),
+    ("both prompt and messages", [b"generate", body(id="a", prompt="x", messages=[])], ErrorCode.INVALID_REQUEST, "exactly one"),
+    ("max_tokens string", [b"generate", body(id="a", prompt="x", max_tokens="9")], ErrorCode.INVALID_REQUEST, "'max_tokens' must be an integer"),
+    ("max_tokens bool", [b"generate", body(id="a", prompt="x", max_tokens=True)], ErrorCode.INVALID_REQUEST, "'max_tokens'"),
+    ("max_tokens zero", [b"generate", body(id="a", prompt="x", max_tokens=0)], ErrorCode.INVALID_REQUEST, "'max_tokens'"),
+    ("temperature negative", [b"generate", body(id="a", prompt="x", temperature=-1)], ErrorCode.INVALID_REQUEST, "'temperature'"),
+    ("temperature nan", [b"generate", body(id="a", prompt="x", temperature=float("nan"))], ErrorCode.INVALID_REQUEST, "'temperature'"),
+    ("top_p zero", [b"generate", body(id="a", prompt="x", top_p=0.0)], ErrorCode.INVALID_REQUEST, "'top_p'"),
+    ("top_k negative", [b"generate", body(id="a", prompt="x", top_k=-3)], ErrorCode.INVALID_REQUEST, "'top_k'"),
+    ("seed too big", [b"generate", body(id="a", prompt="x", seed=-1)], ErrorCode.INVALID_REQUEST, "'seed'"),
+    ("stop not a list", [b"generate", body(id="a", prompt="x", stop="\n")], ErrorCode.INVALID_REQUEST, "'stop' must be a list"),
+    ("empty stop string", [b"generate", body(id="a", prompt="x", stop=[""])], ErrorCode.INVALID_REQUEST, "'stop'"),
+    ("too many stops", [b"generate", body(id="a", prompt="x", stop=["a"] * 17)], ErrorCode.INVALID_REQUEST, "'stop'"),
+    ("message not a map", [b"generate", body(id="a", messages=["hi"])], ErrorCode.INVALID_REQUEST, "'messages[0]' must be a map"),
+    ("message role missing", [b"generate", body(id="a", messages=[{"content": "hi"}])], ErrorCode.INVALID_REQUEST, "messages[0].role"),
+    ("message content int", [b"generate", body(id="a", messages=[{"role": "user", "content": 3}])], ErrorCode.INVALID_REQUEST, "messages[0].content"),
+    ("empty messages", [b"generate", body(id="a", messages=[])], ErrorCode.INVALID_REQUEST, "empty"),
+    ("null prompt and stream", [b"generate", body(id="a", prompt="x", stream=None)], ErrorCode.INVALID_REQUEST, "'stream'"),
+    ("cancel without target", [b"cancel", body(id="a")], ErrorCode.INVALID_REQUEST, "request_id"),
+    ("hello version not ints", [b"hello", body(id="a", protocol_version=["1"])], ErrorCode.INVALID_REQUEST, "protocol_version[0]"),
+    ("too large", [b"generate", body(id="a", prompt="x" * (P.MAX_MESSAGE_BYTES + 1))], ErrorCode.MESSAGE_TOO_LARGE, "limit"),
+    ("map with int keys", [b"status", msgpack.packb({1: 2})], ErrorCode.MALFORMED_MESSAGE, "msgpack"),
+]
+
+
+@pytest.mark.parametrize("frames,code,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_malformed_input_gets_a_typed_error(frames, code, fragment):
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.code == code
+    assert fragment in info.value.message
+
+
+def test_error_keeps_the_request_id_when_readable():
+    with pytest.raises(ProtocolError) as info:
+        decode([b"generate", body(id="keep-me", prompt="x", max_tokens=-5)])
+    assert info.value.request_id == "keep-me"
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility():
+    msg = decode([b"generate", body(id="a", prompt="x", some_future_field=[1, 2])])
+    assert msg == P.Generate(id="a", prompt="x")
+
+
+def test_protocol_md_documents_every_op_field_and_error_code():
+    doc = (Path(P.__file__).parent / "PROTOCOL.md").read_text()
+    for op in P.Op:
+        assert f"`{op.value}`" in doc, op
+    for code in ErrorCode:
+        assert re.search(rf"\b{int(code)}\b.*`{code.name}`", doc), code
+    for cls in list(P.REQUESTS.values()) + list(P.REPLIES.values()):
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name}"
+    assert f"{P.PROTOCOL_VERSION[0]}.{P.PROTOCOL_VERSION[1]}" in doc

@@ -116,7 +116,7 @@ def test_prompt_over_the_context_gets_the_documented_error(client):
         client.complete(prompt="word " * 1500, max_tokens=4)
     assert info.value.code == ErrorCode.PROMPT_TOO_LONG
     assert "1,024" in info.value.message and "--ctx-size" in info.value.message
-    assert client.complete(prompt="Still alive?", max_tokens=3).usage.completion_tokens >= 1
+    assert client.complete(prompt="Still alive?", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
 
 
 def test_duplicate_request_id_is_refused(client, daemon):

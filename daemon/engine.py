@@ -17,6 +17,7 @@ import numpy as np
 from tandem.protocol import Chunk, Done, ErrorCode, FinishReason, Generate, Timings, Usage
 
 from .chat import ChatTemplate, ChatTemplateError
+from .llama_model import DecodeAborted
 from .sampler import Sampler
 from .textstream import TextStream
 
@@ -29,7 +30,9 @@ class Model(Protocol):
     def piece(self, token: int) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
     def clear(self) -> None: ...
-    def decode(self, tokens: Sequence[int], logits_for: Sequence[int] = (-1,)) -> np.ndarray: ...
+    def decode(
+        self, tokens: Sequence[int], logits_for: Sequence[int] = (-1,), abort: Optional[Callable[[], bool]] = None
+    ) -> np.ndarray: ...
 
 
 class RequestError(Exception):
@@ -85,7 +88,10 @@ class Engine:
         stream = TextStream(req.stop)
         model = self.model
         model.clear()
-        logits = model.decode(tokens)[0]
+        try:
+            logits = model.decode(tokens, abort=should_cancel)[0]  # a long prefill can be cancelled
+        except DecodeAborted:
+            return self._cancelled_in_prefill(req, len(tokens), started)
         prefilled = self.clock()
         completion: list[int] = []
         first_token_at: Optional[float] = None
@@ -130,4 +136,14 @@ class Engine:
                 else 0.0,
                 queued_seconds=0.0,
             ),
+        )
+
+    def _cancelled_in_prefill(self, req: Generate, prompt_tokens: int, started: float) -> Done:
+        elapsed = self.clock() - started
+        return Done(
+            id=req.id,
+            text="",
+            finish_reason=FinishReason.CANCELLED,
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0),
+            timings=Timings(0.0, elapsed, 0.0, 0.0, 0.0),
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -25,6 +25,10 @@ class ModelLoadError(Exception):
 
 class DecodeError(Exception):
     pass
+
+
+class DecodeAborted(Exception):
+    """``abort()`` returned True between two batches of a long decode."""
 
 
 def default_threads() -> int:
@@ -173,10 +177,17 @@ class LlamaModel:
             llama.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
             self.n_past = n_keep
 
-    def decode(self, tokens: Sequence[int], logits_for: Sequence[int] = (-1,)) -> np.ndarray:
+    def decode(
+        self,
+        tokens: Sequence[int],
+        logits_for: Sequence[int] = (-1,),
+        abort: Optional[Callable[[], bool]] = None,
+    ) -> np.ndarray:
         """Append ``tokens`` at position ``n_past``; return a (len(logits_for), n_vocab)
         float32 copy of the logits at those indices into ``tokens`` (negative
-        indices count from the end). Processes ``n_batch`` tokens per llama_decode."""
+        indices count from the end). Processes ``n_batch`` tokens per llama_decode;
+        between batches, ``abort()`` returning True raises DecodeAborted (the
+        tokens decoded so far stay in the cache)."""
         n = len(tokens)
         if n == 0:
             raise DecodeError("nothing to decode")
@@ -186,6 +197,8 @@ class LlamaModel:
         out = np.empty((len(logits_for), self.n_vocab), dtype=np.float32)
         batch = self._batch
         for start in range(0, n, self.n_batch):
+            if start and abort is not None and abort():
+                raise DecodeAborted()
             chunk = tokens[start : start + self.n_batch]
             batch.n_tokens = len(chunk)
             for j, tok in enumerate(chunk):

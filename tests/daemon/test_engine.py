@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tandem.daemon.engine import Engine, RequestError
+from tandem.daemon.llama_model import DecodeAborted
 from tandem.protocol import ChatMessage, ErrorCode, FinishReason, Generate
 
 EOS = 0
@@ -35,7 +36,9 @@ class ScriptedModel:
     def clear(self):
         self.step = 0
 
-    def decode(self, tokens, logits_for=(-1,)):
+    def decode(self, tokens, logits_for=(-1,), abort=None):
+        if len(tokens) > 4 and abort is not None and abort():  # a "long prefill" of several batches
+            raise DecodeAborted()
         self.decoded.append(list(tokens))
         logits = np.zeros((1, 256), dtype=np.float32)
         nxt = self.script[self.step] if self.step < len(self.script) else EOS
@@ -108,3 +111,11 @@ def test_messages_without_a_chat_template_are_refused():
 def test_no_chunks_when_not_streaming():
     done, chunks = run(ScriptedModel(b"abc"), stream=False)
     assert chunks == [] and done.text == "abc"
+
+
+def test_cancel_during_a_long_prefill():
+    model = ScriptedModel(b"abc")
+    done, chunks = run(model, cancel_after=0, prompt="a long prompt")
+    assert done.finish_reason == FinishReason.CANCELLED and chunks == []
+    assert done.usage.prompt_tokens == 13 and done.usage.completion_tokens == 0
+    assert model.decoded == []

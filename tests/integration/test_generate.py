@@ -243,3 +243,12 @@ def test_requests_are_served_in_arrival_order(start_daemon):
         for t in threads:
             t.join(60)
     assert finished == [0, 1, 2, 3, 4]
+
+
+def test_cancel_lands_during_a_long_prefill(client, daemon):
+    stream = client.generate(prompt="word " * 800, max_tokens=50)  # ~800 tokens: two prefill batches
+    with daemon.client() as other:
+        assert other.cancel(stream.request_id)
+    assert list(stream) == []
+    assert stream.done.finish_reason == FinishReason.CANCELLED
+    assert stream.done.usage.completion_tokens == 0 and stream.done.usage.prompt_tokens > 512

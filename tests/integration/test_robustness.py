@@ -4,6 +4,7 @@ survives its worker dying; startup refuses what it cannot serve."""
 from __future__ import annotations
 
 import os
+import stat
 import signal
 import subprocess
 import sys
@@ -147,3 +148,32 @@ def test_sigterm_with_running_and_queued_requests_answers_everyone(start_daemon)
     assert list(d.dir.glob("*.ipc")) == [] and list(d.dir.glob(".*.ipc")) == []
     with pytest.raises(ProcessLookupError):
         os.kill(worker, 0)
+
+
+def test_socket_location_and_permissions(smollm2_path):
+    from conftest import short_tmpdir
+
+    runtime = short_tmpdir()
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    env.pop("TANDEM_SOCKET", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(smollm2_path), "--ctx-size", "256"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        socket = runtime / "tandem" / "tandem.sock"
+        deadline = time.monotonic() + 30
+        while not socket.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert socket.exists()
+        assert stat.S_IMODE(socket.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(socket.stat().st_mode) == 0o600
+        out = subprocess.run(
+            [sys.executable, "-m", "tandem.client.cli", "status", "--json"], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0 and str(socket) in out.stdout  # the client finds it the same way
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0

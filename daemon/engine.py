@@ -2,7 +2,7 @@
 
 ``Engine.run`` takes a validated ``Generate`` request and a model (anything
 with the ``LlamaModel`` methods used here), and reports through two callbacks:
-``emit(chunk)`` for each step of streamed output and ``should_cancel()`` asked
+``emit(chunk)`` for each round of streamed output and ``should_cancel()`` asked
 before every decode step, so a cancel ends the request within one step. It
 returns the terminal ``Done`` or raises ``RequestError``.
 """
@@ -14,25 +14,38 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from tandem.protocol import Chunk, Done, ErrorCode, FinishReason, Generate, Timings, Usage
+from tandem.protocol import Chunk, Done, DraftStats, ErrorCode, FinishReason, Generate, Timings, Usage
 
 from .chat import ChatTemplate, ChatTemplateError
 from .llama_model import DecodeAborted
 from .sampler import Sampler
+from .speculative import SparseDist, verify
 from .textstream import TextStream
 
 
 class Model(Protocol):
     n_ctx: int
     n_ctx_train: int
+    n_past: int
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]: ...
     def piece(self, token: int) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
     def clear(self) -> None: ...
+    def truncate(self, n_keep: int) -> None: ...
     def decode(
         self, tokens: Sequence[int], logits_for: Sequence[int] = (-1,), abort: Optional[Callable[[], bool]] = None
     ) -> np.ndarray: ...
+
+
+class Drafter(Protocol):
+    """Proposes tokens for the target to verify (see ngram.py, drafter_client.py)."""
+
+    def begin(self, request_id: str, prompt: list[int], sampler: Sampler) -> None: ...
+
+    def propose(
+        self, context: list[int], k: int, p_min: float
+    ) -> tuple[list[int], Optional[list[SparseDist]]]: ...
 
 
 class RequestError(Exception):
@@ -45,9 +58,20 @@ class RequestError(Exception):
 
 
 class Engine:
-    def __init__(self, model: Model, chat_template: Optional[ChatTemplate], clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        model: Model,
+        chat_template: Optional[ChatTemplate],
+        drafter: Optional[Drafter] = None,
+        draft_tokens: int = 0,
+        draft_p_min: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.model = model
         self.chat_template = chat_template
+        self.drafter = drafter
+        self.draft_tokens = draft_tokens if drafter is not None else 0
+        self.draft_p_min = draft_p_min
         self.clock = clock
 
     def prompt_tokens(self, req: Generate) -> list[int]:
@@ -82,41 +106,53 @@ class Engine:
         emit: Callable[[Chunk], None],
         should_cancel: Callable[[], bool],
     ) -> Done:
+        """Decode one request in rounds. Each round feeds the target the last
+        sampled token plus any drafts, in one batch, and yields the accepted
+        drafts plus the target's own token. Without drafts a round is exactly
+        one plain decoding step."""
         started = self.clock()
         tokens = self.prompt_tokens(req)
         sampler = Sampler(req.temperature, req.top_k, req.top_p, req.seed)
+        k = self.draft_tokens if req.draft_tokens is None else req.draft_tokens
+        p_min = self.draft_p_min if req.draft_p_min is None else req.draft_p_min
+        drafter = self.drafter if k > 0 else None
+        stats = DraftStats() if drafter is not None else None
         stream = TextStream(req.stop)
         model = self.model
         model.clear()
+        if drafter is not None:
+            drafter.begin(req.id, tokens, sampler)  # a model drafter prefills in parallel
         try:
             logits = model.decode(tokens, abort=should_cancel)[0]  # a long prefill can be cancelled
         except DecodeAborted:
             return self._cancelled_in_prefill(req, len(tokens), started)
         prefilled = self.clock()
         completion: list[int] = []
-        first_token_at: Optional[float] = None
-        finish = FinishReason.LENGTH
-        while True:
-            token = sampler.sample(logits)
-            if first_token_at is None:
-                first_token_at = self.clock()
-            if model.is_eog(token) and not req.ignore_eos:
-                finish = FinishReason.STOP
-                break
-            completion.append(token)
-            text = stream.push(model.piece(token))
-            if req.stream:
-                emit(Chunk(id=req.id, text=text, token_ids=[token]))
-            if stream.stopped_by is not None:
-                finish = FinishReason.STOP
-                break
-            if len(completion) >= req.max_tokens or len(tokens) + len(completion) >= model.n_ctx:
-                finish = FinishReason.LENGTH
-                break
-            if should_cancel():
+        new_tokens = [sampler.sample(logits)]
+        first_token_at = self.clock()
+        finish: Optional[FinishReason] = None
+        while finish is None:
+            accepted_ids: list[int] = []
+            text = ""
+            for token in new_tokens:
+                if model.is_eog(token) and not req.ignore_eos:
+                    finish = FinishReason.STOP
+                    break
+                completion.append(token)
+                accepted_ids.append(token)
+                text += stream.push(model.piece(token))
+                if stream.stopped_by is not None:
+                    finish = FinishReason.STOP
+                    break
+                if len(completion) >= req.max_tokens or len(tokens) + len(completion) >= model.n_ctx:
+                    finish = FinishReason.LENGTH
+                    break
+            if req.stream and accepted_ids:
+                emit(Chunk(id=req.id, text=text, token_ids=accepted_ids))
+            if finish is None and should_cancel():
                 finish = FinishReason.CANCELLED
-                break
-            logits = model.decode([token])[0]
+            if finish is None:
+                new_tokens = self._round(tokens + completion, len(completion), req, sampler, k, p_min, drafter, stats)
         tail = stream.flush()
         if tail and req.stream:
             emit(Chunk(id=req.id, text=tail, token_ids=[]))
@@ -136,7 +172,38 @@ class Engine:
                 else 0.0,
                 queued_seconds=0.0,
             ),
+            draft=stats,
         )
+
+    def _round(
+        self,
+        context: list[int],
+        generated: int,
+        req: Generate,
+        sampler: Sampler,
+        k: int,
+        p_min: float,
+        drafter: Optional["Drafter"],
+        stats: Optional[DraftStats],
+    ) -> list[int]:
+        """One round. ``context`` ends with the last sampled token, which the
+        target has not seen yet. Returns the tokens this round adds (>= 1)."""
+        model = self.model
+        # room for drafts: before max_tokens (the round adds one token of its own)
+        # and inside the context (the target reads the pending token + k drafts)
+        room = min(k, req.max_tokens - generated - 1, model.n_ctx - len(context))
+        drafts: list[int] = []
+        dists = None
+        if drafter is not None and room > 0:
+            drafts, dists = drafter.propose(context, room, p_min)
+        n_before = model.n_past
+        logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
+        if not drafts:
+            return [sampler.sample(logits[0])]
+        n_accepted, own = verify(logits, drafts, dists, sampler)
+        model.truncate(n_before + 1 + n_accepted)
+        stats.add_round(len(drafts), n_accepted)
+        return [*drafts[:n_accepted], own]
 
     def _cancelled_in_prefill(self, req: Generate, prompt_tokens: int, started: float) -> Done:
         elapsed = self.clock() - started

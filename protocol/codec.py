@@ -185,9 +185,10 @@ def _readable_id(body: Any) -> Optional[str]:
     return None
 
 
-def decode(frames: list[bytes], *, replies: bool = False) -> Message:
+def decode(frames: list[bytes], *, replies: bool = False, table: Optional[dict] = None) -> Message:
     """[op frame, body frame] -> Message. ``replies`` selects daemon->client ops;
-    the default decodes client->daemon requests. Raises ProtocolError."""
+    the default decodes client->daemon requests; ``table`` (op -> class) selects
+    another set, e.g. the internal drafter messages. Raises ProtocolError."""
     if len(frames) != 2:
         raise ProtocolError(
             ErrorCode.MALFORMED_MESSAGE, f"a message is 2 frames [op, msgpack body]; got {len(frames)}"
@@ -205,7 +206,8 @@ def decode(frames: list[bytes], *, replies: bool = False) -> Message:
     request_id = _readable_id(body)
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, f"body must be a msgpack map, got {type(body).__name__}")
-    table = REPLIES if replies else REQUESTS
+    if table is None:
+        table = REPLIES if replies else REQUESTS
     try:
         op = Op(op_frame.decode("ascii"))
         cls = table[op]

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+import numpy as np
+
 PROTOCOL_VERSION: tuple[int, int] = (1, 0)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
@@ -31,6 +33,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_DRAFT_TOKENS = 16
 
 
 class Op(str, enum.Enum):
@@ -46,6 +49,8 @@ class Op(str, enum.Enum):
     ERROR = "error"
     BUSY = "busy"
     READY = "ready"  # internal: worker -> daemon
+    DRAFT = "draft"  # internal: target worker -> drafter worker
+    DRAFTED = "drafted"  # internal: drafter worker -> target worker
 
 
 class FinishReason(str, enum.Enum):
@@ -126,6 +131,8 @@ class Generate(Message):
     stop: list[str] = field(default_factory=list)
     stream: bool = True  # False: no chunk messages, only the terminal one
     ignore_eos: bool = False  # keep generating past end-of-generation tokens
+    draft_tokens: Optional[int] = None  # speculative draft length k; None = the daemon's; 0 = no drafting
+    draft_p_min: Optional[float] = None  # stop a draft when the drafter's probability falls below; None = daemon's
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -149,6 +156,10 @@ class Generate(Message):
         for s in self.stop:
             if not 1 <= len(s) <= MAX_STOP_CHARS:
                 raise ValueError(f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters")
+        if self.draft_tokens is not None and not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"'draft_tokens' must be between 0 and {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+        if self.draft_p_min is not None and not (math.isfinite(self.draft_p_min) and 0.0 <= self.draft_p_min <= 1.0):
+            raise ValueError(f"'draft_p_min' must be between 0 and 1, got {self.draft_p_min}")
 
 
 @dataclass
@@ -192,6 +203,44 @@ class Chunk(Message):
 
 
 @dataclass
+class DraftStats:
+    """Speculative decoding counters (per request in ``done``, cumulative in ``status``)."""
+
+    rounds: int = 0  # verification passes of the target
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the target kept
+    acceptance_rate: Optional[float] = None  # accepted / drafted; None before the first draft
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was accepted
+    tokens_per_round: Optional[float] = None  # mean tokens a round yielded (accepted + the target's own)
+
+    def add_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if len(self.accepted_per_position) < accepted:
+            self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+        self._refresh()
+
+    def merge(self, other: "DraftStats") -> None:
+        self.rounds += other.rounds
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        self.accepted_per_position = [
+            (self.accepted_per_position[i] if i < len(self.accepted_per_position) else 0)
+            + (other.accepted_per_position[i] if i < len(other.accepted_per_position) else 0)
+            for i in range(n)
+        ]
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.acceptance_rate = self.accepted / self.drafted if self.drafted else None
+        self.tokens_per_round = (self.accepted + self.rounds) / self.rounds if self.rounds else None
+
+
+@dataclass
 class Done(Message):
     op: ClassVar[Op] = Op.DONE
     id: str
@@ -199,6 +248,7 @@ class Done(Message):
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    draft: Optional[DraftStats] = None  # None when the request was decoded without drafting
 
 
 @dataclass
@@ -240,6 +290,7 @@ class ModelInfo:
     n_vocab: int
     size_bytes: int
     has_chat_template: bool
+    vocab_digests: list[str] = field(default_factory=list)  # sha256 (16 hex) of each 4,096-id block of token texts
 
 
 @dataclass
@@ -268,6 +319,10 @@ class StatusReply(Message):
     worker_pids: dict[str, int]
     worker_restarts: int
     failure: str = ""  # why state is "failed"
+    drafter: str = "none"  # "none", "ngram", or the drafter model's name
+    drafter_model: Optional[ModelInfo] = None
+    draft_tokens: int = 0  # the daemon's default k
+    draft: Optional[DraftStats] = None  # cumulative over all requests that drafted
 
 
 @dataclass
@@ -286,8 +341,44 @@ class Ready(Message):
     pid: int
 
 
+@dataclass
+class DraftRequest(Message):
+    """Internal: the target worker asks the drafter worker for k tokens.
+
+    The drafter first makes its context ``its first `keep` tokens + append``
+    (rolling its KV cache back past tokens the target rejected), then drafts."""
+
+    op: ClassVar[Op] = Op.DRAFT
+    id: str  # the generate request's id
+    keep: int
+    append: list[int]
+    k: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int  # the drafter seeds its own sampler from this when ``new_request``
+    p_min: float = 0.0  # stop early when the drafter's probability for its next guess is below
+    new_request: bool = False
+
+
+@dataclass
+class Drafted(Message):
+    """Internal: the drafter's k tokens and its distributions q for them, as raw
+    arrays: position i has ``q_lens[i]`` entries of ``q_ids``/``q_probs``."""
+
+    op: ClassVar[Op] = Op.DRAFTED
+    id: str
+    tokens: list[int]
+    n_cached: int  # tokens now in the drafter's KV cache (context + all but the last draft)
+    q_ids: np.ndarray
+    q_probs: np.ndarray
+    q_lens: list[int]
+
+
 REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Cancel, Status, Shutdown)}
 REPLIES: dict[Op, type] = {
     m.op: m for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, Ready)
 }
+DRAFTER_REQUESTS: dict[Op, type] = {m.op: m for m in (DraftRequest, Shutdown)}
+DRAFTER_REPLIES: dict[Op, type] = {m.op: m for m in (Drafted, Error)}
 TERMINAL_OPS = frozenset({Op.DONE, Op.ERROR, Op.BUSY})

@@ -14,7 +14,9 @@ EOS = 0
 
 
 class ScriptedModel:
-    """Tokens are bytes: token t (1..255) is the byte t. Emits ``script`` greedily, then EOS."""
+    """Tokens are bytes: token t (1..255) is the byte t. Greedily, it continues
+    the prompt with ``script``, then EOS, whatever it is fed (so drafts that
+    match the script are accepted)."""
 
     n_ctx_train = 64
 
@@ -22,7 +24,8 @@ class ScriptedModel:
         self.script = list(script)
         self.n_ctx = n_ctx
         self.decoded: list[list[int]] = []
-        self.step = 0
+        self.n_past = 0
+        self.prompt_len = 0
 
     def tokenize(self, text, add_special, parse_special=True):
         return list(text.encode())
@@ -34,17 +37,27 @@ class ScriptedModel:
         return token == EOS
 
     def clear(self):
-        self.step = 0
+        self.n_past = 0
+        self.prompt_len = 0
+
+    def truncate(self, n_keep):
+        self.n_past = min(self.n_past, n_keep)
 
     def decode(self, tokens, logits_for=(-1,), abort=None):
         if len(tokens) > 4 and abort is not None and abort():  # a "long prefill" of several batches
             raise DecodeAborted()
+        if self.n_past == 0:
+            self.prompt_len = len(tokens)
         self.decoded.append(list(tokens))
-        logits = np.zeros((1, 256), dtype=np.float32)
-        nxt = self.script[self.step] if self.step < len(self.script) else EOS
-        logits[0, nxt] = 10.0
-        self.step += 1
-        return logits
+        rows = []
+        for i in logits_for:
+            pos = self.n_past + (i % len(tokens))
+            step = pos + 1 - self.prompt_len
+            logits = np.zeros(256, dtype=np.float32)
+            logits[self.script[step] if step < len(self.script) else EOS] = 10.0
+            rows.append(logits)
+        self.n_past += len(tokens)
+        return np.stack(rows)
 
 
 def run(model, cancel_after=None, **params):

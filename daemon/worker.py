@@ -49,7 +49,12 @@ class WorkerConfig:
     n_batch: int
     extra_buffers: Optional[bool]
     endpoint: str
+    flash_attn: bool = False
     spin_count: Optional[int] = 10000  # GOMP_SPINCOUNT; see FACTS.md on two llama.cpp processes
+    drafter: str = "none"  # target only: "none", "ngram" or "model"
+    draft_endpoint: str = ""  # the drafter worker binds it, the target worker connects to it
+    draft_tokens: int = 0
+    draft_p_min: float = 0.0
 
 
 def _die_with_parent() -> None:
@@ -73,7 +78,12 @@ def run_worker_process(config: WorkerConfig) -> None:
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(config.endpoint)
     try:
-        WorkerLoop(config, sock).run()
+        if config.role == "drafter":
+            from .drafter_worker import DrafterLoop
+
+            DrafterLoop(config, sock).run()
+        else:
+            WorkerLoop(config, sock).run()
     finally:
         sock.close()
         ctx.term()
@@ -107,7 +117,12 @@ class WorkerLoop:
 
         c = self.config
         model = LlamaModel(
-            c.model_path, n_ctx=c.n_ctx, n_threads=c.n_threads, n_batch=c.n_batch, extra_buffers=c.extra_buffers
+            c.model_path,
+            n_ctx=c.n_ctx,
+            n_threads=c.n_threads,
+            n_batch=c.n_batch,
+            extra_buffers=c.extra_buffers,
+            flash_attn=c.flash_attn,
         )
         template = None
         source = model.chat_template()
@@ -128,8 +143,21 @@ class WorkerLoop:
             n_vocab=model.n_vocab,
             size_bytes=model.size_bytes,
             has_chat_template=template is not None,
+            vocab_digests=model.vocab_digests() if c.drafter == "model" else [],
         )
-        return Engine(model, template), info
+        return Engine(model, template, self._drafter(), c.draft_tokens, c.draft_p_min), info
+
+    def _drafter(self):
+        kind = self.config.drafter
+        if kind == "ngram":
+            from .ngram import NgramDrafter
+
+            return NgramDrafter()
+        if kind == "model":
+            from .drafter_client import ModelDrafterClient
+
+            return ModelDrafterClient(self.sock.context, self.config.draft_endpoint)
+        return None
 
     def _serve_one(self, engine, frames) -> None:
         from .engine import RequestError

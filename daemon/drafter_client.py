@@ -1,0 +1,117 @@
+"""The target worker's handle on the drafter worker (the engine's Drafter for a
+model drafter).
+
+It mirrors which tokens the drafter holds in its KV cache, so each ``draft``
+request says how many to keep (rolling back rejected drafts) and which to
+append (accepted tokens the drafter did not produce itself). The mirror also
+survives between requests, so a drafter re-reads only what changed.
+
+If the drafter stops answering, drafting is switched off (plain decoding goes
+on) rather than stalling the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import numpy as np
+import zmq
+
+from tandem.protocol import DRAFTER_REPLIES, DraftRequest, Drafted, Error, decode, encode
+
+from .sampler import Sampler
+from .speculative import SparseDist
+
+log = logging.getLogger("tandem.worker")
+
+PREFILL_TIMEOUT_MS = 300_000  # the drafter reads a whole prompt
+DRAFT_TIMEOUT_MS = 10_000
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.nonzero(x != y)[0]
+    return int(diff[0]) if diff.size else n
+
+
+class ModelDrafterClient:
+    def __init__(self, zctx: zmq.Context, endpoint: str):
+        self.sock = zctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.mirror: list[int] = []  # tokens in the drafter's KV cache
+        self.awaiting = 0  # replies still to collect
+        self.broken = False
+        self.request_id = ""
+        self.sampler: Optional[Sampler] = None
+        self.seed = 0
+        self.new_request = False
+
+    def begin(self, request_id: str, prompt: list[int], sampler: Sampler) -> None:
+        self.request_id = request_id
+        self.sampler = sampler
+        self.seed = (sampler.seed + 0x9E3779B97F4A7C15) % 2**64  # the drafter's own stream
+        self.new_request = True
+        if self.broken:
+            return
+        # start the drafter's prefill now, in parallel with the target's own
+        self._send(prompt, k=0, p_min=0.0)
+
+    def propose(self, context: list[int], k: int, p_min: float):
+        if self.broken:
+            return [], None
+        self._send(context, k, p_min)
+        reply = None
+        while self.awaiting:
+            reply = self._recv(PREFILL_TIMEOUT_MS if self.awaiting > 1 else DRAFT_TIMEOUT_MS)
+            if reply is None:
+                return [], None
+        assert reply is not None
+        self.mirror = list(context) + reply.tokens[: max(0, reply.n_cached - len(context))]
+        if self.sampler is None or self.sampler.greedy:
+            return reply.tokens, None
+        dists, at = [], 0
+        for n in reply.q_lens:
+            dists.append(SparseDist(reply.q_ids[at : at + n].astype(np.int64), reply.q_probs[at : at + n].astype(np.float64)))
+            at += n
+        return reply.tokens, dists
+
+    def _send(self, context: Sequence[int], k: int, p_min: float) -> None:
+        keep = common_prefix(self.mirror, context)
+        if keep == len(context):
+            keep -= 1  # the drafter needs logits after the last token: read it again
+        s = self.sampler
+        assert s is not None
+        req = DraftRequest(
+            id=self.request_id,
+            keep=max(keep, 0),
+            append=list(context[max(keep, 0) :]),
+            k=k,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=self.seed,
+            p_min=p_min,
+            new_request=self.new_request,
+        )
+        self.new_request = False
+        self.sock.send_multipart(encode(req))
+        self.mirror = list(context)  # what it will hold before drafting
+        self.awaiting += 1
+
+    def _recv(self, timeout_ms: int) -> Optional[Drafted]:
+        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            log.warning("the drafter did not answer within %d s; drafting is off", timeout_ms // 1000)
+            self.broken = True
+            return None
+        self.awaiting -= 1
+        msg = decode(self.sock.recv_multipart(), table=DRAFTER_REPLIES)
+        if isinstance(msg, Error):
+            log.warning("the drafter failed (%s); drafting is off", msg.message)
+            self.broken = True
+            return None
+        return msg

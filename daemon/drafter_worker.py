@@ -1,0 +1,156 @@
+"""The drafter worker process: a small model that proposes tokens.
+
+It answers ``draft`` requests from the target worker on its own PAIR socket
+(the target drives the rounds; the daemon front only starts and stops it). For
+each request it rolls its KV cache back to ``keep`` tokens, reads ``append``,
+then samples up to ``k`` tokens, decoding all but the last so the next round
+can start from them. At temperature > 0 it returns its distributions q as raw
+arrays (never pickled) so the target can apply the acceptance rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import zmq
+
+from tandem.protocol import (
+    DRAFTER_REQUESTS,
+    DraftRequest,
+    Drafted,
+    Error,
+    ErrorCode,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("tandem.drafter")
+
+EMPTY_IDS = np.zeros(0, dtype=np.int32)
+EMPTY_PROBS = np.zeros(0, dtype=np.float32)
+
+
+class DrafterLoop:
+    def __init__(self, config, control: zmq.Socket):
+        self.config = config
+        self.control = control  # to the daemon: ready, shutdown
+        self.drafts = control.context.socket(zmq.PAIR)  # to the target worker
+        self.drafts.setsockopt(zmq.LINGER, 0)
+        self.drafts.bind(config.draft_endpoint)
+        os.chmod(config.draft_endpoint.removeprefix("ipc://"), 0o600)
+        self.sampler = None
+
+    def run(self) -> None:
+        from .llama_model import LlamaModel  # after the worker set its OpenMP environment
+
+        c = self.config
+        try:
+            self.model = LlamaModel(
+                c.model_path,
+                n_ctx=c.n_ctx,
+                n_threads=c.n_threads,
+                n_batch=c.n_batch,
+                extra_buffers=c.extra_buffers,
+                flash_attn=c.flash_attn,
+            )
+            info = self.model_info()
+        except Exception as exc:
+            self.control.send_multipart(encode(Error.of(c.role, ErrorCode.NOT_READY, f"could not load the drafter: {exc}")))
+            return
+        self.control.send_multipart(encode(Ready(id=c.role, model=info, pid=os.getpid())))
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.drafts, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self.control in events:
+                    msg = decode(self.control.recv_multipart())
+                    if isinstance(msg, Shutdown):
+                        return
+                if self.drafts in events:
+                    self._serve(self.drafts.recv_multipart())
+        finally:
+            self.drafts.close()
+
+    def model_info(self):
+        from tandem.protocol import ModelInfo
+
+        m = self.model
+        return ModelInfo(
+            name=self.config.model_name,
+            path=str(m.path),
+            n_ctx=m.n_ctx,
+            n_ctx_train=m.n_ctx_train,
+            n_vocab=m.n_vocab,
+            size_bytes=m.size_bytes,
+            has_chat_template=False,
+            vocab_digests=m.vocab_digests(),
+        )
+
+    def _serve(self, frames) -> None:
+        try:
+            req = decode(frames, table=DRAFTER_REQUESTS)
+            if not isinstance(req, DraftRequest):
+                return
+            reply = self.draft(req)
+        except ProtocolError as exc:
+            reply = Error.of(exc.request_id, exc.code, exc.message)
+        except Exception as exc:  # a llama.cpp failure: tell the target, keep serving
+            log.exception("drafting failed")
+            reply = Error.of(None, ErrorCode.INTERNAL, f"the drafter failed: {type(exc).__name__}: {exc}")
+        self.drafts.send_multipart(encode(reply))
+
+    def draft(self, req: DraftRequest) -> Drafted:
+        from .sampler import Sampler
+
+        model = self.model
+        if req.new_request or self.sampler is None:
+            self.sampler = Sampler(req.temperature, req.top_k, req.top_p, req.seed)
+        sampler = self.sampler
+        if req.keep > model.n_past:
+            raise ValueError(f"asked to keep {req.keep} tokens but {model.n_past} are cached")
+        model.truncate(req.keep)
+        tokens: list[int] = []
+        ids, probs, lens = [], [], []
+        if not req.append:
+            return Drafted(id=req.id, tokens=[], n_cached=model.n_past, q_ids=EMPTY_IDS, q_probs=EMPTY_PROBS, q_lens=[])
+        logits = model.decode(req.append)[0]
+        for i in range(req.k):
+            if sampler.greedy:
+                token = int(np.argmax(logits))
+                if req.p_min > 0.0 and _softmax_prob(logits, token) < req.p_min:
+                    break
+            else:
+                q_ids, q_probs = sampler.distribution(logits)
+                choice = int(sampler.rng.choice(len(q_ids), p=q_probs))
+                token = int(q_ids[choice])
+                if req.p_min > 0.0 and q_probs[choice] < req.p_min:
+                    break
+                ids.append(q_ids.astype(np.int32))
+                probs.append(q_probs.astype(np.float32))
+                lens.append(len(q_ids))
+            tokens.append(token)
+            if i + 1 < req.k and model.n_past + 1 < model.n_ctx:
+                logits = model.decode([token])[0]
+            else:
+                break
+        return Drafted(
+            id=req.id,
+            tokens=tokens,
+            n_cached=model.n_past,
+            q_ids=np.concatenate(ids) if ids else EMPTY_IDS,
+            q_probs=np.concatenate(probs) if probs else EMPTY_PROBS,
+            q_lens=lens,
+        )
+
+
+def _softmax_prob(logits: np.ndarray, token: int) -> float:
+    z = logits.astype(np.float64) - float(np.max(logits))
+    e = np.exp(z)
+    return float(e[token] / e.sum())

@@ -63,10 +63,15 @@ class AsyncClient:
         self._sock: Optional[zmq.asyncio.Socket] = None
         self._router = ReplyRouter()
         self._reading = asyncio.Lock()
+        self._connecting = asyncio.Lock()
 
     async def connect(self) -> HelloReply:
-        if self.server is not None:
-            return self.server
+        async with self._connecting:  # concurrent first calls share one handshake
+            if self.server is not None:
+                return self.server
+            return await self._handshake()
+
+    async def _handshake(self) -> HelloReply:
         check_socket_exists(self.socket_path)
         self._sock = self._zctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -169,18 +174,24 @@ class AsyncStream:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
-        while not self._finished:
-            msg = await self.client._recv(self.request_id, self.client.timeout)
-            if isinstance(msg, Chunk):
-                self.text += msg.text
-                yield msg
-                continue
-            self._finished = True
+        try:
+            while not self._finished:
+                msg = await self.client._recv(self.request_id, self.client.timeout)
+                if isinstance(msg, Chunk):
+                    self.text += msg.text
+                    yield msg
+                    continue
+                self._finished = True
+                raise_for_terminal(msg)
+                if not isinstance(msg, Done):
+                    raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
+                self.done = msg
+        finally:
+            if not self._finished and self.client._sock is not None:
+                # the caller stopped early: cancel, and let the rest of the replies be dropped
+                self._finished = True
+                self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
             self.client._router.forget(self.request_id)
-            raise_for_terminal(msg)
-            if not isinstance(msg, Done):
-                raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
-            self.done = msg
 
     async def cancel(self) -> Optional[Done]:
         if self._finished:

@@ -195,8 +195,16 @@ class Stream:
                     raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
                 self.done = msg
         finally:
-            if self._finished:
-                self.client._router.forget(self.request_id)
+            if not self._finished:
+                self._abandon()
+            self.client._router.forget(self.request_id)
+
+    def _abandon(self) -> None:
+        """The caller stopped iterating early: cancel the request and drop the rest
+        of its replies as they arrive (the cancel's own reply is dropped too)."""
+        self._finished = True
+        if self.client._sock is not None:
+            self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
 
     def cancel(self) -> Optional[Done]:
         """Cancel the request and read the stream to its end. Returns the ``done``."""

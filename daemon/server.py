@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import psutil
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tandem.protocol import (
     MAX_MESSAGE_BYTES,
@@ -64,6 +65,7 @@ log = logging.getLogger("tandem.daemon")
 POLL_MS = 200
 SEND_HWM = 10_000  # messages queued per client before it counts as too slow
 RESTART_BACKOFF_SECONDS = (1, 2, 4, 8, 16, 30)
+HARD_MESSAGE_CAP_BYTES = 64 * 1024 * 1024
 
 
 class ServeError(Exception):
@@ -192,7 +194,9 @@ class Daemon:
         self.front = self.zctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.front.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self.front.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
+        # bodies over MAX_MESSAGE_BYTES get an error reply; ZeroMQ drops a peer that
+        # sends a frame over this hard cap (no reply is possible: nothing was read)
+        self.front.setsockopt(zmq.MAXMSGSIZE, HARD_MESSAGE_CAP_BYTES)
         self.front.setsockopt(zmq.LINGER, 1000)
         old = os.umask(0o177)
         try:
@@ -200,6 +204,10 @@ class Daemon:
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
+        # Client disconnects: the monitor reports the connection's fd; each request
+        # frame carries its source fd, which maps the fd to the client's identity.
+        self.monitor = self.front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.peer_fds: dict[int, bytes] = {}
 
     def _setup_worker(self) -> None:
         c = self.config
@@ -271,6 +279,7 @@ class Daemon:
     def _poll_once(self) -> None:
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         for w in self.workers:
             if w.sock is not None:
                 poller.register(w.sock, zmq.POLLIN)
@@ -280,6 +289,8 @@ class Daemon:
         for w in self.workers:
             if w.sock is not None and w.sock in events:
                 self._drain_worker(w)
+        if self.monitor in events:
+            self._drain_monitor()  # before new requests: an fd may be reused by a new client
         if self.front in events:
             self._drain_front()
         if self.target.sock is not None and not self.target.alive:
@@ -294,10 +305,20 @@ class Daemon:
     def _drain_front(self, limit: int = 256) -> None:
         for _ in range(limit):
             try:
-                frames = self.front.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self.front.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.dispatch(frames[0], frames[1:])
+            identity = frames[0].bytes
+            self.peer_fds[frames[0].get(zmq.SRCFD)] = identity
+            self.dispatch(identity, [f.bytes for f in frames[1:]])
+
+    def _drain_monitor(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                identity = self.peer_fds.pop(event["value"], None)
+                if identity is not None:
+                    self._on_client_gone(identity)
 
     def _drain_worker(self, worker: WorkerHandle, limit: int = 1024) -> None:
         for _ in range(limit):
@@ -410,10 +431,16 @@ class Daemon:
         self.send(identity, ShutdownReply(id=msg.id))
         self.stopping = True
 
+    def _on_client_gone(self, identity: bytes) -> None:
+        """The peer disconnected: cancel what it asked for; nobody is left to answer."""
+        for job in list(self.jobs.values()):
+            if job.identity == identity:
+                job.client_gone = True
+                self._cancel(job)
+
     def _cancel(self, job: Job) -> None:
         if job is self.active:
-            if self.target.sock is not None:
-                self.target.send(Cancel(id=job.request.id, request_id=job.request.id))
+            self.target.send(Cancel(id=job.request.id, request_id=job.request.id))
         else:
             self.queue.remove(job)
             self._finish(job, self._cancelled_done(job))
@@ -615,13 +642,12 @@ class Daemon:
         if self.active is not None:
             self._finish(self.active, Error.of(self.active.request.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
         for w in self.workers:
-            if w.sock is not None and w.alive:
-                try:
-                    w.send(Shutdown(id="daemon"))
-                except zmq.ZMQError:
-                    pass
+            if w.alive:
+                w.send(Shutdown(id="daemon"))
         for w in self.workers:
             w.stop()
+        self.front.disable_monitor()
+        self.monitor.close(linger=0)
         self.front.close(linger=1000)
         try:
             self.config.socket_path.unlink()

@@ -67,9 +67,16 @@ class WorkerHandle:
         self.process.start()
         self.started_at = time.monotonic()
 
-    def send(self, msg) -> None:
-        assert self.sock is not None
-        self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+    def send(self, msg) -> bool:
+        """False when the worker cannot take it (dead, or its channel is gone);
+        the daemon notices the death through the process sentinel."""
+        if self.sock is None:
+            return False
+        try:
+            self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
 
     def close_channel(self) -> None:
         if self.sock is not None:

@@ -116,6 +116,10 @@ class Hello(Message):
     protocol_version: list[int]
     client_name: str = ""
 
+    def check(self) -> None:
+        if len(self.protocol_version) != 2:
+            raise ValueError("'protocol_version' must be [major, minor]")
+
 
 @dataclass
 class Generate(Message):

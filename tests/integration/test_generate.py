@@ -10,6 +10,7 @@ import pytest
 
 import llama_cpp
 from tandem.client import Client, QueueFull, RequestFailed
+from tandem.client.core import generate_request
 from tandem.daemon.llama_model import default_extra_buffers
 from tandem.protocol import ErrorCode, FinishReason
 
@@ -252,3 +253,35 @@ def test_cancel_lands_during_a_long_prefill(client, daemon):
     assert list(stream) == []
     assert stream.done.finish_reason == FinishReason.CANCELLED
     assert stream.done.usage.completion_tokens == 0 and stream.done.usage.prompt_tokens > 512
+
+
+def test_a_vanished_client_s_queued_and_unstreamed_requests_are_cancelled(daemon):
+    before = Client(daemon.socket).status().requests.get("done_cancelled", 0)
+    c = Client(daemon.socket)
+    c.connect()
+    c._send(generate_request(prompt="Forever:", max_tokens=3000, ignore_eos=True, stream=False))
+    c._send(generate_request(prompt="Queued:", max_tokens=3000))
+    with daemon.client() as watcher:
+        while watcher.status().active is None:
+            time.sleep(0.01)
+        c.close()  # no chunk will ever fail to send: only the disconnect tells the daemon
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            st = watcher.status()
+            if st.active is None and st.queue_length == 0:
+                break
+            time.sleep(0.02)
+        assert st.active is None and st.queue_length == 0
+        assert st.requests.get("done_cancelled", 0) == before + 2
+
+
+def test_breaking_out_of_a_stream_cancels_it(client):
+    stream = client.generate(prompt="On and on:", max_tokens=3000, ignore_eos=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    t0 = time.perf_counter()
+    done = client.complete(prompt="Next:", max_tokens=3, ignore_eos=True)  # not stuck behind 3000 tokens
+    assert done.usage.completion_tokens == 3
+    assert time.perf_counter() - t0 < 20
+    assert stream.request_id not in client._router.buffers

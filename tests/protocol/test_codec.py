@@ -45,6 +45,14 @@ REPLIES = [
         usage=P.Usage(3, 5),
         timings=P.Timings(0.1, 0.05, 0.4, 10.0, 0.0),
     ),
+    P.Done(
+        id="g2",
+        text="x",
+        finish_reason=P.FinishReason.STOP,
+        usage=P.Usage(3, 1),
+        timings=P.Timings(0.1, 0.05, 0.4, 10.0, 0.0),
+        draft=P.DraftStats(3, 12, 9, 0.75, [3, 3, 2, 1], 4.0),
+    ),
     P.Error.of("g1", ErrorCode.PROMPT_TOO_LONG, "too long"),
     P.Error.of(None, ErrorCode.MALFORMED_MESSAGE, "garbage"),
     P.Busy(id="g3", queue_length=16, max_queue=16, message="full"),
@@ -65,9 +73,18 @@ REPLIES = [
         memory_rss_bytes={"daemon": 1, "target": 2},
         worker_pids={"target": 43},
         worker_restarts=0,
+        drafter="qwen2.5-coder-0.5b",
+        drafter_model=MODEL,
+        draft_tokens=4,
+        draft=P.DraftStats(1, 4, 2, 0.5, [1, 1], 3.0),
     ),
     P.ShutdownReply(id="x1"),
     P.Ready(id="target", model=MODEL, pid=43),
+]
+
+
+DRAFTER = [
+    P.DraftRequest(id="g1", keep=10, append=[5, 6], k=4, temperature=0.7, top_k=40, top_p=0.9, seed=3, p_min=0.1, new_request=True),
 ]
 
 
@@ -83,9 +100,30 @@ def test_reply_round_trip(msg):
     assert decode(encode(msg), replies=True) == msg
 
 
+def test_drafter_messages_round_trip_with_raw_arrays():
+    for msg in DRAFTER:
+        assert decode(encode(msg), table=P.DRAFTER_REQUESTS) == msg
+    drafted = P.Drafted(
+        id="g1",
+        tokens=[7, 8],
+        n_cached=12,
+        q_ids=np.array([7, 1, 8], dtype=np.int32),
+        q_probs=np.array([0.9, 0.1, 1.0], dtype=np.float32),
+        q_lens=[2, 1],
+    )
+    frames = encode(drafted)
+    assert b"\x80\x03" not in frames[1] and b"numpy" not in frames[1]  # no pickle protocol, no class names
+    back = decode(frames, table=P.DRAFTER_REPLIES)
+    assert back.tokens == [7, 8] and back.q_lens == [2, 1] and back.n_cached == 12
+    assert np.array_equal(back.q_ids, drafted.q_ids) and back.q_probs.dtype == np.float32
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(drafted))  # not a client request
+    assert info.value.code == ErrorCode.UNKNOWN_OP
+
+
 def test_every_message_type_is_covered():
-    covered = {type(m) for m in REQUESTS + REPLIES}
-    assert covered == set(P.REQUESTS.values()) | set(P.REPLIES.values())
+    covered = {type(m) for m in REQUESTS + REPLIES + DRAFTER} | {P.Drafted}
+    assert covered == set(P.REQUESTS.values()) | set(P.REPLIES.values()) | set(P.DRAFTER_REQUESTS.values()) | set(P.DRAFTER_REPLIES.values())
 
 
 def test_ndarray_round_trip_without_pickle():
@@ -133,7 +171,10 @@ BAD = [
     ("empty messages", [b"generate", body(id="a", messages=[])], ErrorCode.INVALID_REQUEST, "empty"),
     ("null prompt and stream", [b"generate", body(id="a", prompt="x", stream=None)], ErrorCode.INVALID_REQUEST, "'stream'"),
     ("cancel without target", [b"cancel", body(id="a")], ErrorCode.INVALID_REQUEST, "request_id"),
-    ("hello version not ints", [b"hello", body(id="a", protocol_version=["1"])], ErrorCode.INVALID_REQUEST, "protocol_version[0]"),
+    ("hello version not ints", [b"hello", body(id="a", protocol_version=["1", 0])], ErrorCode.INVALID_REQUEST, "protocol_version[0]"),
+    ("hello version too long", [b"hello", body(id="a", protocol_version=[1] * 1000)], ErrorCode.INVALID_REQUEST, "[major, minor]"),
+    ("draft_tokens too big", [b"generate", body(id="a", prompt="x", draft_tokens=99)], ErrorCode.INVALID_REQUEST, "'draft_tokens'"),
+    ("draft_p_min too big", [b"generate", body(id="a", prompt="x", draft_p_min=1.5)], ErrorCode.INVALID_REQUEST, "'draft_p_min'"),
     ("too large", [b"generate", body(id="a", prompt="x" * (P.MAX_MESSAGE_BYTES + 1))], ErrorCode.MESSAGE_TOO_LARGE, "limit"),
     ("map with int keys", [b"status", msgpack.packb({1: 2})], ErrorCode.MALFORMED_MESSAGE, "msgpack"),
 ]
@@ -164,7 +205,7 @@ def test_protocol_md_documents_every_op_field_and_error_code():
         assert f"`{op.value}`" in doc, op
     for code in ErrorCode:
         assert re.search(rf"\b{int(code)}\b.*`{code.name}`", doc), code
-    for cls in list(P.REQUESTS.values()) + list(P.REPLIES.values()):
+    for cls in [*P.REQUESTS.values(), *P.REPLIES.values(), *P.DRAFTER_REQUESTS.values(), *P.DRAFTER_REPLIES.values(), P.DraftStats]:
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name}"
     assert f"{P.PROTOCOL_VERSION[0]}.{P.PROTOCOL_VERSION[1]}" in doc

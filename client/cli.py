@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="end a draft early when the drafter's probability for its next guess is below this; 0 = off (default)",
     )
     p.add_argument(
+        "--exact",
+        choices=["auto", "off"],
+        default="auto",
+        help="with a drafter: if the target's one-token and batched decodes round differently (probed at load), "
+        "decode every step as a batch so drafting never changes greedy output (costs plain steps time; "
+        "default %(default)s)",
+    )
+    p.add_argument(
         "--flash-attn", choices=["on", "off"], default="off", help="llama.cpp flash attention (default %(default)s)"
     )
     p.add_argument(
@@ -194,6 +202,7 @@ def cmd_serve(args) -> int:
         drafter=args.drafter,
         draft_tokens=args.draft_tokens,
         draft_p_min=args.draft_p_min,
+        exact=args.exact == "auto",
     )
 
 
@@ -275,6 +284,8 @@ def cmd_status(args) -> int:
         print(f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, vocab {m.n_vocab:,})")
     if st.drafter != "none":
         line = f"drafter:   {st.drafter}, {st.draft_tokens} tokens per draft"
+        if st.model and st.model.exact_steps:
+            line += ", exact steps (target is not batch-invariant)"
         if st.draft:
             d = st.draft
             line += (

@@ -65,6 +65,7 @@ class Engine:
         drafter: Optional[Drafter] = None,
         draft_tokens: int = 0,
         draft_p_min: float = 0.0,
+        min_batch: int = 1,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.model = model
@@ -72,6 +73,7 @@ class Engine:
         self.drafter = drafter
         self.draft_tokens = draft_tokens if drafter is not None else 0
         self.draft_p_min = draft_p_min
+        self.min_batch = min_batch  # 2: every decoding step reads >= 2 positions (see _round)
         self.clock = clock
 
     def prompt_tokens(self, req: Generate) -> list[int]:
@@ -196,13 +198,20 @@ class Engine:
         dists = None
         if drafter is not None and room > 0:
             drafts, dists = drafter.propose(context, room, p_min)
+        counted = bool(drafts)
+        if not drafts and self.min_batch > 1 and model.n_ctx - len(context) >= 1:
+            # Exact mode: this target's single-token kernels round differently from
+            # its batched ones, so a step without drafts still reads two positions,
+            # the second a guess (the last token again) verified like any draft.
+            drafts, dists = [context[-1]], [SparseDist.one_hot(context[-1])]
         n_before = model.n_past
         logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
         if not drafts:
             return [sampler.sample(logits[0])]
         n_accepted, own = verify(logits, drafts, dists, sampler)
         model.truncate(n_before + 1 + n_accepted)
-        stats.add_round(len(drafts), n_accepted)
+        if counted and stats is not None:
+            stats.add_round(len(drafts), n_accepted)
         return [*drafts[:n_accepted], own]
 
     def _cancelled_in_prefill(self, req: Generate, prompt_tokens: int, started: float) -> Done:

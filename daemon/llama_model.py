@@ -165,6 +165,20 @@ class LlamaModel:
             digests.append(h.hexdigest()[:16])
         return digests
 
+    def batch_invariant(self) -> bool:
+        """Do one-token and multi-token decodes give bit-identical logits here?
+        (Q4_K weights: yes; F16 and Q4_1 on this llama.cpp's CPU kernels: no.)
+        Probes a short text twice; leaves the cache empty."""
+        probe = self.tokenize("The quick brown fox jumps over the lazy dog because", add_special=True)
+        self.clear()
+        self.decode(probe[:-2])
+        single = self.decode(probe[-2:-1])[0]
+        self.clear()
+        self.decode(probe[:-2])
+        batched = self.decode(probe[-2:], logits_for=(0,))[0]
+        self.clear()
+        return bool(np.array_equal(single, batched))
+
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self.vocab, token))
 

@@ -23,6 +23,7 @@ def serve(
     drafter: str = "none",
     draft_tokens: int = 4,
     draft_p_min: float = 0.0,
+    exact: bool = True,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
     """Run the daemon in this process until it is stopped. Returns an exit code."""
@@ -49,6 +50,7 @@ def serve(
                 drafter_path=drafter_path,
                 draft_tokens=draft_tokens,
                 draft_p_min=draft_p_min,
+                exact=exact,
             )
         )
     except (ServeError, models.ModelError) as exc:

@@ -87,6 +87,7 @@ class ServeConfig:
     drafter_path: Optional[Path] = None  # set for a model drafter
     draft_tokens: int = 4
     draft_p_min: float = 0.0
+    exact: bool = True
 
 
 @dataclass
@@ -226,6 +227,7 @@ class Daemon:
                 drafter=kind,
                 draft_tokens=c.draft_tokens if kind != "none" else 0,
                 draft_p_min=c.draft_p_min,
+                exact=c.exact,
                 **common,
             ),
             self.socket_dir,

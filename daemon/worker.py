@@ -55,6 +55,7 @@ class WorkerConfig:
     draft_endpoint: str = ""  # the drafter worker binds it, the target worker connects to it
     draft_tokens: int = 0
     draft_p_min: float = 0.0
+    exact: bool = True  # with a drafter on a target that is not batch-invariant, batch every step
 
 
 def _die_with_parent() -> None:
@@ -145,7 +146,13 @@ class WorkerLoop:
             has_chat_template=template is not None,
             vocab_digests=model.vocab_digests() if c.drafter == "model" else [],
         )
-        return Engine(model, template, self._drafter(), c.draft_tokens, c.draft_p_min), info
+        min_batch = 1
+        if c.drafter != "none":
+            info.batch_invariant = model.batch_invariant()
+            if c.exact and not info.batch_invariant:
+                min_batch = 2
+                info.exact_steps = True
+        return Engine(model, template, self._drafter(), c.draft_tokens, c.draft_p_min, min_batch), info
 
     def _drafter(self):
         kind = self.config.drafter

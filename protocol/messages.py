@@ -295,6 +295,8 @@ class ModelInfo:
     size_bytes: int
     has_chat_template: bool
     vocab_digests: list[str] = field(default_factory=list)  # sha256 (16 hex) of each 4,096-id block of token texts
+    batch_invariant: Optional[bool] = None  # one-token and batched decodes agree bit for bit (probed with a drafter)
+    exact_steps: bool = False  # every step reads >= 2 positions so drafting never changes greedy output
 
 
 @dataclass

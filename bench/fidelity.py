@@ -45,8 +45,11 @@ class Divergence:
 @dataclass
 class FidelityResult:
     total: dict[int, int] = field(default_factory=dict)
-    identical: dict[int, int] = field(default_factory=dict)
+    identical: dict[int, int] = field(default_factory=dict)  # k -> outputs equal to draft_tokens=0 in the same daemon
+    identical_to_single: dict[int, int] = field(default_factory=dict)  # k -> equal to one-token plain decoding
     divergences: list[Divergence] = field(default_factory=list)
+    plain_equals_single: int = 0  # the daemon's own plain path vs one-token plain decoding
+    prompts: int = 0
 
 
 def token_ids(client: Client, messages, tokens: int, k: int) -> list[int]:
@@ -64,6 +67,15 @@ def top2_gap(engine, messages, prefix: list[int]) -> float:
     return float(top[1] - top[0])
 
 
+def single_token_reference(engine, messages, tokens: int) -> list[int]:
+    """Plain greedy decoding one token per step, in this process: what a daemon
+    without a drafter produces."""
+    req = Generate(id="ref", messages=[ChatMessage(**m) for m in messages], max_tokens=tokens, temperature=0.0)
+    out: list[int] = []
+    engine.run(req, lambda chunk: out.extend(chunk.token_ids), lambda: False)
+    return out
+
+
 def compare(client: Client, corpus, ks, tokens: int, engine=None, kinds=None) -> FidelityResult:
     result = FidelityResult()
     for kind, prompts in corpus.items():
@@ -71,9 +83,13 @@ def compare(client: Client, corpus, ks, tokens: int, engine=None, kinds=None) ->
             continue
         for i, messages in enumerate(prompts):
             plain = token_ids(client, messages, tokens, 0)
+            single = single_token_reference(engine, messages, tokens) if engine is not None else plain
+            result.prompts += 1
+            result.plain_equals_single += plain == single
             for k in ks:
                 drafted = token_ids(client, messages, tokens, k)
                 result.total[k] = result.total.get(k, 0) + 1
+                result.identical_to_single[k] = result.identical_to_single.get(k, 0) + (drafted == single)
                 if drafted == plain:
                     result.identical[k] = result.identical.get(k, 0) + 1
                     continue
@@ -83,10 +99,12 @@ def compare(client: Client, corpus, ks, tokens: int, engine=None, kinds=None) ->
     return result
 
 
-def start_daemon(target: str, drafter: str, flash_attn: str, socket: Path, n_ctx: int = 2048) -> subprocess.Popen:
+def start_daemon(
+    target: str, drafter: str, flash_attn: str, socket: Path, n_ctx: int = 2048, exact: str = "auto"
+) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket), "serve", "--model", target,
-         "--drafter", drafter, "--flash-attn", flash_attn, "--ctx-size", str(n_ctx)],
+         "--drafter", drafter, "--flash-attn", flash_attn, "--ctx-size", str(n_ctx), "--exact", exact],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 180
@@ -126,10 +144,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 6])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--flash-attn", choices=["on", "off"], default="off")
+    ap.add_argument("--exact", choices=["auto", "off"], default="auto")
     ap.add_argument("--kinds", nargs="*", default=None)
     args = ap.parse_args()
     socket = Path(tempfile.mkdtemp(prefix="tdm-fid-", dir="/tmp")) / "f.sock"
-    daemon = start_daemon(args.target, args.drafter, args.flash_attn, socket)
+    daemon = start_daemon(args.target, args.drafter, args.flash_attn, socket, exact=args.exact)
     try:
         engine = reference_engine(args.target, args.flash_attn == "on")
         with Client(socket) as client:
@@ -140,9 +159,14 @@ def main() -> None:
         daemon.terminate()
         daemon.wait(30)
     print(f"target {Path(args.target).name}, drafter {Path(args.drafter).name}, flash-attn {args.flash_attn}, "
-          f"{args.tokens} tokens, {elapsed:.0f} s")  # fmt: skip
+          f"exact {args.exact}, {args.tokens} tokens, {elapsed:.0f} s")  # fmt: skip
+    print(f"the daemon's plain path (draft_tokens=0) equals one-token plain decoding in "
+          f"{res.plain_equals_single} of {res.prompts}")  # fmt: skip
     for k in args.k:
-        print(f"k={k}: identical to plain greedy in {res.identical.get(k, 0)} of {res.total.get(k, 0)}")
+        print(
+            f"k={k}: identical to the daemon's plain path in {res.identical.get(k, 0)} of {res.total.get(k, 0)}; "
+            f"to one-token plain decoding in {res.identical_to_single.get(k, 0)} of {res.total.get(k, 0)}"
+        )
     for d in res.divergences:
         print(f"  diverged: {d.kind}[{d.prompt_index}] k={d.k} at token {d.position}, top-2 logit gap {d.top2_gap:.4f}")
 

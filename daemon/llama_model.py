@@ -169,15 +169,26 @@ class LlamaModel:
         """Do one-token and multi-token decodes give bit-identical logits here?
         (Q4_K weights: yes; F16 and Q4_1 on this llama.cpp's CPU kernels: no.)
         Probes a short text twice; leaves the cache empty."""
-        probe = self.tokenize("The quick brown fox jumps over the lazy dog because", add_special=True)
-        self.clear()
-        self.decode(probe[:-2])
-        single = self.decode(probe[-2:-1])[0]
-        self.clear()
-        self.decode(probe[:-2])
-        batched = self.decode(probe[-2:], logits_for=(0,))[0]
-        self.clear()
-        return bool(np.array_equal(single, batched))
+        texts = (
+            "The quick brown fox jumps over the lazy dog because it was late for dinner and",
+            'def parse(line):\n    """Split a CSV line."""\n    fields = []\n    for part in line.split(","):',
+        )
+        try:
+            for text in texts:
+                tokens = self.tokenize(text, add_special=True)
+                prefix, steps = tokens[:-6], tokens[-6:]
+                self.clear()
+                self.decode(prefix)
+                singles = [self.decode([t])[0] for t in steps]
+                for width in (2, 6):
+                    self.clear()
+                    self.decode(prefix)
+                    rows = self.decode(steps[:width], logits_for=range(width))
+                    if not all(np.array_equal(rows[i], singles[i]) for i in range(width)):
+                        return False
+            return True
+        finally:
+            self.clear()
 
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self.vocab, token))

@@ -1,0 +1,146 @@
+"""Speculative decoding on this machine: the lab's table, end to end through the socket.
+
+For each task kind of bench/corpus.json (json extraction, support replies,
+stories, code) and each draft length k (0 = plain), greedy, through one
+daemon (draft length set per request), in rotating order per run:
+
+- tok/s (median of --runs, range), speedup = tok/s / plain tok/s of the same run
+- alpha = accepted / drafted, tokens per round
+- outputs identical to plain (k = 0) greedy
+- the cost model's prediction: tokens per round / (1 + k*c), c = drafter step /
+  target step (the lab's; it assumes verifying k+1 tokens costs one step), and
+  a refined one with the measured cost of one target pass over k+1 tokens:
+  tokens per round * t(1) / (t(k+1) + k * t_draft)
+
+    python bench/speculative.py --target PRESET|PATH --drafter PRESET|PATH|ngram [--runs 3] [--prompts 3] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tandem.client import Client
+from tandem.daemon import models
+
+from fidelity import load_corpus, start_daemon
+
+KS = [1, 2, 4, 6]
+
+
+def pass_costs_ms(path: Path, widths: list[int], n: int = 12) -> dict[int, float]:
+    """Median time of one decode pass over w tokens, after a 64-token prefix."""
+    from tandem.daemon.llama_model import LlamaModel
+
+    m = LlamaModel(path, n_ctx=512)
+    prefix = m.tokenize("The quick brown fox jumps over the lazy dog. " * 6, add_special=True)[:64]
+    out = {}
+    for w in widths:
+        m.clear()
+        m.decode(prefix)
+        times = []
+        for _ in range(n):
+            n0 = m.n_past
+            t = time.perf_counter()
+            m.decode(prefix[:w], logits_for=range(w))
+            times.append((time.perf_counter() - t) * 1000)
+            m.truncate(n0)
+        out[w] = statistics.median(times)
+    m.close()
+    return out
+
+
+def run_kind(client: Client, prompts, k: int, tokens: int):
+    t0 = time.perf_counter()
+    generated = drafted = accepted = rounds = 0
+    ids = []
+    for messages in prompts:
+        stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, draft_tokens=k)
+        ids.append([t for c in stream for t in c.token_ids])
+        done = stream.done
+        generated += done.usage.completion_tokens
+        if done.draft:
+            drafted += done.draft.drafted
+            accepted += done.draft.accepted
+            rounds += done.draft.rounds
+    return generated / (time.perf_counter() - t0), drafted, accepted, rounds, ids
+
+
+def fmt(values: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per task kind (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--exact", choices=["auto", "off"], default="auto")
+    args = ap.parse_args()
+
+    def path_of(name: str) -> Path:
+        if name in models.PRESETS:
+            return models.pull(name)
+        return Path(name)
+
+    target = path_of(args.target)
+    drafter = None if args.drafter == "ngram" else path_of(args.drafter)
+    widths = sorted({1, *[k + 1 for k in KS]})
+    target_ms = pass_costs_ms(target, widths)
+    draft_ms = pass_costs_ms(drafter, [1])[1] if drafter else 0.0
+    c = draft_ms / target_ms[1]
+    print(f"target {target.name}; drafter {drafter.name if drafter else 'ngram'}; exact {args.exact}")
+    print("one target pass: " + ", ".join(f"{w} tok {ms:.1f} ms" for w, ms in target_ms.items()))
+    print(f"one drafter step: {draft_ms:.1f} ms; c = {c:.3f}")
+
+    socket = Path(tempfile.mkdtemp(prefix="tdm-spec-", dir="/tmp")) / "s.sock"
+    daemon = start_daemon(str(target), str(drafter) if drafter else "ngram", "off", socket, exact=args.exact)
+    corpus = load_corpus()
+    try:
+        with Client(socket) as client:
+            client.complete(prompt="warm up", max_tokens=4)
+            print()
+            print(f"| kind | plain tok/s | k | speedup | alpha | tokens/round | identical | predicted (lab) | predicted (measured passes) |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for kind, prompts in corpus.items():
+                prompts = prompts[: args.prompts]
+                tps = {k: [] for k in [0, *KS]}
+                speedups = {k: [] for k in KS}
+                agg = {k: [0, 0, 0] for k in KS}
+                identical = {k: 0 for k in KS}
+                for r in range(args.runs):
+                    order = [0, *KS]
+                    order = order[r % len(order) :] + order[: r % len(order)]
+                    results = {k: run_kind(client, prompts, k, args.tokens) for k in order}
+                    for k, (rate, drafted, accepted, rounds, ids) in results.items():
+                        tps[k].append(rate)
+                        if k:
+                            speedups[k].append(rate / results[0][0])
+                            agg[k][0] += drafted
+                            agg[k][1] += accepted
+                            agg[k][2] += rounds
+                            identical[k] += sum(a == b for a, b in zip(ids, results[0][4]))
+                for k in KS:
+                    drafted, accepted, rounds = agg[k]
+                    alpha = accepted / drafted if drafted else float("nan")
+                    per_round = (accepted + rounds) / rounds if rounds else 1.0
+                    lab = per_round / (1 + k * c)
+                    refined = per_round * target_ms[1] / (target_ms[k + 1] + k * draft_ms)
+                    print(
+                        f"| {kind} | {fmt(tps[0], 1)} | {k} | {fmt(speedups[k])} | {alpha:.2f} | {per_round:.2f} | "
+                        f"{identical[k]}/{args.runs * len(prompts)} | {lab:.2f} | {refined:.2f} |"
+                    )
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+
+
+if __name__ == "__main__":
+    main()

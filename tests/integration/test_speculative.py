@@ -1,0 +1,142 @@
+"""Speculative decoding through the real daemon: SmolLM2-135M F16 target with
+its own Q4_1 file as drafter (same tokenizer), and the n-gram drafter."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import DaemonProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from fidelity import compare, load_corpus, reference_engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2_path):
+    from tandem.daemon import models
+
+    return models.derive_f16(smollm2_path), smollm2_path
+
+
+@pytest.fixture(scope="module")
+def spec_daemon(pair):
+    target, drafter = pair
+    d = DaemonProcess(target, "--drafter", str(drafter), "--ctx-size", "2048", "--draft-tokens", "4")
+    d.wait_ready()
+    yield d
+    assert d.stop() == 0, d.log()
+    d.cleanup()
+
+
+def test_greedy_with_the_drafter_equals_plain_greedy_on_the_corpus(spec_daemon, pair):
+    corpus = load_corpus()
+    assert len(corpus) >= 3 and all(len(prompts) >= 8 for prompts in corpus.values())
+    engine = reference_engine(str(pair[0]), flash_attn=False)
+    with spec_daemon.client() as client:
+        result = compare(client, corpus, ks=[4], tokens=32, engine=engine)
+    report = "\n".join(
+        f"{d.kind}[{d.prompt_index}] k={d.k}: diverged at token {d.position}, top-2 logit gap {d.top2_gap:.4f}"
+        for d in result.divergences
+    )
+    print(
+        f"\nidentical to the daemon's plain path: {result.identical.get(4, 0)}/{result.total[4]}; "
+        f"to one-token plain decoding: {result.identical_to_single.get(4, 0)}/{result.total[4]}\n{report}"
+    )
+    assert result.identical.get(4, 0) == result.total[4] == 32, report
+
+
+def test_draft_stats_in_done_status_and_run_json(spec_daemon):
+    with spec_daemon.client() as client:
+        before = client.status().draft
+        done = client.complete(prompt="def fibonacci(n):", max_tokens=48, temperature=0.0, ignore_eos=True)
+        d = done.draft
+        assert d is not None and d.rounds > 0 and 0 < d.accepted <= d.drafted <= 4 * d.rounds
+        assert d.acceptance_rate == pytest.approx(d.accepted / d.drafted)
+        assert len(d.accepted_per_position) <= 4 and sum(d.accepted_per_position) == d.accepted
+        assert all(a >= b for a, b in zip(d.accepted_per_position, d.accepted_per_position[1:]))
+        assert d.tokens_per_round == pytest.approx((d.accepted + d.rounds) / d.rounds)
+        after = client.status()
+        assert after.drafter.startswith("SmolLM2") and after.draft_tokens == 4
+        assert after.draft.rounds == (before.rounds if before else 0) + d.rounds
+        assert after.memory_rss_bytes["drafter"] > 0 and "drafter" in after.worker_pids
+        plain = client.complete(prompt="def fibonacci(n):", max_tokens=8, temperature=0.0, draft_tokens=0)
+        assert plain.draft is None
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.client.cli", "--socket", str(spec_daemon.socket), "run", "--raw", "--json",
+         "--temperature", "0", "--max-tokens", "16", "def add(a, b):"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)["draft"]
+    assert set(stats) == {"rounds", "drafted", "accepted", "acceptance_rate", "accepted_per_position", "tokens_per_round"}
+
+
+def test_seeded_sampling_with_the_drafter_reproduces(spec_daemon):
+    with spec_daemon.client() as client:
+        runs = [client.complete(prompt="My favourite animal is", max_tokens=32, temperature=0.9, seed=11) for _ in range(2)]
+    assert runs[0].text == runs[1].text and runs[0].draft.rounds > 0
+
+
+def test_sampling_distribution_with_and_without_the_drafter_match_chi_squared(spec_daemon):
+    """The first two tokens at temperature 1 (top_k 4): the second is a verified
+    draft or a residual sample when drafting, a plain sample otherwise."""
+    from scipy.stats import chi2_contingency
+
+    n = 600
+    counts = {0: collections.Counter(), 2: collections.Counter()}
+    with spec_daemon.client() as client:
+        for k in counts:
+            for seed in range(n):
+                stream = client.generate(
+                    prompt="My favourite fruit is", max_tokens=3, temperature=1.0, top_k=4, seed=seed,
+                    draft_tokens=k, ignore_eos=True,
+                )  # fmt: skip
+                ids = [t for c in stream for t in c.token_ids]
+                counts[k][tuple(ids[:2])] += 1
+            if k:
+                assert stream.done.draft is not None and stream.done.draft.rounds > 0
+    keys = sorted(set(counts[0]) | set(counts[2]), key=lambda key: -(counts[0][key] + counts[2][key]))
+    table = np.array([[counts[0][key] for key in keys], [counts[2][key] for key in keys]], dtype=float)
+    # pool rare outcomes so every expected count is >= 5
+    common = table[:, table.sum(axis=0) >= 10]
+    rare = table[:, table.sum(axis=0) < 10].sum(axis=1, keepdims=True)
+    table = np.hstack([common, rare]) if rare.sum() else common
+    assert table.shape[1] >= 4, "the test needs a spread of outcomes"
+    _, pvalue, _, _ = chi2_contingency(table)
+    assert pvalue > 0.001, table
+
+
+def test_ngram_drafter_on_a_copying_task(start_daemon):
+    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024")
+    code = "def area(width, height):\n    return width * height\n\n"
+    prompt = f"Rewrite this code exactly:\n{code}\nRewritten:\n"
+    with d.client() as client:
+        drafted = client.complete(prompt=prompt, max_tokens=40, temperature=0.0)
+        plain = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft_tokens=0)
+        st = client.status()
+    assert drafted.text == plain.text
+    assert drafted.draft.accepted > 0
+    assert st.drafter == "ngram" and st.drafter_model is None
+
+
+def test_a_drafter_with_another_vocabulary_is_refused(smollm2_path):
+    from tandem.daemon import models
+
+    qwen = models.pull("qwen2.5-coder-0.5b")
+    d = DaemonProcess(smollm2_path, "--drafter", str(qwen))
+    try:
+        assert d.proc.wait(120) == 1
+        log = d.log()
+        assert "does not fit target" in log and qwen.name in log and smollm2_path.name in log
+        assert "151,936" in log and "49,152" in log
+        assert not d.socket.exists()
+    finally:
+        d.stop()
+        d.cleanup()

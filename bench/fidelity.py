@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +22,8 @@ import numpy as np
 
 from tandem.client import Client
 from tandem.protocol import ChatMessage, Generate
+
+from common import start_daemon, temp_socket
 
 CORPUS = Path(__file__).with_name("corpus.json")
 
@@ -99,30 +98,6 @@ def compare(client: Client, corpus, ks, tokens: int, engine=None, kinds=None) ->
     return result
 
 
-def start_daemon(
-    target: str, drafter: str, flash_attn: str, socket: Path, n_ctx: int = 2048, exact: str = "auto"
-) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket), "serve", "--model", target,
-         "--drafter", drafter, "--flash-attn", flash_attn, "--ctx-size", str(n_ctx), "--exact", exact],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the daemon exited with {proc.returncode}")
-        if socket.exists():
-            try:
-                with Client(socket, connect_timeout=1) as c:
-                    if c.status().state == "ready":
-                        return proc
-            except Exception:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the daemon did not become ready")
-
-
 def reference_engine(target: str, flash_attn: bool, n_ctx: int = 2048):
     from tandem.daemon.chat import ChatTemplate
     from tandem.daemon.engine import Engine
@@ -147,8 +122,11 @@ def main() -> None:
     ap.add_argument("--exact", choices=["auto", "off"], default="auto")
     ap.add_argument("--kinds", nargs="*", default=None)
     args = ap.parse_args()
-    socket = Path(tempfile.mkdtemp(prefix="tdm-fid-", dir="/tmp")) / "f.sock"
-    daemon = start_daemon(args.target, args.drafter, args.flash_attn, socket, exact=args.exact)
+    socket = temp_socket("tdm-fid-")
+    daemon = start_daemon(
+        socket, "--model", args.target, "--drafter", args.drafter, "--flash-attn", args.flash_attn,
+        "--exact", args.exact, "--ctx-size", "2048",
+    )  # fmt: skip
     try:
         engine = reference_engine(args.target, args.flash_attn == "on")
         with Client(socket) as client:

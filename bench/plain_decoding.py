@@ -22,9 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +35,8 @@ import numpy as np  # noqa: E402
 from tandem.client import Client  # noqa: E402
 from tandem.daemon import models  # noqa: E402
 from tandem.daemon.llama_model import LlamaModel, default_extra_buffers  # noqa: E402
+
+from common import start_daemon, temp_socket  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -85,27 +84,6 @@ def run_bare(model: LlamaModel, prompt: str, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def start_daemon(model_path: Path, socket: Path, n_ctx: int, threads: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket), "serve", "--model", str(model_path),
-         "--ctx-size", str(n_ctx), "--threads", str(threads)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if socket.exists():
-            try:
-                with Client(socket, connect_timeout=1) as c:
-                    if c.status().state == "ready":
-                        return proc
-            except Exception:
-                pass
-        time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("the daemon did not become ready")
-
-
 def summary(name: str, values: list[float]) -> str:
     return f"{name:28} median {statistics.median(values):7.3f}   range {min(values):.3f} – {max(values):.3f}   (n={len(values)})"
 
@@ -122,8 +100,8 @@ def main() -> None:
         models.pull(args.model)
     _, path = models.resolve(args.model)
     n_ctx = 2048
-    socket = Path(tempfile.mkdtemp(prefix="tdm-bench-", dir="/tmp")) / "b.sock"
-    daemon = start_daemon(path, socket, n_ctx, args.threads)
+    socket = temp_socket("tdm-bench-")
+    daemon = start_daemon(socket, "--model", str(path), "--ctx-size", str(n_ctx), "--threads", str(args.threads))
     llm = load_llama(path, n_ctx, args.threads)
     bare = LlamaModel(path, n_ctx=n_ctx, n_threads=args.threads)
     ratios_llama, ratios_bare, tps = [], [], {"daemon": [], "llama-cpp": [], "bare": []}

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from tandem.client import Client
 from tandem.daemon import models
 
-from fidelity import load_corpus, start_daemon
+from common import start_daemon, temp_socket
+from fidelity import load_corpus
 
 KS = [1, 2, 4, 6]
 
@@ -100,14 +99,17 @@ def main() -> None:
     print("one target pass: " + ", ".join(f"{w} tok {ms:.1f} ms" for w, ms in target_ms.items()))
     print(f"one drafter step: {draft_ms:.1f} ms; c = {c:.3f}")
 
-    socket = Path(tempfile.mkdtemp(prefix="tdm-spec-", dir="/tmp")) / "s.sock"
-    daemon = start_daemon(str(target), str(drafter) if drafter else "ngram", "off", socket, exact=args.exact)
+    socket = temp_socket("tdm-spec-")
+    daemon = start_daemon(
+        socket, "--model", str(target), "--drafter", str(drafter) if drafter else "ngram",
+        "--exact", args.exact, "--ctx-size", "2048",
+    )  # fmt: skip
     corpus = load_corpus()
     try:
         with Client(socket) as client:
             client.complete(prompt="warm up", max_tokens=4)
             print()
-            print(f"| kind | plain tok/s | k | speedup | alpha | tokens/round | identical | predicted (lab) | predicted (measured passes) |")
+            print("| kind | plain tok/s | k | speedup | alpha | tokens/round | identical | predicted (lab) | predicted (measured passes) |")
             print("|---|---|---|---|---|---|---|---|---|")
             for kind, prompts in corpus.items():
                 prompts = prompts[: args.prompts]

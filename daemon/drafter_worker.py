@@ -46,18 +46,11 @@ class DrafterLoop:
         self.sampler = None
 
     def run(self) -> None:
-        from .llama_model import LlamaModel  # after the worker set its OpenMP environment
+        from .worker import load_model
 
         c = self.config
         try:
-            self.model = LlamaModel(
-                c.model_path,
-                n_ctx=c.n_ctx,
-                n_threads=c.n_threads,
-                n_batch=c.n_batch,
-                extra_buffers=c.extra_buffers,
-                flash_attn=c.flash_attn,
-            )
+            self.model = load_model(c)
             info = self.model_info()
         except Exception as exc:
             self.control.send_multipart(encode(Error.of(c.role, ErrorCode.NOT_READY, f"could not load the drafter: {exc}")))

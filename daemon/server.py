@@ -26,7 +26,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tandem.protocol import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     ActiveRequest,
     Busy,
@@ -330,10 +329,17 @@ class Daemon:
                 frames = worker.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if worker is self.target:
-                self.on_worker_message(frames)
-            else:
-                self.on_drafter_message(frames)
+            try:
+                msg = decode(frames, replies=True)
+            except ProtocolError as exc:
+                log.error("undecodable message from the %s worker: %s", worker.role, exc.message)
+                continue
+            if isinstance(msg, Ready):
+                self._on_ready(msg)
+            elif worker is self.target:
+                self.on_target_message(msg, frames)
+            elif isinstance(msg, Error):  # the drafter says only ready or why it could not load
+                self._on_load_failure(msg.message)
 
     # ------------------------------------------------------------------ client side
 
@@ -483,15 +489,9 @@ class Daemon:
         self.active = job
         self.target.send(job.request)
 
-    def on_worker_message(self, frames: list[bytes]) -> None:
-        try:
-            msg = decode(frames, replies=True)
-        except ProtocolError as exc:
-            log.error("undecodable message from the worker: %s", exc.message)
-            return
-        if isinstance(msg, Ready):
-            self._on_ready(msg)
-            return
+    def on_target_message(self, msg, frames: list[bytes]) -> None:
+        """A chunk, done or error from the target worker; chunks are relayed as
+        the worker encoded them."""
         job = self.active
         if job is None or msg.id != job.request.id:
             if isinstance(msg, Error) and msg.code == ErrorCode.NOT_READY:
@@ -506,17 +506,6 @@ class Daemon:
         if isinstance(msg, Done):
             msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
         self._finish(job, msg)
-
-    def on_drafter_message(self, frames: list[bytes]) -> None:
-        try:
-            msg = decode(frames, replies=True)
-        except ProtocolError as exc:
-            log.error("undecodable message from the drafter: %s", exc.message)
-            return
-        if isinstance(msg, Ready):
-            self._on_ready(msg)
-        elif isinstance(msg, Error):
-            self._on_load_failure(msg.message)
 
     def _on_ready(self, msg: Ready) -> None:
         worker = self.drafter if msg.id == "drafter" else self.target

@@ -58,6 +58,21 @@ class WorkerConfig:
     exact: bool = True  # with a drafter on a target that is not batch-invariant, batch every step
 
 
+def load_model(config: WorkerConfig):
+    """Load the worker's model with the daemon's llama.cpp settings (call only
+    after the process environment is set: this imports llama.cpp)."""
+    from .llama_model import LlamaModel
+
+    return LlamaModel(
+        config.model_path,
+        n_ctx=config.n_ctx,
+        n_threads=config.n_threads,
+        n_batch=config.n_batch,
+        extra_buffers=config.extra_buffers,
+        flash_attn=config.flash_attn,
+    )
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -114,17 +129,9 @@ class WorkerLoop:
     def _load(self):
         from .chat import ChatTemplate, ChatTemplateError
         from .engine import Engine
-        from .llama_model import LlamaModel
 
         c = self.config
-        model = LlamaModel(
-            c.model_path,
-            n_ctx=c.n_ctx,
-            n_threads=c.n_threads,
-            n_batch=c.n_batch,
-            extra_buffers=c.extra_buffers,
-            flash_attn=c.flash_attn,
-        )
+        model = load_model(c)
         template = None
         source = model.chat_template()
         if source:

@@ -54,12 +54,14 @@ def pass_costs_ms(path: Path, widths: list[int], n: int = 12) -> dict[int, float
     return out
 
 
-def run_kind(client: Client, prompts, k: int, tokens: int):
+def run_kind(client: Client, prompts, k: int, tokens: int, p_min: float = 0.0):
     t0 = time.perf_counter()
     generated = drafted = accepted = rounds = 0
     ids = []
     for messages in prompts:
-        stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, draft_tokens=k)
+        stream = client.generate(
+            messages=messages, max_tokens=tokens, temperature=0.0, draft_tokens=k, draft_p_min=p_min
+        )
         ids.append([t for c in stream for t in c.token_ids])
         done = stream.done
         generated += done.usage.completion_tokens
@@ -82,6 +84,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3, help="prompts per task kind (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--exact", choices=["auto", "off"], default="auto")
+    ap.add_argument("--ks", type=int, nargs="+", default=KS, help="draft lengths (default %(default)s)")
+    ap.add_argument("--p-min", type=float, default=0.0, help="draft_p_min for every request (default 0 = off)")
     args = ap.parse_args()
 
     def path_of(name: str) -> Path:
@@ -91,11 +95,13 @@ def main() -> None:
 
     target = path_of(args.target)
     drafter = None if args.drafter == "ngram" else path_of(args.drafter)
-    widths = sorted({1, *[k + 1 for k in KS]})
+    ks = args.ks
+    widths = sorted({1, *[k + 1 for k in ks]})
     target_ms = pass_costs_ms(target, widths)
     draft_ms = pass_costs_ms(drafter, [1])[1] if drafter else 0.0
     c = draft_ms / target_ms[1]
-    print(f"target {target.name}; drafter {drafter.name if drafter else 'ngram'}; exact {args.exact}")
+    print(f"target {target.name}; drafter {drafter.name if drafter else 'ngram'}; exact {args.exact}; "
+          f"draft_p_min {args.p_min}; {args.prompts} prompts per kind, {args.tokens} tokens, {args.runs} runs")  # fmt: skip
     print("one target pass: " + ", ".join(f"{w} tok {ms:.1f} ms" for w, ms in target_ms.items()))
     print(f"one drafter step: {draft_ms:.1f} ms; c = {c:.3f}")
 
@@ -113,14 +119,14 @@ def main() -> None:
             print("|---|---|---|---|---|---|---|---|---|")
             for kind, prompts in corpus.items():
                 prompts = prompts[: args.prompts]
-                tps = {k: [] for k in [0, *KS]}
-                speedups = {k: [] for k in KS}
-                agg = {k: [0, 0, 0] for k in KS}
-                identical = {k: 0 for k in KS}
+                tps = {k: [] for k in [0, *ks]}
+                speedups = {k: [] for k in ks}
+                agg = {k: [0, 0, 0] for k in ks}
+                identical = {k: 0 for k in ks}
                 for r in range(args.runs):
-                    order = [0, *KS]
+                    order = [0, *ks]
                     order = order[r % len(order) :] + order[: r % len(order)]
-                    results = {k: run_kind(client, prompts, k, args.tokens) for k in order}
+                    results = {k: run_kind(client, prompts, k, args.tokens, args.p_min) for k in order}
                     for k, (rate, drafted, accepted, rounds, ids) in results.items():
                         tps[k].append(rate)
                         if k:
@@ -129,7 +135,7 @@ def main() -> None:
                             agg[k][1] += accepted
                             agg[k][2] += rounds
                             identical[k] += sum(a == b for a, b in zip(ids, results[0][4]))
-                for k in KS:
+                for k in ks:
                     drafted, accepted, rounds = agg[k]
                     alpha = accepted / drafted if drafted else float("nan")
                     per_round = (accepted + rounds) / rounds if rounds else 1.0

@@ -71,7 +71,8 @@ class ModelDrafterClient:
             if reply is None:
                 return [], None
         assert reply is not None
-        self.mirror = list(context) + reply.tokens[: max(0, reply.n_cached - len(context))]
+        # what it holds now: the context (or, if it had no room, a prefix of it) + the drafts it read
+        self.mirror = (list(context) + reply.tokens)[: reply.n_cached]
         if self.sampler is None or self.sampler.greedy:
             return reply.tokens, None
         dists, at = [], 0

@@ -111,7 +111,8 @@ class DrafterLoop:
         model.truncate(req.keep)
         tokens: list[int] = []
         ids, probs, lens = [], [], []
-        if not req.append:
+        if not req.append or model.n_past + len(req.append) >= model.n_ctx:
+            # nothing to read, or no room in this drafter's context: no drafts this time
             return Drafted(id=req.id, tokens=[], n_cached=model.n_past, q_ids=EMPTY_IDS, q_probs=EMPTY_PROBS, q_lens=[])
         logits = model.decode(req.append)[0]
         for i in range(req.k):
@@ -121,10 +122,11 @@ class DrafterLoop:
                     break
             else:
                 q_ids, q_probs = sampler.distribution(logits)
-                choice = int(sampler.rng.choice(len(q_ids), p=q_probs))
-                token = int(q_ids[choice])
-                if req.p_min > 0.0 and q_probs[choice] < req.p_min:
+                # decide to stop before sampling, from q alone (q_probs[0] is its largest):
+                # dropping a sampled guess after the fact would skew what is proposed away from q
+                if req.p_min > 0.0 and q_probs[0] < req.p_min:
                     break
+                token = int(q_ids[int(sampler.rng.choice(len(q_ids), p=q_probs))])
                 ids.append(q_ids.astype(np.int32))
                 probs.append(q_probs.astype(np.float32))
                 lens.append(len(q_ids))

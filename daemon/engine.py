@@ -174,7 +174,7 @@ class Engine:
                 else 0.0,
                 queued_seconds=0.0,
             ),
-            draft=stats,
+            draft=stats if stats is not None and stats.rounds else None,
         )
 
     def _round(

@@ -214,15 +214,15 @@ class DraftStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the target kept
     acceptance_rate: Optional[float] = None  # accepted / drafted; None before the first draft
-    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was accepted
-    tokens_per_round: Optional[float] = None  # mean tokens a round yielded (accepted + the target's own)
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was accepted (0 to longest draft)
+    tokens_per_round: Optional[float] = None  # mean tokens a round produced (accepted + the target's own)
 
     def add_round(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        if len(self.accepted_per_position) < accepted:
-            self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
         self._refresh()

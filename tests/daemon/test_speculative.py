@@ -179,3 +179,51 @@ def test_ngram_drafter_in_the_engine_on_a_copying_task():
     done, _ = generate(ScriptedModel(text), NgramDrafter(), 4, prompt="abc def ")
     assert done.text == text.decode()
     assert done.draft.accepted > 0
+
+
+# ---------------------------------------------------------------- the drafter's early stop
+
+
+class FakeDraftModel:
+    """A drafter whose q is (0.9, 0.1) everywhere."""
+
+    n_ctx = 100
+
+    def __init__(self):
+        self.n_past = 0
+
+    def truncate(self, n):
+        self.n_past = min(self.n_past, n)
+
+    def decode(self, tokens, logits_for=(-1,)):
+        self.n_past += len(tokens)
+        return np.log(np.array([[0.9, 0.1]], dtype=np.float32))
+
+
+def test_draft_p_min_keeps_the_target_distribution_at_temperature_above_zero():
+    """Stopping a draft early must not depend on the sampled guess, or the
+    proposals no longer follow q and the output drifts from p (0.55 instead of 0.5 here)."""
+    from scipy.stats import binomtest
+
+    from tandem.daemon.drafter_worker import DrafterLoop
+    from tandem.protocol import DraftRequest
+
+    p_logits = np.log(np.array([0.5, 0.5], dtype=np.float32))
+    loop = object.__new__(DrafterLoop)  # the drafting logic without its sockets
+    loop.model, loop.sampler = FakeDraftModel(), None
+    target = Sampler(1.0, 0, 1.0, 1)
+    n, zeros = 20000, 0
+    for seed in range(n):
+        loop.model.n_past = 0
+        r = loop.draft(
+            DraftRequest(id="x", keep=0, append=[0], k=1, temperature=1.0, top_k=0, top_p=1.0,
+                         seed=seed, p_min=0.2, new_request=True)
+        )  # fmt: skip
+        if not r.tokens:
+            token = target.sample(p_logits)
+        else:
+            q = [SparseDist(r.q_ids.astype(np.int64), r.q_probs.astype(np.float64))]
+            accepted, own = verify(np.stack([p_logits, p_logits]), r.tokens, q, target)
+            token = r.tokens[0] if accepted else own
+        zeros += token == 0
+    assert binomtest(zeros, n, 0.5).pvalue > 0.001, zeros / n

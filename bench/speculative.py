@@ -1,8 +1,11 @@
 """Speculative decoding on this machine: the lab's table, end to end through the socket.
 
 For each task kind of bench/corpus.json (json extraction, support replies,
-stories, code) and each draft length k (0 = plain), greedy, through one
-daemon (draft length set per request), in rotating order per run:
+stories, code) and each draft length k, greedy, end to end through the socket,
+in rotating order per run. Two daemons run side by side: "plain" has no
+drafter (one-token steps: what a user gets without drafting); the other has
+the drafter, with the draft length set per request (k = 0 there shows what
+exact mode costs on steps without drafts).
 
 - tok/s (median of --runs, range), speedup = tok/s / plain tok/s of the same run
 - alpha = accepted / drafted, tokens per round
@@ -96,7 +99,7 @@ def main() -> None:
     target = path_of(args.target)
     drafter = None if args.drafter == "ngram" else path_of(args.drafter)
     ks = args.ks
-    widths = sorted({1, *[k + 1 for k in ks]})
+    widths = sorted({1, 2, *[k + 1 for k in ks]})
     target_ms = pass_costs_ms(target, widths)
     draft_ms = pass_costs_ms(drafter, [1])[1] if drafter else 0.0
     c = draft_ms / target_ms[1]
@@ -105,49 +108,60 @@ def main() -> None:
     print("one target pass: " + ", ".join(f"{w} tok {ms:.1f} ms" for w, ms in target_ms.items()))
     print(f"one drafter step: {draft_ms:.1f} ms; c = {c:.3f}")
 
-    socket = temp_socket("tdm-spec-")
+    socket, plain_socket = temp_socket("tdm-spec-"), temp_socket("tdm-plain-")
     daemon = start_daemon(
         socket, "--model", str(target), "--drafter", str(drafter) if drafter else "ngram",
         "--exact", args.exact, "--ctx-size", "2048",
     )  # fmt: skip
+    plain_daemon = start_daemon(plain_socket, "--model", str(target), "--ctx-size", "2048")
     corpus = load_corpus()
     try:
-        with Client(socket) as client:
+        with Client(socket) as client, Client(plain_socket) as plain_client:
             client.complete(prompt="warm up", max_tokens=4)
+            plain_client.complete(prompt="warm up", max_tokens=4)
+            info = client.status().model
+            exact_steps = bool(info and info.exact_steps)
+            print(f"exact steps: {exact_steps} (batch-invariant target: {info.batch_invariant if info else None})")
             print()
             print("| kind | plain tok/s | k | speedup | alpha | tokens/round | identical | predicted (lab) | predicted (measured passes) |")
             print("|---|---|---|---|---|---|---|---|---|")
             for kind, prompts in corpus.items():
                 prompts = prompts[: args.prompts]
-                tps = {k: [] for k in [0, *ks]}
-                speedups = {k: [] for k in ks}
-                agg = {k: [0, 0, 0] for k in ks}
-                identical = {k: 0 for k in ks}
+                ks_all = [0, *ks]  # 0: the drafter daemon with drafting off
+                tps = {k: [] for k in ["plain", *ks_all]}
+                speedups = {k: [] for k in ks_all}
+                agg = {k: [0, 0, 0] for k in ks_all}
+                identical = {k: 0 for k in ks_all}
                 for r in range(args.runs):
-                    order = [0, *ks]
+                    order = ["plain", *ks_all]
                     order = order[r % len(order) :] + order[: r % len(order)]
-                    results = {k: run_kind(client, prompts, k, args.tokens, args.p_min) for k in order}
+                    results = {
+                        k: run_kind(plain_client if k == "plain" else client, prompts, 0 if k == "plain" else k,
+                                    args.tokens, args.p_min)
+                        for k in order
+                    }  # fmt: skip
                     for k, (rate, drafted, accepted, rounds, ids) in results.items():
                         tps[k].append(rate)
-                        if k:
-                            speedups[k].append(rate / results[0][0])
+                        if k != "plain":
+                            speedups[k].append(rate / results["plain"][0])
                             agg[k][0] += drafted
                             agg[k][1] += accepted
                             agg[k][2] += rounds
-                            identical[k] += sum(a == b for a, b in zip(ids, results[0][4]))
-                for k in ks:
+                            identical[k] += sum(a == b for a, b in zip(ids, results["plain"][4]))
+                for k in ks_all:
                     drafted, accepted, rounds = agg[k]
                     alpha = accepted / drafted if drafted else float("nan")
                     per_round = (accepted + rounds) / rounds if rounds else 1.0
                     lab = per_round / (1 + k * c)
-                    refined = per_round * target_ms[1] / (target_ms[k + 1] + k * draft_ms)
+                    refined = per_round * target_ms[1] / (target_ms[max(k + 1, 2 if exact_steps else 1)] + k * draft_ms)
                     print(
-                        f"| {kind} | {fmt(tps[0], 1)} | {k} | {fmt(speedups[k])} | {alpha:.2f} | {per_round:.2f} | "
+                        f"| {kind} | {fmt(tps['plain'], 1)} | {k} | {fmt(speedups[k])} | {alpha:.2f} | {per_round:.2f} | "
                         f"{identical[k]}/{args.runs * len(prompts)} | {lab:.2f} | {refined:.2f} |"
                     )
     finally:
-        daemon.terminate()
-        daemon.wait(30)
+        for proc in (daemon, plain_daemon):
+            proc.terminate()
+            proc.wait(30)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,9 @@ class AsyncClient:
 
 
 class AsyncStream:
+    """As Stream, for asyncio: ``async for chunk in stream``; ``await
+    stream.cancel()``; ``stream.close()`` or ``async with`` abandons it."""
+
     def __init__(self, client: AsyncClient, request_id: str):
         self.client = client
         self.request_id = request_id
@@ -171,27 +174,22 @@ class AsyncStream:
         self._finished = False
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
-        return self._chunks()
+        return self
 
-    async def _chunks(self) -> AsyncIterator[Chunk]:
-        try:
-            while not self._finished:
-                msg = await self.client._recv(self.request_id, self.client.timeout)
-                if isinstance(msg, Chunk):
-                    self.text += msg.text
-                    yield msg
-                    continue
-                self._finished = True
-                raise_for_terminal(msg)
-                if not isinstance(msg, Done):
-                    raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
-                self.done = msg
-        finally:
-            if not self._finished and self.client._sock is not None:
-                # the caller stopped early: cancel, and let the rest of the replies be dropped
-                self._finished = True
-                self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
-            self.client._router.forget(self.request_id)
+    async def __anext__(self) -> Chunk:
+        if self._finished:
+            raise StopAsyncIteration
+        msg = await self.client._recv(self.request_id, self.client.timeout)
+        if isinstance(msg, Chunk):
+            self.text += msg.text
+            return msg
+        self._finished = True
+        self.client._router.forget(self.request_id)
+        raise_for_terminal(msg)
+        if not isinstance(msg, Done):
+            raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
+        self.done = msg
+        raise StopAsyncIteration
 
     async def cancel(self) -> Optional[Done]:
         if self._finished:
@@ -200,3 +198,23 @@ class AsyncStream:
         async for _ in self:
             pass
         return self.done
+
+    def close(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.client._router.forget(self.request_id)
+        if self.client._sock is not None:
+            self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -171,8 +171,12 @@ class Client:
 
 
 class Stream:
-    """The chunks of one generation. After iteration, ``done`` holds the terminal
-    message; an ``error``/``busy`` reply raises RequestFailed/QueueFull instead."""
+    """The chunks of one generation. Iterate it for chunks; afterwards ``done``
+    holds the terminal message (an ``error``/``busy`` reply raises
+    RequestFailed/QueueFull instead). ``cancel()`` stops the request and waits
+    for its ``done``; ``close()`` (or leaving a ``with`` block, or dropping the
+    stream) abandons an unfinished request: it is cancelled and its remaining
+    replies are discarded."""
 
     def __init__(self, client: Client, request_id: str):
         self.client = client
@@ -182,29 +186,22 @@ class Stream:
         self._finished = False
 
     def __iter__(self) -> Iterator[Chunk]:
-        try:
-            while not self._finished:
-                msg = self.client._recv(self.request_id, self.client.timeout)
-                if isinstance(msg, Chunk):
-                    self.text += msg.text
-                    yield msg
-                    continue
-                self._finished = True
-                raise_for_terminal(msg)
-                if not isinstance(msg, Done):
-                    raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
-                self.done = msg
-        finally:
-            if not self._finished:
-                self._abandon()
-            self.client._router.forget(self.request_id)
+        return self
 
-    def _abandon(self) -> None:
-        """The caller stopped iterating early: cancel the request and drop the rest
-        of its replies as they arrive (the cancel's own reply is dropped too)."""
+    def __next__(self) -> Chunk:
+        if self._finished:
+            raise StopIteration
+        msg = self.client._recv(self.request_id, self.client.timeout)
+        if isinstance(msg, Chunk):
+            self.text += msg.text
+            return msg
         self._finished = True
-        if self.client._sock is not None:
-            self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
+        self.client._router.forget(self.request_id)
+        raise_for_terminal(msg)
+        if not isinstance(msg, Done):
+            raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
+        self.done = msg
+        raise StopIteration
 
     def cancel(self) -> Optional[Done]:
         """Cancel the request and read the stream to its end. Returns the ``done``."""
@@ -214,3 +211,24 @@ class Stream:
         for _ in self:
             pass
         return self.done
+
+    def close(self) -> None:
+        """Abandon the request if it is still running (no waiting)."""
+        if self._finished:
+            return
+        self._finished = True
+        self.client._router.forget(self.request_id)
+        if self.client._sock is not None:
+            self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -275,11 +275,11 @@ def test_a_vanished_client_s_queued_and_unstreamed_requests_are_cancelled(daemon
         assert st.requests.get("done_cancelled", 0) == before + 2
 
 
-def test_breaking_out_of_a_stream_cancels_it(client):
-    stream = client.generate(prompt="On and on:", max_tokens=3000, ignore_eos=True)
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
+def test_leaving_a_stream_early_cancels_it(client):
+    with client.generate(prompt="On and on:", max_tokens=3000, ignore_eos=True) as stream:
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
     t0 = time.perf_counter()
     done = client.complete(prompt="Next:", max_tokens=3, ignore_eos=True)  # not stuck behind 3000 tokens
     assert done.usage.completion_tokens == 3

@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 # Short OpenMP spin for the in-process model too, as the worker has, so neither
 # side's idle threads steal the other's cores (FACTS.md).
@@ -34,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
 from tandem.daemon import models  # noqa: E402
-from tandem.daemon.llama_model import LlamaModel, default_extra_buffers  # noqa: E402
+from tandem.daemon.llama_model import LlamaModel, reference_llama  # noqa: E402
 
 from common import start_daemon, temp_socket  # noqa: E402
 
@@ -43,21 +42,6 @@ PROMPTS = [
     "def merge_sort(items):\n",
     '{"users": [{"name": "Ada", "email": "ada@example.com"},',
 ]
-
-
-def load_llama(path: Path, n_ctx: int, threads: int) -> llama_cpp.Llama:
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = default_extra_buffers()  # as the daemon does
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = params
-    try:
-        return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
-    finally:
-        llama_cpp.llama_cpp.llama_model_default_params = original
 
 
 def run_daemon(client: Client, prompt: str, tokens: int) -> tuple[float, str]:
@@ -102,7 +86,7 @@ def main() -> None:
     n_ctx = 2048
     socket = temp_socket("tdm-bench-")
     daemon = start_daemon(socket, "--model", str(path), "--ctx-size", str(n_ctx), "--threads", str(args.threads))
-    llm = load_llama(path, n_ctx, args.threads)
+    llm = reference_llama(path, n_ctx, args.threads)
     bare = LlamaModel(path, n_ctx=n_ctx, n_threads=args.threads)
     ratios_llama, ratios_bare, tps = [], [], {"daemon": [], "llama-cpp": [], "bare": []}
     identical = 0

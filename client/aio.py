@@ -38,6 +38,7 @@ from .core import (
     START_HINT,
     MessageLike,
     ReplyRouter,
+    StreamState,
     check_socket_exists,
     generate_request,
     hello_request,
@@ -45,7 +46,7 @@ from .core import (
     raise_for_terminal,
     resolve_socket,
 )
-from .errors import DaemonNotRunning, DaemonTimeout, TandemError
+from .errors import DaemonNotRunning, DaemonTimeout
 
 
 class AsyncClient:
@@ -162,16 +163,9 @@ class AsyncClient:
         return reply.found
 
 
-class AsyncStream:
+class AsyncStream(StreamState):
     """As Stream, for asyncio: ``async for chunk in stream``; ``await
     stream.cancel()``; ``stream.close()`` or ``async with`` abandons it."""
-
-    def __init__(self, client: AsyncClient, request_id: str):
-        self.client = client
-        self.request_id = request_id
-        self.done: Optional[Done] = None
-        self.text = ""
-        self._finished = False
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self
@@ -179,17 +173,10 @@ class AsyncStream:
     async def __anext__(self) -> Chunk:
         if self._finished:
             raise StopAsyncIteration
-        msg = await self.client._recv(self.request_id, self.client.timeout)
-        if isinstance(msg, Chunk):
-            self.text += msg.text
-            return msg
-        self._finished = True
-        self.client._router.forget(self.request_id)
-        raise_for_terminal(msg)
-        if not isinstance(msg, Done):
-            raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
-        self.done = msg
-        raise StopAsyncIteration
+        chunk = self._take(await self.client._recv(self.request_id, self.client.timeout))
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
 
     async def cancel(self) -> Optional[Done]:
         if self._finished:
@@ -199,22 +186,8 @@ class AsyncStream:
             pass
         return self.done
 
-    def close(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self.client._router.forget(self.request_id)
-        if self.client._sock is not None:
-            self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
-
     async def __aenter__(self) -> "AsyncStream":
         return self
 
     async def __aexit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

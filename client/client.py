@@ -37,6 +37,7 @@ from .core import (
     START_HINT,
     MessageLike,
     ReplyRouter,
+    StreamState,
     check_socket_exists,
     generate_request,
     hello_request,
@@ -44,7 +45,7 @@ from .core import (
     raise_for_terminal,
     resolve_socket,
 )
-from .errors import DaemonNotRunning, DaemonTimeout, TandemError
+from .errors import DaemonNotRunning, DaemonTimeout
 
 
 class Client:
@@ -170,7 +171,7 @@ class Client:
         raise_for_terminal(self._request(Shutdown(id=new_id()), self.connect_timeout))
 
 
-class Stream:
+class Stream(StreamState):
     """The chunks of one generation. Iterate it for chunks; afterwards ``done``
     holds the terminal message (an ``error``/``busy`` reply raises
     RequestFailed/QueueFull instead). ``cancel()`` stops the request and waits
@@ -178,30 +179,16 @@ class Stream:
     stream) abandons an unfinished request: it is cancelled and its remaining
     replies are discarded."""
 
-    def __init__(self, client: Client, request_id: str):
-        self.client = client
-        self.request_id = request_id
-        self.done: Optional[Done] = None
-        self.text = ""
-        self._finished = False
-
     def __iter__(self) -> Iterator[Chunk]:
         return self
 
     def __next__(self) -> Chunk:
         if self._finished:
             raise StopIteration
-        msg = self.client._recv(self.request_id, self.client.timeout)
-        if isinstance(msg, Chunk):
-            self.text += msg.text
-            return msg
-        self._finished = True
-        self.client._router.forget(self.request_id)
-        raise_for_terminal(msg)
-        if not isinstance(msg, Done):
-            raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
-        self.done = msg
-        raise StopIteration
+        chunk = self._take(self.client._recv(self.request_id, self.client.timeout))
+        if chunk is None:
+            raise StopIteration
+        return chunk
 
     def cancel(self) -> Optional[Done]:
         """Cancel the request and read the stream to its end. Returns the ``done``."""
@@ -212,23 +199,8 @@ class Stream:
             pass
         return self.done
 
-    def close(self) -> None:
-        """Abandon the request if it is still running (no waiting)."""
-        if self._finished:
-            return
-        self._finished = True
-        self.client._router.forget(self.request_id)
-        if self.client._sock is not None:
-            self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
-
     def __enter__(self) -> "Stream":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -12,7 +12,10 @@ from typing import Any, Iterable, Optional, Union
 from tandem.protocol import (
     PROTOCOL_VERSION,
     Busy,
+    Cancel,
     ChatMessage,
+    Chunk,
+    Done,
     Error,
     Generate,
     Hello,
@@ -20,6 +23,7 @@ from tandem.protocol import (
     ProtocolError,
     decode,
     default_socket_path,
+    encode,
 )
 
 from .errors import DaemonNotRunning, QueueFull, RequestFailed, TandemError
@@ -99,3 +103,45 @@ class ReplyRouter:
         if rid in self.buffers:
             self.buffers[rid].append(msg)
         return None  # a reply to a request nobody waits for any more
+
+
+class StreamState:
+    """What Stream and AsyncStream share: reading one generation's replies and
+    abandoning it. ``client`` has ``_router`` and ``_sock``."""
+
+    def __init__(self, client, request_id: str):
+        self.client = client
+        self.request_id = request_id
+        self.done: Optional[Done] = None
+        self.text = ""
+        self._finished = False
+
+    def _take(self, msg: Message) -> Optional[Chunk]:
+        """A chunk is returned; the terminal message ends the stream (None), or
+        raises for ``error``/``busy``."""
+        if isinstance(msg, Chunk):
+            self.text += msg.text
+            return msg
+        self._finished = True
+        self.client._router.forget(self.request_id)
+        raise_for_terminal(msg)
+        if not isinstance(msg, Done):
+            raise TandemError(f"unexpected {msg.op.value} message in a generate stream")
+        self.done = msg
+        return None
+
+    def close(self) -> None:
+        """Abandon the request if it is still running (no waiting): it is
+        cancelled and its remaining replies are discarded."""
+        if self._finished:
+            return
+        self._finished = True
+        self.client._router.forget(self.request_id)
+        if self.client._sock is not None:
+            self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -259,3 +259,25 @@ class LlamaModel:
                         if i % n == idx:
                             out[r] = row
         return out
+
+
+def reference_llama(path: Path | str, n_ctx: int, n_threads: Optional[int] = None, **kwargs) -> "llama.Llama":
+    """llama-cpp-python's own high-level ``Llama`` with the worker's settings
+    (threads, extra buffers), for comparing the daemon against it in-process.
+    ``Llama`` does not expose ``use_extra_bufts``, so its default params are
+    patched while it loads."""
+    original = llama.llama_cpp.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = default_extra_buffers()
+        return p
+
+    threads = n_threads or default_threads()
+    llama.llama_cpp.llama_model_default_params = params
+    try:
+        return llama.Llama(
+            str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **kwargs
+        )
+    finally:
+        llama.llama_cpp.llama_model_default_params = original

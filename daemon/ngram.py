@@ -62,7 +62,8 @@ class NgramDrafter:
         """Within a request the context only grows, so catching up is an append."""
         from .speculative import SparseDist
 
-        if len(context) < len(self.tokens) or context[: len(self.tokens)][-1:] != self.tokens[-1:]:
+        n = len(self.tokens)
+        if len(context) < n or (n and context[n - 1] != self.tokens[-1]):
             self.reset(context)
         else:
             self.extend(context[len(self.tokens) :])

@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-import llama_cpp
 from tandem.client import Client, QueueFull, RequestFailed
 from tandem.client.core import generate_request
-from tandem.daemon.llama_model import default_extra_buffers
+from tandem.daemon.llama_model import reference_llama
 from tandem.protocol import ErrorCode, FinishReason
 
 PROMPTS = [
@@ -25,23 +24,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(smollm2_path):
     """llama-cpp-python's own high-level API, in this process, same settings as the daemon."""
-    original = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = original()
-        p.use_extra_bufts = default_extra_buffers()  # as the daemon does (see llama_model.py)
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = params
-    try:
-        import os
-
-        threads = os.cpu_count()
-        llm = llama_cpp.Llama(
-            str(smollm2_path), n_ctx=1024, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
-        )
-    finally:
-        llama_cpp.llama_cpp.llama_model_default_params = original
+    llm = reference_llama(smollm2_path, n_ctx=1024, n_batch=512)
     yield llm
     llm.close()
 

@@ -40,6 +40,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message before the prompt")
+    p.add_argument(
+        "--draft",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="speculative drafting, if the daemon has a drafter: auto = the governor drafts while it is faster "
+        "than plain decoding; on = every round; off = never (default %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +92,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="end a draft early when the drafter's probability for its next guess is below this; 0 = off (default)",
     )
     p.add_argument(
+        "--governor",
+        choices=["on", "off"],
+        default="on",
+        help="with a drafter: draft only while drafting is measurably faster than plain decoding, learned per task "
+        "and kept in --state-dir across restarts; off = draft every round (default %(default)s)",
+    )
+    p.add_argument(
         "--exact",
-        choices=["auto", "off"],
+        choices=["auto", "on", "off"],
         default="auto",
-        help="with a drafter: if the target's one-token and batched decodes round differently (probed at load), "
-        "decode every step as a batch so drafting never changes greedy output (costs plain steps time; "
-        "default %(default)s)",
+        help="with a drafter: decode every step as a batch of >= 2 tokens, so that drafting never changes greedy "
+        "output on a target whose one-token and batched kernels round differently (probed at load). Costs "
+        "25-30%% on steps without drafts. auto = on only with --governor off (default %(default)s)",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="where the daemon keeps what it learns (the governor's state) "
+        "(default: $XDG_STATE_HOME/tandem, else ~/.local/state/tandem)",
     )
     p.add_argument(
         "--flash-attn", choices=["on", "off"], default="off", help="llama.cpp flash attention (default %(default)s)"
@@ -160,6 +181,7 @@ def _params(args) -> dict:
         top_p=args.top_p,
         seed=args.seed,
         stop=args.stop,
+        draft=args.draft,
     )
 
 
@@ -189,6 +211,8 @@ def _stream_to_terminal(stream) -> None:
 def cmd_serve(args) -> int:
     from tandem.daemon.serve import serve
 
+    from .autostart import state_dir
+
     extra = {"auto": None, "on": True, "off": False}[args.extra_buffers]
     return serve(
         model=args.model,
@@ -202,7 +226,9 @@ def cmd_serve(args) -> int:
         drafter=args.drafter,
         draft_tokens=args.draft_tokens,
         draft_p_min=args.draft_p_min,
-        exact=args.exact == "auto",
+        exact=args.exact,
+        governor=args.governor == "on",
+        state_dir=args.state_dir or state_dir(),
     )
 
 
@@ -293,6 +319,16 @@ def cmd_status(args) -> int:
                 f"({d.acceptance_rate:.0%}), {d.tokens_per_round:.2f} tokens per round"
             )
         print(line)
+    if st.governor:
+        g = st.governor
+        rate = lambda r: f"{r:.1f}" if r is not None else "-"  # noqa: E731
+        state = f"{g.phase}" + (f", probe in {g.rounds_until_probe} rounds" if g.phase == "plain" else "")
+        print(
+            f"governor:  {state}; plain {rate(g.plain_tokens_per_second)} tok/s, drafting "
+            f"{rate(g.draft_tokens_per_second)} tok/s; {g.plain_rounds:,} plain and {g.draft_rounds:,} drafting "
+            f"rounds, {g.failed_probes} of {g.probes} probes failed, interval {g.probe_interval} "
+            f"(task {g.task}, {g.tasks} task(s) known)"
+        )
     if st.active:
         a = st.active
         print(f"active:    {a.id} ({a.completion_tokens} tokens, {a.elapsed_seconds:.1f} s)")

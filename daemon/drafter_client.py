@@ -51,15 +51,29 @@ class ModelDrafterClient:
         self.seed = 0
         self.new_request = False
 
-    def begin(self, request_id: str, prompt: list[int], sampler: Sampler) -> None:
+    def begin(self, request_id: str, prompt: list[int], sampler: Sampler, prefill: bool = True) -> None:
         self.request_id = request_id
         self.sampler = sampler
         self.seed = (sampler.seed + 0x9E3779B97F4A7C15) % 2**64  # the drafter's own stream
         self.new_request = True
-        if self.broken:
+        if self.broken or not prefill:
             return
         # start the drafter's prefill now, in parallel with the target's own
         self._send(prompt, k=0, p_min=0.0)
+
+    def sync(self, context: list[int]) -> None:
+        """Make the drafter hold ``context`` and wait until it does."""
+        if self.broken:
+            return
+        if context and common_prefix(self.mirror, context) < len(context):
+            self._send(context, k=0, p_min=0.0)
+        reply = None
+        while self.awaiting:
+            reply = self._recv(PREFILL_TIMEOUT_MS)
+            if reply is None:
+                return
+        if reply is not None:
+            self.mirror = list(context)[: reply.n_cached]
 
     def propose(self, context: list[int], k: int, p_min: float):
         if self.broken:

@@ -17,6 +17,7 @@ import numpy as np
 from tandem.protocol import Chunk, Done, DraftStats, ErrorCode, FinishReason, Generate, Timings, Usage
 
 from .chat import ChatTemplate, ChatTemplateError
+from .governor import Governor, GovernorBank, task_key
 from .llama_model import DecodeAborted
 from .sampler import Sampler
 from .speculative import SparseDist, verify
@@ -41,11 +42,18 @@ class Model(Protocol):
 class Drafter(Protocol):
     """Proposes tokens for the target to verify (see ngram.py, drafter_client.py)."""
 
-    def begin(self, request_id: str, prompt: list[int], sampler: Sampler) -> None: ...
+    def begin(self, request_id: str, prompt: list[int], sampler: Sampler, prefill: bool = True) -> None:
+        """A new request; ``prefill``: start reading the prompt now (in parallel with the target)."""
+        ...
 
     def propose(
         self, context: list[int], k: int, p_min: float
     ) -> tuple[list[int], Optional[list[SparseDist]]]: ...
+
+    def sync(self, context: list[int]) -> None:
+        """Catch up on ``context`` without drafting (before the first drafting
+        round after plain ones, so the governor times drafting, not catching up)."""
+        ...
 
 
 class RequestError(Exception):
@@ -67,6 +75,7 @@ class Engine:
         draft_p_min: float = 0.0,
         min_batch: int = 1,
         clock: Callable[[], float] = time.perf_counter,
+        governors: Optional[GovernorBank] = None,
     ):
         self.model = model
         self.chat_template = chat_template
@@ -75,6 +84,7 @@ class Engine:
         self.draft_p_min = draft_p_min
         self.min_batch = min_batch  # 2: every decoding step reads >= 2 positions (see _round)
         self.clock = clock
+        self.governors = governors  # None: draft every round
 
     def prompt_tokens(self, req: Generate) -> list[int]:
         if req.messages is not None:
@@ -117,19 +127,22 @@ class Engine:
         sampler = Sampler(req.temperature, req.top_k, req.top_p, req.seed)
         k = self.draft_tokens if req.draft_tokens is None else req.draft_tokens
         p_min = self.draft_p_min if req.draft_p_min is None else req.draft_p_min
-        drafter = self.drafter if k > 0 else None
+        drafter = self.drafter if k > 0 and req.draft != "off" else None
+        governor = self._governor(req, tokens, k) if drafter is not None else None
         stats = DraftStats() if drafter is not None else None
         stream = TextStream(req.stop)
         model = self.model
         model.clear()
         if drafter is not None:
-            drafter.begin(req.id, tokens, sampler)  # a model drafter prefills in parallel
+            # a model drafter prefills in parallel, if the first round will draft
+            drafter.begin(req.id, tokens, sampler, prefill=governor is None or governor.drafting)
         try:
             logits = model.decode(tokens, abort=should_cancel)[0]  # a long prefill can be cancelled
         except DecodeAborted:
             return self._cancelled_in_prefill(req, len(tokens), started)
         prefilled = self.clock()
         completion: list[int] = []
+        drafted_last = False
         new_tokens = [sampler.sample(logits)]
         first_token_at = self.clock()
         finish: Optional[FinishReason] = None
@@ -154,7 +167,22 @@ class Engine:
             if finish is None and should_cancel():
                 finish = FinishReason.CANCELLED
             if finish is None:
-                new_tokens = self._round(tokens + completion, len(completion), req, sampler, k, p_min, drafter, stats)
+                context = tokens + completion
+                drafting = drafter is not None and (governor is None or governor.drafting)
+                if drafting and governor is not None and not drafted_last:
+                    assert drafter is not None
+                    drafter.sync(context[:-1])  # untimed: a switching cost, not drafting's
+                drafted_last = drafting
+                if governor is not None:
+                    governor.start_round()
+                new_tokens, timed = self._round(
+                    context, len(completion), req, sampler, k, p_min, drafter if drafting else None, stats
+                )
+                if governor is not None:
+                    if timed:
+                        governor.end_round(len(new_tokens))
+                    else:
+                        governor.skip_round()
         tail = stream.flush()
         if tail and req.stream:
             emit(Chunk(id=req.id, text=tail, token_ids=[]))
@@ -175,7 +203,17 @@ class Engine:
                 queued_seconds=0.0,
             ),
             draft=stats if stats is not None and stats.rounds else None,
+            governor=self.governors.info() if governor is not None and self.governors is not None else None,
         )
+
+    def _governor(self, req: Generate, tokens: list[int], k: int) -> Optional[Governor]:
+        """The governor of this request's task, or None when every round drafts:
+        no governor, ``draft: on``, or seeded sampling (so that equal requests
+        reproduce equal tokens, whatever the governor has learned meanwhile)."""
+        if self.governors is None or req.draft == "on" or (req.seed is not None and req.temperature > 0):
+            return None
+        key = task_key(tokens) + ("" if k == self.draft_tokens else f"/k{k}")
+        return self.governors.get(key)
 
     def _round(
         self,
@@ -187,9 +225,10 @@ class Engine:
         p_min: float,
         drafter: Optional["Drafter"],
         stats: Optional[DraftStats],
-    ) -> list[int]:
+    ) -> tuple[list[int], bool]:
         """One round. ``context`` ends with the last sampled token, which the
-        target has not seen yet. Returns the tokens this round adds (>= 1)."""
+        target has not seen yet. Returns the tokens this round adds (>= 1) and
+        whether it ran as asked (False: no room left to draft in it)."""
         model = self.model
         # room for drafts: before max_tokens (the round adds one token of its own)
         # and inside the context (the target reads the pending token + k drafts)
@@ -206,13 +245,14 @@ class Engine:
             drafts, dists = [context[-1]], [SparseDist.one_hot(context[-1])]
         n_before = model.n_past
         logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
+        timed = drafter is None or room > 0
         if not drafts:
-            return [sampler.sample(logits[0])]
+            return [sampler.sample(logits[0])], timed
         n_accepted, own = verify(logits, drafts, dists, sampler)
         model.truncate(n_before + 1 + n_accepted)
         if counted and stats is not None:
             stats.add_round(len(drafts), n_accepted)
-        return [*drafts[:n_accepted], own]
+        return [*drafts[:n_accepted], own], timed
 
     def _cancelled_in_prefill(self, req: Generate, prompt_tokens: int, started: float) -> Done:
         elapsed = self.clock() - started

@@ -55,17 +55,23 @@ class NgramDrafter:
 
     # ---- the engine's Drafter interface
 
-    def begin(self, request_id: str, prompt: Sequence[int], sampler) -> None:
+    def begin(self, request_id: str, prompt: Sequence[int], sampler, prefill: bool = True) -> None:
         self.reset(prompt)
+
+    def sync(self, context: Sequence[int]) -> None:
+        self._catch_up(context)
 
     def propose(self, context: Sequence[int], k: int, p_min: float):
         """Within a request the context only grows, so catching up is an append."""
         from .speculative import SparseDist
 
+        self._catch_up(context)
+        drafts = self.draft(k)
+        return drafts, [SparseDist.one_hot(d) for d in drafts]
+
+    def _catch_up(self, context: Sequence[int]) -> None:
         n = len(self.tokens)
         if len(context) < n or (n and context[n - 1] != self.tokens[-1]):
             self.reset(context)
         else:
-            self.extend(context[len(self.tokens) :])
-        drafts = self.draft(k)
-        return drafts, [SparseDist.one_hot(d) for d in drafts]
+            self.extend(context[n:])

@@ -23,7 +23,9 @@ def serve(
     drafter: str = "none",
     draft_tokens: int = 4,
     draft_p_min: float = 0.0,
-    exact: bool = True,
+    exact: str = "auto",
+    governor: bool = True,
+    state_dir: Optional[Path] = None,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
     """Run the daemon in this process until it is stopped. Returns an exit code."""
@@ -51,6 +53,8 @@ def serve(
                 draft_tokens=draft_tokens,
                 draft_p_min=draft_p_min,
                 exact=exact,
+                governor=governor,
+                state_dir=state_dir,
             )
         )
     except (ServeError, models.ModelError) as exc:

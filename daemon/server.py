@@ -26,6 +26,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tandem.protocol import (
+    GovernorInfo,
     PROTOCOL_VERSION,
     ActiveRequest,
     Busy,
@@ -54,6 +55,7 @@ from tandem.protocol import (
 )
 from tandem.protocol.paths import MAX_SOCKET_PATH_BYTES
 
+from .governor import state_file
 from .version import __version__
 from .vocab import vocab_mismatch
 from .worker import WorkerConfig
@@ -86,7 +88,9 @@ class ServeConfig:
     drafter_path: Optional[Path] = None  # set for a model drafter
     draft_tokens: int = 4
     draft_p_min: float = 0.0
-    exact: bool = True
+    exact: str = "auto"  # "auto" (on when the target is not batch-invariant and the governor is off), "on", "off"
+    governor: bool = True
+    state_dir: Optional[Path] = None  # where the governor's state is kept; None: not kept
 
 
 @dataclass
@@ -160,6 +164,22 @@ class InstanceLock:
         os.close(self.fd)
 
 
+def governor_identity(c: ServeConfig) -> str:
+    """What the governor's learned state is valid for: the target and drafter
+    files (name and size) and the draft length."""
+
+    def describe(path: Optional[Path]) -> str:
+        if path is None:
+            return "-"
+        try:
+            return f"{path.name}:{path.stat().st_size}"
+        except OSError:
+            return path.name
+
+    drafter = describe(c.drafter_path) if c.drafter_path is not None else c.drafter
+    return f"target={describe(c.model_path)} drafter={drafter} k={c.draft_tokens}"
+
+
 # --------------------------------------------------------------------------- the daemon
 
 
@@ -174,6 +194,7 @@ class Daemon:
         self.active: Optional[Job] = None
         self.jobs: dict[str, Job] = {}
         self.counters = Counters()
+        self.governor: Optional[GovernorInfo] = None  # the target worker's latest report
         self.restart_due: Optional[float] = None
         self.ever_ready = False
         self.on_ready: Optional[Callable[[], None]] = None
@@ -213,6 +234,7 @@ class Daemon:
         c = self.config
         kind = "model" if c.drafter_path is not None else c.drafter
         draft_endpoint = endpoint(self.socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else ""
+        identity = governor_identity(c)
         common = dict(
             n_ctx=c.ctx_size, n_threads=c.threads, n_batch=c.batch_size, extra_buffers=c.extra_buffers,
             flash_attn=c.flash_attn, endpoint="", draft_endpoint=draft_endpoint,
@@ -227,6 +249,9 @@ class Daemon:
                 draft_tokens=c.draft_tokens if kind != "none" else 0,
                 draft_p_min=c.draft_p_min,
                 exact=c.exact,
+                governor=c.governor and kind != "none",
+                governor_state=str(state_file(c.state_dir, identity)) if c.state_dir is not None and kind != "none" else "",
+                governor_identity=identity,
                 **common,
             ),
             self.socket_dir,
@@ -505,12 +530,16 @@ class Daemon:
             return
         if isinstance(msg, Done):
             msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
+            if msg.governor is not None:
+                self.governor = msg.governor
         self._finish(job, msg)
 
     def _on_ready(self, msg: Ready) -> None:
         worker = self.drafter if msg.id == "drafter" else self.target
         assert worker is not None
         worker.info = msg.model
+        if worker is self.target:
+            self.governor = msg.governor
         elapsed = time.monotonic() - worker.started_at
         log.info(
             "%s model %s loaded in %.1f s (context %d tokens, worker pid %d)",
@@ -616,6 +645,7 @@ class Daemon:
             drafter_model=self.drafter.info if self.drafter is not None else None,
             draft_tokens=self.config.draft_tokens if self.config.drafter != "none" else 0,
             draft=self.counters.draft if self.counters.draft.rounds else None,
+            governor=self.governor,
         )
 
     # ------------------------------------------------------------------ shutdown

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import zmq
@@ -55,7 +56,10 @@ class WorkerConfig:
     draft_endpoint: str = ""  # the drafter worker binds it, the target worker connects to it
     draft_tokens: int = 0
     draft_p_min: float = 0.0
-    exact: bool = True  # with a drafter on a target that is not batch-invariant, batch every step
+    exact: str = "auto"  # batch every step: "on", "off", "auto" = when not batch-invariant and not governed
+    governor: bool = False  # with a drafter: draft only while it pays (see governor.py)
+    governor_state: str = ""  # file the governor's state is kept in ("": not kept)
+    governor_identity: str = ""  # target, drafter and k: the state is valid only for these
 
 
 def load_model(config: WorkerConfig):
@@ -112,6 +116,7 @@ class WorkerLoop:
         self.sock = sock
         self.stopping = False
         self.cancelled: set[str] = set()
+        self.governors = None
 
     def send(self, msg) -> None:
         self.sock.send_multipart(encode(msg))
@@ -122,7 +127,14 @@ class WorkerLoop:
         except Exception as exc:
             self.send(Error.of(self.config.role, ErrorCode.NOT_READY, f"could not load the model: {exc}"))
             return
-        self.send(Ready(id=self.config.role, model=info, pid=os.getpid()))
+        self.send(
+            Ready(
+                id=self.config.role,
+                model=info,
+                pid=os.getpid(),
+                governor=self.governors.info() if self.governors is not None else None,
+            )
+        )
         while not self.stopping:
             self._serve_one(engine, self.sock.recv_multipart())
 
@@ -156,10 +168,19 @@ class WorkerLoop:
         min_batch = 1
         if c.drafter != "none":
             info.batch_invariant = model.batch_invariant()
-            if c.exact and not info.batch_invariant:
+            if c.exact == "on" or (c.exact == "auto" and not c.governor and not info.batch_invariant):
                 min_batch = 2
                 info.exact_steps = True
-        return Engine(model, template, self._drafter(), c.draft_tokens, c.draft_p_min, min_batch), info
+        governors = None
+        if c.governor and c.drafter != "none":
+            from .governor import GovernorBank
+
+            governors = GovernorBank(c.governor_identity, Path(c.governor_state) if c.governor_state else None)
+        self.governors = governors
+        engine = Engine(
+            model, template, self._drafter(), c.draft_tokens, c.draft_p_min, min_batch, governors=governors
+        )
+        return engine, info
 
     def _drafter(self):
         kind = self.config.drafter
@@ -193,6 +214,8 @@ class WorkerLoop:
         try:
             done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
             self.send(done)
+            if done.governor is not None and self.governors is not None:
+                self.governors.save()  # after the reply: a few ms of disk never delay it
         except RequestError as exc:
             self.send(Error.of(msg.id, exc.code, exc.message))
         except Exception as exc:  # a bug or a llama.cpp failure: report it, keep serving

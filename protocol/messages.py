@@ -34,6 +34,7 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_DRAFT_TOKENS = 16
+DRAFT_MODES = ("auto", "on", "off")
 
 
 class Op(str, enum.Enum):
@@ -137,6 +138,7 @@ class Generate(Message):
     ignore_eos: bool = False  # keep generating past end-of-generation tokens
     draft_tokens: Optional[int] = None  # speculative draft length k; None = the daemon's; 0 = no drafting
     draft_p_min: Optional[float] = None  # stop a draft when the drafter's probability falls below; None = daemon's
+    draft: str = "auto"  # "auto": the governor decides each round; "on": draft every round; "off": never
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -164,6 +166,8 @@ class Generate(Message):
             raise ValueError(f"'draft_tokens' must be between 0 and {MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
         if self.draft_p_min is not None and not (math.isfinite(self.draft_p_min) and 0.0 <= self.draft_p_min <= 1.0):
             raise ValueError(f"'draft_p_min' must be between 0 and 1, got {self.draft_p_min}")
+        if self.draft not in DRAFT_MODES:
+            raise ValueError(f"'draft' must be one of {', '.join(DRAFT_MODES)}, got {self.draft!r}")
 
 
 @dataclass
@@ -245,6 +249,24 @@ class DraftStats:
 
 
 @dataclass
+class GovernorInfo:
+    """The governor's state for one task (see daemon/governor.py)."""
+
+    task: str  # which task: a hash of the prompt's first 16 tokens
+    tasks: int  # tasks the governor remembers
+    phase: str  # "measuring", "drafting", "refreshing", "plain" or "probing"
+    drafting: bool  # whether the next round drafts
+    plain_tokens_per_second: Optional[float]  # moving average of plain rounds
+    draft_tokens_per_second: Optional[float]  # moving average of drafting rounds
+    probe_interval: int  # plain rounds between probes
+    rounds_until_probe: int  # in "plain": rounds left before the next probe
+    plain_rounds: int
+    draft_rounds: int
+    probes: int
+    failed_probes: int
+
+
+@dataclass
 class Done(Message):
     op: ClassVar[Op] = Op.DONE
     id: str
@@ -253,6 +275,7 @@ class Done(Message):
     usage: Usage
     timings: Timings
     draft: Optional[DraftStats] = None  # None when the request was decoded without drafting
+    governor: Optional[GovernorInfo] = None  # its task's governor after this request; None if not governed
 
 
 @dataclass
@@ -329,6 +352,7 @@ class StatusReply(Message):
     drafter_model: Optional[ModelInfo] = None
     draft_tokens: int = 0  # the daemon's default k
     draft: Optional[DraftStats] = None  # cumulative over all requests that drafted
+    governor: Optional[GovernorInfo] = None  # the most recently used task's governor; None without one
 
 
 @dataclass
@@ -345,6 +369,7 @@ class Ready(Message):
     id: str  # the worker's role, e.g. "target"
     model: ModelInfo
     pid: int
+    governor: Optional[GovernorInfo] = None  # the target's governor as loaded from the state directory
 
 
 @dataclass

@@ -36,7 +36,8 @@ class DaemonProcess:
         self.dir = short_tmpdir()
         self.socket = self.dir / "t.sock"
         self.log_path = self.dir / "serve.log"
-        self.env = {**os.environ, **(env or {})}
+        # what the daemon learns (the governor's state) stays in this test's directory
+        self.env = {**os.environ, "XDG_STATE_HOME": str(self.dir / "state"), **(env or {})}
         self.env.pop("TANDEM_SOCKET", None)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -65,7 +66,8 @@ class DaemonProcess:
         raise TimeoutError(f"daemon not ready after {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> int:

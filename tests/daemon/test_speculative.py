@@ -110,8 +110,11 @@ class ListDrafter:
         self.prompt_len = 0
         self.calls: list[int] = []
 
-    def begin(self, request_id, prompt, sampler):
+    def begin(self, request_id, prompt, sampler, prefill=True):
         self.prompt_len = len(prompt)
+
+    def sync(self, context):
+        pass
 
     def propose(self, context, k, p_min):
         start = len(context) - self.prompt_len

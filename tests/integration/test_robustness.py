@@ -43,6 +43,7 @@ GARBAGE = [
     ([b"explode", body(id="a")], ErrorCode.UNKNOWN_OP),
     ([b"generate", body(id="a", prompt=7)], ErrorCode.INVALID_REQUEST),
     ([b"generate", body(id="a", prompt="x", max_tokens=-1)], ErrorCode.INVALID_REQUEST),
+    ([b"generate", body(id="a", prompt="x", draft="sometimes")], ErrorCode.INVALID_REQUEST),
     ([b"hello", body(id="a", protocol_version=[2, 0])], ErrorCode.UNSUPPORTED_VERSION),
     ([b"generate", body(id="a", prompt="x" * (5 * 2**20))], ErrorCode.MESSAGE_TOO_LARGE),
 ]

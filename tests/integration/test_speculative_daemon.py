@@ -28,7 +28,8 @@ def pair(smollm2_path):
 @pytest.fixture(scope="module")
 def spec_daemon(pair):
     target, drafter = pair
-    d = DaemonProcess(target, "--drafter", str(drafter), "--ctx-size", "2048", "--draft-tokens", "4")
+    # every round drafts (no governor), so these tests see drafting itself
+    d = DaemonProcess(target, "--drafter", str(drafter), "--ctx-size", "2048", "--draft-tokens", "4", "--governor", "off")
     d.wait_ready()
     yield d
     assert d.stop() == 0, d.log()
@@ -114,11 +115,11 @@ def test_sampling_distribution_with_and_without_the_drafter_match_chi_squared(sp
 
 
 def test_ngram_drafter_on_a_copying_task(start_daemon):
-    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024")
+    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024", "--governor", "off")  # so exact steps are on
     code = "def area(width, height):\n    return width * height\n\n"
     prompt = f"Rewrite this code exactly:\n{code}\nRewritten:\n"
     with d.client() as client:
-        drafted = client.complete(prompt=prompt, max_tokens=40, temperature=0.0)
+        drafted = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft="on")
         plain = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft_tokens=0)
         st = client.status()
     assert drafted.text == plain.text

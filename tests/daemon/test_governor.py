@@ -1,0 +1,335 @@
+"""The governor, without a model: scripted speeds drive every transition; then
+the engine with a scripted model whose passes advance a fake clock."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from tandem.daemon.engine import Engine
+from tandem.daemon.governor import (
+    DRAFTING,
+    MEASURING,
+    PLAIN,
+    PROBING,
+    REFRESHING,
+    Governor,
+    GovernorBank,
+    GovernorParams,
+    MovingRate,
+    state_file,
+    task_key,
+)
+from tandem.protocol import Generate
+
+from test_engine import ScriptedModel
+from test_speculative import ListDrafter
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def rounds(g: Governor, clock: FakeClock, n: int, plain_tps: float, draft_tps: float, draft_tokens: int = 3):
+    """Run n rounds at the given speeds; returns the phases the rounds ran in."""
+    seen = []
+    for _ in range(n):
+        seen.append(g.phase)
+        tokens = draft_tokens if g.drafting else 1
+        g.start_round()
+        clock.advance(tokens / (draft_tps if g.drafting else plain_tps))
+        g.end_round(tokens)
+    return seen
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+def test_moving_rate_is_the_mean_until_the_window_then_exponential():
+    r = MovingRate(window=4)
+    assert r.rate is None
+    for tokens, seconds in [(1, 0.1), (3, 0.1), (2, 0.4)]:
+        r.add(tokens, seconds)
+    assert r.rate == pytest.approx(6 / 0.6)  # a ratio of sums, not a mean of ratios
+    r.add(2, 0.0)
+    r.add(10, 0.6)  # weight 1/4 from the fifth round on
+    tokens = 8 / 4 + (10 - 8 / 4) / 4
+    seconds = 0.6 / 4 + (0.6 - 0.6 / 4) / 4
+    assert r.rate == pytest.approx(tokens / seconds)
+    r.restart()
+    assert r.rate == pytest.approx(tokens / seconds)  # reported until replaced
+    r.add(1, 1.0)
+    assert r.rate == pytest.approx(1.0)
+
+
+def test_measures_plain_first_then_drafts_and_keeps_drafting_while_it_pays(clock):
+    g = Governor(clock=clock)
+    assert g.phase == MEASURING and not g.drafting
+    seen = rounds(g, clock, 2 + 40, plain_tps=10, draft_tps=20)
+    assert seen[:2] == [MEASURING, MEASURING]
+    assert set(seen[2:]) == {DRAFTING}
+    assert g.plain.rate == pytest.approx(10) and g.draft.rate == pytest.approx(20)
+    assert (g.plain_rounds, g.draft_rounds) == (2, 40)
+
+
+def test_turns_off_when_drafting_is_slower_and_probes_after_32_rounds(clock):
+    g = Governor(clock=clock)
+    seen = rounds(g, clock, 4, plain_tps=10, draft_tps=8)
+    assert seen == [MEASURING, MEASURING, DRAFTING, DRAFTING]
+    assert g.phase == PLAIN and g.countdown == 32 and g.interval == 32
+    seen = rounds(g, clock, 32, plain_tps=10, draft_tps=8)
+    assert set(seen) == {PLAIN}
+    assert g.phase == PROBING and g.probes == 1
+    assert g.info().rounds_until_probe == 0
+
+
+def test_each_failed_probe_doubles_the_interval_up_to_512(clock):
+    g = Governor(clock=clock)
+    rounds(g, clock, 4 + 32, plain_tps=10, draft_tps=8)  # off, then to the first probe
+    intervals = []
+    for _ in range(6):
+        assert g.phase == PROBING
+        seen = rounds(g, clock, 2, plain_tps=10, draft_tps=8)
+        assert seen == [PROBING, PROBING]
+        assert g.phase == PLAIN
+        intervals.append(g.interval)
+        seen = rounds(g, clock, g.interval, plain_tps=10, draft_tps=8)
+        assert set(seen) == {PLAIN}
+    assert intervals == [64, 128, 256, 512, 512, 512]
+    assert g.failed_probes == 6 and g.probes == 7
+
+
+def test_a_successful_probe_turns_drafting_back_on_and_resets_the_interval(clock):
+    g = Governor(clock=clock)
+    rounds(g, clock, 4 + 32 + 2 + 64, plain_tps=10, draft_tps=8)  # off, a failed probe, second probe due
+    assert g.phase == PROBING and g.interval == 64
+    # the task changed: drafting now pays. The probe restarts the drafting average,
+    # so the old, slow estimate does not outvote what the probe measures.
+    rounds(g, clock, 2, plain_tps=10, draft_tps=15)
+    assert g.phase == DRAFTING and g.interval == 32
+    assert g.draft.rate == pytest.approx(15)
+
+
+def test_refreshes_the_plain_estimate_every_64_drafting_rounds(clock):
+    g = Governor(clock=clock)
+    seen = rounds(g, clock, 2 + 64 + 2 + 64 + 2, plain_tps=10, draft_tps=20)
+    assert seen[2:66] == [DRAFTING] * 64
+    assert seen[66:68] == [REFRESHING] * 2
+    assert seen[68:132] == [DRAFTING] * 64
+    assert seen[132:] == [REFRESHING] * 2
+    # a refresh that finds plain decoding faster now (say the context grew and the
+    # drafter slowed down less than... or the machine's load changed) turns drafting off
+    rounds(g, clock, 64, plain_tps=10, draft_tps=20)
+    assert g.phase == REFRESHING
+    rounds(g, clock, 2, plain_tps=30, draft_tps=20)
+    assert g.phase == PLAIN and g.countdown == 32
+    assert g.plain.rate == pytest.approx(30)  # the refresh replaced the old estimate
+
+
+def test_threshold_is_1_02_times_plain(clock):
+    g = Governor(clock=clock)
+    rounds(g, clock, 2 + 10, plain_tps=10, draft_tps=10.3)
+    assert g.phase == DRAFTING
+    g = Governor(clock=clock)
+    rounds(g, clock, 2 + 2, plain_tps=10, draft_tps=10.1)
+    assert g.phase == PLAIN
+
+
+def test_turning_off_from_drafting_does_not_double_the_interval(clock):
+    g = Governor(clock=clock)
+    rounds(g, clock, 2 + 10, plain_tps=10, draft_tps=20)
+    assert g.phase == DRAFTING
+    rounds(g, clock, 30, plain_tps=10, draft_tps=5)  # the moving average sinks below plain
+    assert g.phase == PLAIN and g.interval == 32 and g.failed_probes == 0
+
+
+def test_skipped_round_is_not_counted(clock):
+    g = Governor(clock=clock)
+    g.start_round()
+    clock.advance(5.0)
+    g.skip_round()
+    assert g.plain.n == 0 and g.plain_rounds == 0 and g.phase == MEASURING
+
+
+def test_state_round_trips_through_a_dict(clock):
+    g = Governor(clock=clock)
+    rounds(g, clock, 4 + 32 + 2 + 10, plain_tps=10, draft_tps=8)
+    h = Governor.from_dict(json.loads(json.dumps(g.to_dict())), GovernorParams(), clock)
+    assert h.to_dict() == g.to_dict() and h.info() == g.info()
+
+
+# ---------------------------------------------------------------------------- the bank: tasks, files
+
+
+def test_bank_keeps_one_governor_per_task_and_forgets_the_least_recent(clock):
+    bank = GovernorBank("id", clock=clock, max_tasks=2)
+    a, b = bank.get("a"), bank.get("b")
+    assert a is not b and bank.get("a") is a
+    bank.get("c")  # "b" is the least recently used
+    assert set(bank.tasks) == {"a", "c"}
+    assert bank.info().task == "c" and bank.info().tasks == 2
+
+
+def test_bank_persists_and_restores(tmp_path, clock):
+    path = state_file(tmp_path, "id")
+    bank = GovernorBank("id", path, clock=clock)
+    rounds(bank.get("t1"), clock, 4 + 5, plain_tps=10, draft_tps=8)
+    rounds(bank.get("t2"), clock, 2 + 5, plain_tps=10, draft_tps=30)
+    bank.save()
+    again = GovernorBank("id", path, clock=clock)
+    assert {k: g.to_dict() for k, g in again.tasks.items()} == {k: g.to_dict() for k, g in bank.tasks.items()}
+    assert again.tasks["t1"].phase == PLAIN and again.tasks["t2"].phase == DRAFTING
+    assert again.info() == bank.info()
+    assert not list(tmp_path.glob(".governor-*"))  # no temporary files left behind
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json {",
+        json.dumps([1, 2]),
+        json.dumps({"version": 99, "identity": "id", "tasks": {}}),
+        json.dumps({"version": 1, "identity": "id", "tasks": {"t": {"phase": "dancing"}}}),
+        json.dumps({"version": 1, "identity": "id", "tasks": {"t": {**Governor().to_dict(), "interval": -5}}}),
+        json.dumps({"version": 1, "identity": "id", "tasks": {"t": {**Governor().to_dict(), "plain": [1, "x", 2]}}}),
+        json.dumps({"version": 1, "identity": "another model", "tasks": {"t": Governor().to_dict()}}),
+    ],
+    ids=["not-json", "a-list", "other-version", "bad-phase", "bad-interval", "bad-average", "foreign"],
+)
+def test_a_corrupt_or_foreign_state_file_is_ignored_with_a_warning(tmp_path, caplog, content):
+    path = tmp_path / "governor.json"
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="tandem.governor"):
+        bank = GovernorBank("id", path)
+    assert bank.tasks == {} and bank.info() is None
+    assert "ignoring the governor state" in caplog.text
+    bank.get("t")
+    bank.save()  # and the next save replaces the bad file
+    assert json.loads(path.read_text())["identity"] == "id"
+
+
+def test_task_key_is_the_prompt_start():
+    assert task_key(list(range(40))) == task_key(list(range(16)) + [99] * 10)
+    assert task_key(list(range(40))) != task_key([1] + list(range(1, 40)))
+
+
+# ---------------------------------------------------------------------------- through the engine
+
+
+SCRIPT = (b"the quick brown fox jumps over the lazy dog. " * 6)[:240]
+
+
+class TimedModel(ScriptedModel):
+    """Each pass advances the clock: 10 ms for one token, 25 ms for 5 (a
+    compute-bound CPU: verifying is not free)."""
+
+    def __init__(self, clock: FakeClock, script: bytes = SCRIPT):
+        super().__init__(script, n_ctx=512)
+        self.clock = clock
+        self.widths: list[int] = []
+
+    def decode(self, tokens, logits_for=(-1,), abort=None):
+        if self.n_past:  # not the prefill
+            self.widths.append(len(tokens))
+            self.clock.advance(0.010 + 0.00375 * (len(tokens) - 1))
+        return super().decode(tokens, logits_for, abort)
+
+
+def engine_run(clock, bank, drafter, **params):
+    model = TimedModel(clock)
+    params = {"prompt": "hi", "temperature": 0.0, "max_tokens": 200, **params}
+    req = Generate(id="r", **params)
+    engine = Engine(model, None, drafter=drafter, draft_tokens=4, clock=clock, governors=bank)
+    return engine.run(req, lambda chunk: None, lambda: False), model
+
+
+def test_engine_keeps_drafting_when_drafts_are_right(clock):
+    bank = GovernorBank("id", clock=clock)
+    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set()))
+    assert done.text == SCRIPT[:200].decode()
+    g = done.governor
+    assert g.phase == DRAFTING and g.plain_rounds == 2
+    assert g.draft_tokens_per_second > 1.02 * g.plain_tokens_per_second
+    assert model.widths[:2] == [1, 1] and set(model.widths[2:-1]) == {5}
+    assert done.draft.rounds == g.draft_rounds
+
+
+def test_engine_stops_drafting_when_drafts_are_wrong_and_output_is_unchanged(clock):
+    bank = GovernorBank("id", clock=clock)
+    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))))
+    assert done.text == SCRIPT[:200].decode()
+    g = done.governor
+    assert g.phase in (PLAIN, PROBING) and g.probes >= 1 and g.failed_probes >= 1
+    # measured 2 plain, drafted 2, then plain rounds with periodic 2-round probes
+    assert model.widths[:4] == [1, 1, 5, 5]
+    # 2 drafting rounds to learn, then 2 per probe (fewer if the last probe is under way)
+    assert sum(w > 1 for w in model.widths) == g.draft_rounds
+    assert 2 * g.probes < g.draft_rounds <= 2 * (1 + g.probes)
+    assert model.widths.count(1) in (g.plain_rounds, g.plain_rounds + 1)  # + the last round: no room to draft
+    # the next request of the same task starts where this one left off: no drafting
+    done2, model2 = engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))))
+    assert model2.widths[0] == 1 and done2.governor.plain_rounds > g.plain_rounds
+
+
+def test_engine_tasks_are_governed_separately(clock):
+    bank = GovernorBank("id", clock=clock)
+    engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))), prompt="task A, whose drafts fail")
+    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set()), prompt="task B, whose drafts pay")
+    assert done.governor.phase == DRAFTING and done.governor.tasks == 2
+    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))), prompt="task A, whose drafts fail")
+    assert model.widths[0] == 1  # task A is still known to be plain
+
+
+@pytest.mark.parametrize(
+    "params, drafts_every_round",
+    [
+        (dict(draft="on"), True),
+        (dict(temperature=0.7, seed=3), True),  # seeded sampling: equal requests, equal tokens
+        (dict(draft="off"), False),
+    ],
+)
+def test_requests_that_force_the_mode_bypass_the_governor(clock, params, drafts_every_round):
+    bank = GovernorBank("id", clock=clock)
+    engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))))  # the governor learns: plain
+    before = bank.info()
+    assert before.phase in (PLAIN, PROBING)
+    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))), **params)
+    assert done.governor is None and bank.info() == before
+    if drafts_every_round:
+        assert set(model.widths[:-4]) == {5}  # (shorter drafts near max_tokens)
+    else:
+        assert set(model.widths) == {1} and done.draft is None
+
+
+def test_seeded_sampling_reproduces_whatever_the_governor_learned(clock):
+    def sample(bank):
+        model = TimedModel(clock)
+        req = Generate(id="r", prompt="hi", temperature=1.0, top_k=0, top_p=1.0, seed=11, max_tokens=60)
+        drafter = ListDrafter(SCRIPT, {2, 5, 9})
+        done = Engine(model, None, drafter=drafter, draft_tokens=4, clock=clock, governors=bank).run(
+            req, lambda c: None, lambda: False
+        )
+        return done.text
+
+    fresh = sample(GovernorBank("id", clock=clock))
+    learned = GovernorBank("id", clock=clock)
+    engine_run(clock, learned, ListDrafter(SCRIPT, set(range(1000))))
+    assert sample(learned) == fresh
+
+
+def test_no_governor_drafts_every_round(clock):
+    done, model = engine_run(clock, None, ListDrafter(SCRIPT, set(range(1000))))
+    assert done.governor is None and set(model.widths[:-4]) == {5}
+    assert np.isclose(done.draft.acceptance_rate, 0.0)

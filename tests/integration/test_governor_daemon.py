@@ -1,0 +1,117 @@
+"""The governor through the daemon's socket, with the SmolLM2 F16 target and its
+Q4_1 drafter: per-request modes, status, the CLI, and state kept across restarts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import short_tmpdir
+
+PHASES = {"measuring", "drafting", "refreshing", "plain", "probing"}
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2_path):
+    from tandem.daemon import models
+
+    return models.derive_f16(smollm2_path), smollm2_path
+
+
+def greedy(client, **params):
+    return client.complete(prompt=PROMPT, max_tokens=48, temperature=0.0, ignore_eos=True, **params)
+
+
+def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(start_daemon, pair):
+    target, drafter = pair
+    d = start_daemon("--drafter", str(drafter), "--ctx-size", "1024", model=target)
+    with d.client() as client:
+        st = client.status()
+        assert st.governor is None  # a fresh state directory: nothing learned yet
+        assert not st.model.exact_steps  # governed: plain rounds are one-token passes
+
+        done = greedy(client)
+        g = done.governor
+        assert g is not None and g.phase in PHASES and g.tasks == 1
+        # it measured plain decoding first, then drafted (at least the first decision's 2 rounds)
+        assert g.plain_rounds >= 2 and g.draft_rounds >= 2
+        assert g.plain_tokens_per_second > 0 and g.draft_tokens_per_second > 0
+        assert done.draft.rounds == g.draft_rounds  # every drafting round of this first request
+        assert client.status().governor == g
+
+        off = greedy(client, draft="off")
+        assert off.draft is None and off.governor is None
+        on = greedy(client, draft="on")
+        assert on.governor is None and on.draft.rounds >= 48 // 5  # every round drafted
+        seeded = client.complete(prompt=PROMPT, max_tokens=24, temperature=0.8, seed=5)
+        assert seeded.governor is None and seeded.draft is not None
+        assert client.status().governor == g  # forced requests leave the governor as it was
+
+        again = greedy(client)
+        assert again.governor.plain_rounds + again.governor.draft_rounds > g.plain_rounds + g.draft_rounds
+        other_task = client.complete(prompt="Once upon a time", max_tokens=16, temperature=0.0, ignore_eos=True)
+        assert other_task.governor.tasks == 2 and other_task.governor.task != g.task
+
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.client.cli", "--socket", str(d.socket), "status"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("governor:"))
+    assert "tok/s" in line and "2 task(s)" in line
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.client.cli", "--socket", str(d.socket), "run", "--raw", "--json",
+         "--temperature", "0", "--max-tokens", "8", "--draft", "off", PROMPT],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["draft"] is None and result["governor"] is None
+
+
+def test_governor_state_survives_a_restart_and_is_keyed_by_the_models(start_daemon, pair):
+    target, drafter = pair
+    state = short_tmpdir("tdm-state-")
+    args = ("--drafter", str(drafter), "--ctx-size", "1024", "--state-dir", str(state))
+
+    d = start_daemon(*args, model=target)
+    with d.client() as client:
+        learned = greedy(client).governor
+    assert d.stop() == 0
+    files = list(state.glob("governor-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["version"] == 1
+
+    d = start_daemon(*args, model=target)
+    with d.client() as client:
+        assert client.status().governor == learned  # a restarted daemon starts from what it learned
+        after = greedy(client).governor
+        assert after.plain_rounds + after.draft_rounds > learned.plain_rounds + learned.draft_rounds
+    assert d.stop() == 0
+
+    d = start_daemon(*args, "--draft-tokens", "2", model=target)  # another k: another state
+    with d.client() as client:
+        assert client.status().governor is None
+    assert d.stop() == 0
+    assert len(list(state.glob("governor-*.json"))) == 1  # (nothing learned under k = 2 yet)
+
+    files[0].write_text('{"version": 1, "identity": ')  # corrupt: ignored with a warning
+    d = start_daemon(*args, model=target)
+    with d.client() as client:
+        assert client.status().governor is None
+        assert greedy(client).governor.tasks == 1
+    assert d.stop() == 0
+    assert "ignoring the governor state" in d.log()
+    assert json.loads(files[0].read_text())["version"] == 1  # replaced by a good one
+
+
+def test_ngram_drafter_is_governed_too(start_daemon):
+    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024")
+    code = "def area(width, height):\n    return width * height\n\n"
+    with d.client() as client:
+        done = client.complete(prompt=f"Rewrite this code exactly:\n{code}\nRewritten:\n", max_tokens=40, temperature=0.0)
+        assert done.governor is not None and done.governor.plain_rounds >= 2
+        assert client.status().governor == done.governor

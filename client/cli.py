@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and kept in --state-dir across restarts; off = draft every round (default %(default)s)",
     )
     p.add_argument(
+        "--governor-per-task",
+        choices=["on", "off"],
+        default="on",
+        help="keep one governor state per task (requests whose prompts start with the same 16 tokens: the same "
+        "system prompt, the same file), so alternating tasks each keep their own mode; off = one state for all "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--exact",
         choices=["auto", "on", "off"],
         default="auto",
@@ -228,6 +236,7 @@ def cmd_serve(args) -> int:
         draft_p_min=args.draft_p_min,
         exact=args.exact,
         governor=args.governor == "on",
+        governor_per_task=args.governor_per_task == "on",
         state_dir=args.state_dir or state_dir(),
     )
 
@@ -322,7 +331,11 @@ def cmd_status(args) -> int:
     if st.governor:
         g = st.governor
         rate = lambda r: f"{r:.1f}" if r is not None else "-"  # noqa: E731
-        state = f"{g.phase}" + (f", probe in {g.rounds_until_probe} rounds" if g.phase == "plain" else "")
+        state = g.phase
+        if g.phase == "plain":
+            state += f", probe in {g.rounds_until_probe} rounds"
+            if g.probe_debt_seconds > 0:
+                state += f" and {g.probe_debt_seconds:.0f} s"
         print(
             f"governor:  {state}; plain {rate(g.plain_tokens_per_second)} tok/s, drafting "
             f"{rate(g.draft_tokens_per_second)} tok/s; {g.plain_rounds:,} plain and {g.draft_rounds:,} drafting "

@@ -61,6 +61,16 @@ class ModelDrafterClient:
         # start the drafter's prefill now, in parallel with the target's own
         self._send(prompt, k=0, p_min=0.0)
 
+    def ready(self) -> bool:
+        if self.broken:
+            return True
+        while self.awaiting and self.sock.poll(0, zmq.POLLIN):
+            reply = self._recv(0)
+            if reply is None:
+                return True
+            self.mirror = self.mirror[: reply.n_cached]  # a k = 0 reply: it read what was sent
+        return self.awaiting == 0
+
     def sync(self, context: list[int]) -> None:
         """Make the drafter hold ``context`` and wait until it does."""
         if self.broken:

@@ -17,7 +17,7 @@ import numpy as np
 from tandem.protocol import Chunk, Done, DraftStats, ErrorCode, FinishReason, Generate, Timings, Usage
 
 from .chat import ChatTemplate, ChatTemplateError
-from .governor import Governor, GovernorBank, task_key
+from .governor import PLAIN, Governor, GovernorBank, task_key
 from .llama_model import DecodeAborted
 from .sampler import Sampler
 from .speculative import SparseDist, verify
@@ -53,6 +53,10 @@ class Drafter(Protocol):
     def sync(self, context: list[int]) -> None:
         """Catch up on ``context`` without drafting (before the first drafting
         round after plain ones, so the governor times drafting, not catching up)."""
+        ...
+
+    def ready(self) -> bool:
+        """False while it is still working on something sent earlier (reading the prompt)."""
         ...
 
 
@@ -134,8 +138,12 @@ class Engine:
         model = self.model
         model.clear()
         if drafter is not None:
-            # a model drafter prefills in parallel, if the first round will draft
-            drafter.begin(req.id, tokens, sampler, prefill=governor is None or governor.drafting)
+            # A model drafter reads the prompt in parallel with the target, unless
+            # the task's governor is plain: on 2 cores that reading competes with
+            # the target, and is wasted on a request that does not draft. A probe
+            # that falls due later catches the drafter up then (see _governed_round).
+            skip = governor is not None and governor.phase == PLAIN
+            drafter.begin(req.id, tokens, sampler, prefill=not skip)
         try:
             logits = model.decode(tokens, abort=should_cancel)[0]  # a long prefill can be cancelled
         except DecodeAborted:
@@ -168,21 +176,13 @@ class Engine:
                 finish = FinishReason.CANCELLED
             if finish is None:
                 context = tokens + completion
-                drafting = drafter is not None and (governor is None or governor.drafting)
-                if drafting and governor is not None and not drafted_last:
+                if governor is None:
+                    new_tokens, _ = self._round(context, len(completion), req, sampler, k, p_min, drafter, stats)
+                else:
                     assert drafter is not None
-                    drafter.sync(context[:-1])  # untimed: a switching cost, not drafting's
-                drafted_last = drafting
-                if governor is not None:
-                    governor.start_round()
-                new_tokens, timed = self._round(
-                    context, len(completion), req, sampler, k, p_min, drafter if drafting else None, stats
-                )
-                if governor is not None:
-                    if timed:
-                        governor.end_round(len(new_tokens))
-                    else:
-                        governor.skip_round()
+                    new_tokens, drafted_last = self._governed_round(
+                        governor, drafter, drafted_last, context, len(completion), req, sampler, k, p_min, stats
+                    )
         tail = stream.flush()
         if tail and req.stream:
             emit(Chunk(id=req.id, text=tail, token_ids=[]))
@@ -214,6 +214,41 @@ class Engine:
             return None
         key = task_key(tokens) + ("" if k == self.draft_tokens else f"/k{k}")
         return self.governors.get(key)
+
+    def _governed_round(
+        self,
+        governor: Governor,
+        drafter: Drafter,
+        drafted_last: bool,
+        context: list[int],
+        generated: int,
+        req: Generate,
+        sampler: Sampler,
+        k: int,
+        p_min: float,
+        stats: Optional[DraftStats],
+    ) -> tuple[list[int], bool]:
+        """A round of the kind the governor asks for, timed for it. While the
+        drafter is still reading the prompt, rounds are plain and untimed (they
+        share the CPU with it and would look slow). Before the first drafting
+        round after plain ones the drafter catches up, untimed: that is a cost
+        of switching, paid once per probe, not of drafting. Returns the round's
+        tokens and whether it drafted."""
+        if not drafter.ready():
+            tokens, _ = self._round(context, generated, req, sampler, k, p_min, None, stats)
+            return tokens, False
+        drafting = governor.drafting
+        if drafting and not drafted_last:
+            started = self.clock()
+            drafter.sync(context[:-1])
+            governor.caught_up(self.clock() - started)
+        governor.start_round()
+        tokens, timed = self._round(context, generated, req, sampler, k, p_min, drafter if drafting else None, stats)
+        if timed:
+            governor.end_round(len(tokens))
+        else:
+            governor.skip_round()
+        return tokens, drafting
 
     def _round(
         self,

@@ -27,6 +27,15 @@ and resets the interval to 32; a failure doubles it (up to 512) and waits
 again. Turning drafting off from ``drafting`` waits the current interval
 without doubling it: only failed probes double.
 
+**Catching up.** Before a probe, a model drafter must first read what the
+target decoded while it was idle (and, if the request began in ``plain``, the
+prompt): on 2 cores that costs as much as the drafter's share of a prefill. It is
+not timed as drafting (it is paid once per switch, not per round), but it is
+not free either: its time becomes a debt that plain rounds pay off at
+``catch_up_share`` (2%), and the next probe waits until the debt is paid as
+well as the interval. With a short context this never delays anything; with a
+long one it keeps probing under 2% of the time.
+
 A ``GovernorBank`` keeps one governor per task (see ``task_key``) and persists
 them; ``Engine`` drives them.
 """
@@ -68,6 +77,7 @@ class GovernorParams:
     refresh_every: int = 64  # drafting rounds between refreshes of the plain estimate
     first_interval: int = 32  # plain rounds before the first re-probe
     max_interval: int = 512
+    catch_up_share: float = 0.02  # at most this share of plain time goes to catching the drafter up for probes
 
 
 @dataclass
@@ -108,6 +118,7 @@ class Governor:
     draft_rounds: int = 0
     probes: int = 0
     failed_probes: int = 0
+    debt: float = 0.0  # seconds of plain rounds still to run before the next probe (catch-up costs)
     plain: MovingRate = field(init=False)
     draft: MovingRate = field(init=False)
     _started: Optional[float] = field(default=None, init=False, repr=False)
@@ -138,6 +149,10 @@ class Governor:
         self._started = None
         self.record(tokens, seconds)
 
+    def caught_up(self, seconds: float) -> None:
+        """The drafter took ``seconds`` to catch up before a probe."""
+        self.debt += seconds / self.params.catch_up_share
+
     def skip_round(self) -> None:
         """The round started did not run as asked (no room left to draft): not counted."""
         self._started = None
@@ -153,6 +168,7 @@ class Governor:
         else:
             self.plain.add(tokens, seconds)
             self.plain_rounds += 1
+            self.debt = self.debt - seconds if self.debt - seconds > 1e-6 else 0.0
         if self.phase == MEASURING:
             self.left -= 1
             if self.left <= 0:
@@ -172,8 +188,8 @@ class Governor:
                 else:
                     self._enter_plain()
         elif self.phase == PLAIN:
-            self.countdown -= 1
-            if self.countdown <= 0:
+            self.countdown = max(0, self.countdown - 1)
+            if self.countdown <= 0 and self.debt <= 0:
                 self.phase, self.left = PROBING, p.probe_rounds
                 self.probes += 1
                 self.draft.restart()
@@ -214,6 +230,7 @@ class Governor:
             draft_tokens_per_second=self.draft.rate,
             probe_interval=self.interval,
             rounds_until_probe=self.countdown if self.phase == PLAIN else 0,
+            probe_debt_seconds=self.debt,
             plain_rounds=self.plain_rounds,
             draft_rounds=self.draft_rounds,
             probes=self.probes,
@@ -231,6 +248,7 @@ class Governor:
             "draft_rounds": self.draft_rounds,
             "probes": self.probes,
             "failed_probes": self.failed_probes,
+            "debt": self.debt,
             "plain": [self.plain.tokens, self.plain.seconds, self.plain.n],
             "draft": [self.draft.tokens, self.draft.seconds, self.draft.n],
         }
@@ -245,7 +263,10 @@ class Governor:
             raise ValueError("counters must be non-negative integers")
         if not params.first_interval <= d["interval"] <= params.max_interval:
             raise ValueError(f"probe interval {d['interval']} out of range")
-        g = cls(params=params, clock=clock, **{k: d[k] for k in ("phase", *ints)})
+        debt = d["debt"]
+        if not isinstance(debt, (int, float)) or not 0 <= debt < 1e7:
+            raise ValueError("bad probe debt")
+        g = cls(params=params, clock=clock, debt=float(debt), **{k: d[k] for k in ("phase", *ints)})
         for name in ("plain", "draft"):
             tokens, seconds, n = d[name]
             if not (isinstance(tokens, (int, float)) and isinstance(seconds, (int, float)) and type(n) is int):
@@ -281,18 +302,22 @@ class GovernorBank:
         params: GovernorParams = GovernorParams(),
         clock: Callable[[], float] = time.perf_counter,
         max_tasks: int = 64,
+        per_task: bool = True,
     ):
         self.identity = identity
         self.path = path
         self.params = params
         self.clock = clock
         self.max_tasks = max_tasks
+        self.per_task = per_task  # False: one governor for every request
         self.tasks: OrderedDict[str, Governor] = OrderedDict()
         self.last_task = ""
         if path is not None:
             self._load(path)
 
     def get(self, task: str) -> Governor:
+        if not self.per_task:
+            task = "all"
         g = self.tasks.get(task)
         if g is None:
             g = self.tasks[task] = Governor(self.params, self.clock)

@@ -61,6 +61,9 @@ class NgramDrafter:
     def sync(self, context: Sequence[int]) -> None:
         self._catch_up(context)
 
+    def ready(self) -> bool:
+        return True
+
     def propose(self, context: Sequence[int], k: int, p_min: float):
         """Within a request the context only grows, so catching up is an append."""
         from .speculative import SparseDist

@@ -25,6 +25,7 @@ def serve(
     draft_p_min: float = 0.0,
     exact: str = "auto",
     governor: bool = True,
+    governor_per_task: bool = True,
     state_dir: Optional[Path] = None,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
@@ -54,6 +55,7 @@ def serve(
                 draft_p_min=draft_p_min,
                 exact=exact,
                 governor=governor,
+                governor_per_task=governor_per_task,
                 state_dir=state_dir,
             )
         )

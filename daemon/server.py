@@ -90,6 +90,7 @@ class ServeConfig:
     draft_p_min: float = 0.0
     exact: str = "auto"  # "auto" (on when the target is not batch-invariant and the governor is off), "on", "off"
     governor: bool = True
+    governor_per_task: bool = True
     state_dir: Optional[Path] = None  # where the governor's state is kept; None: not kept
 
 
@@ -252,6 +253,7 @@ class Daemon:
                 governor=c.governor and kind != "none",
                 governor_state=str(state_file(c.state_dir, identity)) if c.state_dir is not None and kind != "none" else "",
                 governor_identity=identity,
+                governor_per_task=c.governor_per_task,
                 **common,
             ),
             self.socket_dir,

@@ -60,6 +60,7 @@ class WorkerConfig:
     governor: bool = False  # with a drafter: draft only while it pays (see governor.py)
     governor_state: str = ""  # file the governor's state is kept in ("": not kept)
     governor_identity: str = ""  # target, drafter and k: the state is valid only for these
+    governor_per_task: bool = True  # one governor per task (the prompt's start), or one for all
 
 
 def load_model(config: WorkerConfig):
@@ -175,7 +176,11 @@ class WorkerLoop:
         if c.governor and c.drafter != "none":
             from .governor import GovernorBank
 
-            governors = GovernorBank(c.governor_identity, Path(c.governor_state) if c.governor_state else None)
+            governors = GovernorBank(
+                c.governor_identity,
+                Path(c.governor_state) if c.governor_state else None,
+                per_task=c.governor_per_task,
+            )
         self.governors = governors
         engine = Engine(
             model, template, self._drafter(), c.draft_tokens, c.draft_p_min, min_batch, governors=governors

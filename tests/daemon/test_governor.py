@@ -155,6 +155,20 @@ def test_turning_off_from_drafting_does_not_double_the_interval(clock):
     assert g.phase == PLAIN and g.interval == 32 and g.failed_probes == 0
 
 
+def test_a_costly_catch_up_delays_the_next_probe_until_plain_rounds_repay_it(clock):
+    g = Governor(clock=clock)
+    rounds(g, clock, 4 + 32, plain_tps=10, draft_tps=8)  # off; the first probe is due
+    assert g.phase == PROBING
+    g.caught_up(0.5)  # the drafter read a long context: 0.5 s = 2% of 25 s of plain decoding
+    rounds(g, clock, 2, plain_tps=10, draft_tps=8)
+    assert g.phase == PLAIN and g.interval == 64 and g.debt == pytest.approx(25.0)
+    seen = rounds(g, clock, 249, plain_tps=10, draft_tps=8)  # 0.1 s per plain round
+    assert set(seen) == {PLAIN} and g.countdown == 0 and g.debt > 0
+    rounds(g, clock, 1, plain_tps=10, draft_tps=8)
+    assert g.phase == PROBING
+    assert g.info().probe_debt_seconds == 0.0
+
+
 def test_skipped_round_is_not_counted(clock):
     g = Governor(clock=clock)
     g.start_round()
@@ -333,3 +347,51 @@ def test_no_governor_drafts_every_round(clock):
     done, model = engine_run(clock, None, ListDrafter(SCRIPT, set(range(1000))))
     assert done.governor is None and set(model.widths[:-4]) == {5}
     assert np.isclose(done.draft.acceptance_rate, 0.0)
+
+
+class RecordingDrafter(ListDrafter):
+    """Busy reading the prompt for the first ``busy`` rounds; records what the engine asks."""
+
+    def __init__(self, continuation, wrong_at, busy: int = 0):
+        super().__init__(continuation, wrong_at)
+        self.busy = busy
+        self.prefills: list[bool] = []
+        self.synced: list[int] = []
+
+    def begin(self, request_id, prompt, sampler, prefill=True):
+        super().begin(request_id, prompt, sampler)
+        self.prefills.append(prefill)
+
+    def ready(self):
+        if self.busy:
+            self.busy -= 1
+            return False
+        return True
+
+    def sync(self, context):
+        self.synced.append(len(context))
+
+
+def test_rounds_while_the_drafter_reads_the_prompt_are_plain_and_untimed(clock):
+    bank = GovernorBank("id", clock=clock)
+    drafter = RecordingDrafter(SCRIPT, set(), busy=3)
+    done, model = engine_run(clock, bank, drafter)
+    assert drafter.prefills == [True]  # a new task: the drafter reads the prompt in parallel
+    assert model.widths[:5] == [1, 1, 1, 1, 1] and model.widths[5] == 5  # 3 untimed + 2 measured, then drafting
+    assert done.governor.plain_rounds == 2
+    # caught up (untimed) before the first drafting round: prompt "hi" + 5 tokens, minus the pending one
+    assert drafter.synced == [2 + 5]
+
+
+def test_a_task_known_to_be_plain_does_not_make_the_drafter_read_the_prompt(clock):
+    bank = GovernorBank("id", clock=clock)
+    engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))))
+    assert bank.info().phase == PLAIN
+    probes_before = bank.info().probes
+    drafter = RecordingDrafter(SCRIPT, set(range(1000)))
+    done, model = engine_run(clock, bank, drafter)
+    assert drafter.prefills == [False]
+    # each probe that falls due catches the drafter up first (the last may be due just as the request ends)
+    probes = done.governor.probes - probes_before
+    assert probes >= 1 and len(drafter.synced) in (probes, probes - 1)
+    assert all(n > 2 for n in drafter.synced)

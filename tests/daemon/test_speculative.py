@@ -116,6 +116,9 @@ class ListDrafter:
     def sync(self, context):
         pass
 
+    def ready(self):
+        return True
+
     def propose(self, context, k, p_min):
         start = len(context) - self.prompt_len
         self.calls.append((start, k))

@@ -32,9 +32,9 @@ target decoded while it was idle (and, if the request began in ``plain``, the
 prompt): on 2 cores that costs as much as the drafter's share of a prefill. It is
 not timed as drafting (it is paid once per switch, not per round), but it is
 not free either: its time becomes a debt that plain rounds pay off at
-``catch_up_share`` (2%), and the next probe waits until the debt is paid as
+``catch_up_share`` (1%), and the next probe waits until the debt is paid as
 well as the interval. With a short context this never delays anything; with a
-long one it keeps probing under 2% of the time.
+long one it keeps catching up under 1% of the time.
 
 A ``GovernorBank`` keeps one governor per task (see ``task_key``) and persists
 them; ``Engine`` drives them.
@@ -77,7 +77,7 @@ class GovernorParams:
     refresh_every: int = 64  # drafting rounds between refreshes of the plain estimate
     first_interval: int = 32  # plain rounds before the first re-probe
     max_interval: int = 512
-    catch_up_share: float = 0.02  # at most this share of plain time goes to catching the drafter up for probes
+    catch_up_share: float = 0.01  # at most this share of plain time goes to catching the drafter up for probes
 
 
 @dataclass

@@ -71,6 +71,7 @@ class LlamaModel:
         self.n_ctx = int(n_ctx) if n_ctx else min(self.n_ctx_train, max_ctx)
         self.n_batch = min(n_batch, self.n_ctx)
         self.n_threads = n_threads or default_threads()
+        self.flash_attn = flash_attn
         self._create_context(flash_attn)
         self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
         self._pieces: dict[int, bytes] = {}
@@ -216,6 +217,26 @@ class LlamaModel:
         if n_keep < self.n_past:
             llama.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
             self.n_past = n_keep
+
+    def seq_state(self) -> bytes:
+        """llama.cpp's serialized KV state of sequence 0 (all ``n_past`` tokens)."""
+        size = llama.llama_state_seq_get_size(self.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama.llama_state_seq_get_data(self.ctx, buf, size, 0)
+        if written != size:
+            raise DecodeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        return bytes(buf)
+
+    def set_seq_state(self, blob: bytes | bytearray | memoryview, n_tokens: int) -> None:
+        """Replace sequence 0 with a state from ``seq_state`` (or assembled from
+        pages) that holds ``n_tokens`` tokens."""
+        self.clear()
+        data = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        read = llama.llama_state_seq_set_data(self.ctx, data, len(blob), 0)
+        if read != len(blob):
+            self.clear()
+            raise DecodeError(f"llama_state_seq_set_data read {read} of {len(blob)} bytes")
+        self.n_past = n_tokens
 
     def decode(
         self,

@@ -159,7 +159,7 @@ def test_a_costly_catch_up_delays_the_next_probe_until_plain_rounds_repay_it(clo
     g = Governor(clock=clock)
     rounds(g, clock, 4 + 32, plain_tps=10, draft_tps=8)  # off; the first probe is due
     assert g.phase == PROBING
-    g.caught_up(0.5)  # the drafter read a long context: 0.5 s = 2% of 25 s of plain decoding
+    g.caught_up(0.25)  # the drafter read a long context: 0.25 s = 1% of 25 s of plain decoding
     rounds(g, clock, 2, plain_tps=10, draft_tps=8)
     assert g.phase == PLAIN and g.interval == 64 and g.debt == pytest.approx(25.0)
     seen = rounds(g, clock, 249, plain_tps=10, draft_tps=8)  # 0.1 s per plain round

@@ -49,6 +49,19 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _byte_size(text: str) -> int:
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in "KMG" else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a number with K, M or G (512M, 1G)")
+    if value < 0:
+        raise argparse.ArgumentTypeError("a size cannot be negative")
+    return int(value * units[unit])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="with a drafter: decode every step as a batch of >= 2 tokens, so that drafting never changes greedy "
         "output on a target whose one-token and batched kernels round differently (probed at load). Costs "
         "25-30%% on steps without drafts. auto = on only with --governor off (default %(default)s)",
+    )
+    p.add_argument(
+        "--cache-bytes",
+        type=_byte_size,
+        default=0,
+        metavar="SIZE",
+        help="prefix cache: keep KV pages of recent prompts in this much shared memory (e.g. 512M, 1G) and "
+        "restore them instead of prefilling again; 0 = off (default; the prefix cache is being built)",
+    )
+    p.add_argument(
+        "--page-tokens", type=int, default=32, help="prefix cache page size in tokens (default %(default)s)"
     )
     p.add_argument(
         "--state-dir",
@@ -237,6 +261,8 @@ def cmd_serve(args) -> int:
         exact=args.exact,
         governor=args.governor == "on",
         governor_per_task=args.governor_per_task == "on",
+        cache_bytes=args.cache_bytes,
+        page_tokens=args.page_tokens,
         state_dir=args.state_dir or state_dir(),
     )
 

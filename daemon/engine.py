@@ -10,7 +10,7 @@ returns the terminal ``Done`` or raises ``RequestError``.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from tandem.protocol import Chunk, Done, DraftStats, ErrorCode, FinishReason, Ge
 
 from .chat import ChatTemplate, ChatTemplateError
 from .governor import PLAIN, Governor, GovernorBank, task_key
+
+if TYPE_CHECKING:
+    from .page_store import PageStore
 from .llama_model import DecodeAborted
 from .sampler import Sampler
 from .speculative import SparseDist, verify
@@ -80,6 +83,7 @@ class Engine:
         min_batch: int = 1,
         clock: Callable[[], float] = time.perf_counter,
         governors: Optional[GovernorBank] = None,
+        cache: Optional["PageStore"] = None,
     ):
         self.model = model
         self.chat_template = chat_template
@@ -89,6 +93,7 @@ class Engine:
         self.min_batch = min_batch  # 2: every decoding step reads >= 2 positions (see _round)
         self.clock = clock
         self.governors = governors  # None: draft every round
+        self.cache = cache  # the prefix cache's pages of this model; None: no prefix cache
 
     def prompt_tokens(self, req: Generate) -> list[int]:
         if req.messages is not None:
@@ -136,7 +141,10 @@ class Engine:
         stats = DraftStats() if drafter is not None else None
         stream = TextStream(req.stop)
         model = self.model
-        model.clear()
+        cache = self.cache if req.cache else None
+        cached = cache.restore(tokens) if cache is not None else 0  # else the model is cleared
+        if cache is None:
+            model.clear()
         if drafter is not None:
             # A model drafter reads the prompt in parallel with the target, unless
             # the task's governor is plain: on 2 cores that reading competes with
@@ -145,8 +153,10 @@ class Engine:
             skip = governor is not None and governor.phase == PLAIN
             drafter.begin(req.id, tokens, sampler, prefill=not skip)
         try:
-            logits = model.decode(tokens, abort=should_cancel)[0]  # a long prefill can be cancelled
+            logits = model.decode(tokens[cached:], abort=should_cancel)[0]  # a long prefill can be cancelled
         except DecodeAborted:
+            if cache is not None:
+                cache.release()
             return self._cancelled_in_prefill(req, len(tokens), started)
         prefilled = self.clock()
         completion: list[int] = []
@@ -183,6 +193,9 @@ class Engine:
                     new_tokens, drafted_last = self._governed_round(
                         governor, drafter, drafted_last, context, len(completion), req, sampler, k, p_min, stats
                     )
+        if cache is not None:
+            cache.store(tokens + completion)  # the prompt and the reply, which a next turn re-sends
+            cache.release()
         tail = stream.flush()
         if tail and req.stream:
             emit(Chunk(id=req.id, text=tail, token_ids=[]))
@@ -192,7 +205,7 @@ class Engine:
             id=req.id,
             text=stream.text,
             finish_reason=finish,
-            usage=Usage(prompt_tokens=len(tokens), completion_tokens=len(completion)),
+            usage=Usage(prompt_tokens=len(tokens), completion_tokens=len(completion), cached_tokens=cached),
             timings=Timings(
                 time_to_first_token_seconds=first_token_at - started,
                 prompt_seconds=prefilled - started,

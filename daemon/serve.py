@@ -27,6 +27,8 @@ def serve(
     governor: bool = True,
     governor_per_task: bool = True,
     state_dir: Optional[Path] = None,
+    cache_bytes: int = 0,
+    page_tokens: int = 32,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
     """Run the daemon in this process until it is stopped. Returns an exit code."""
@@ -57,6 +59,8 @@ def serve(
                 governor=governor,
                 governor_per_task=governor_per_task,
                 state_dir=state_dir,
+                cache_bytes=cache_bytes,
+                page_tokens=page_tokens,
             )
         )
     except (ServeError, models.ModelError) as exc:

@@ -91,6 +91,8 @@ class ServeConfig:
     exact: str = "auto"  # "auto" (on when the target is not batch-invariant and the governor is off), "on", "off"
     governor: bool = True
     governor_per_task: bool = True
+    cache_bytes: int = 0  # prefix cache arena (shared memory); 0 = no prefix cache
+    page_tokens: int = 32
     state_dir: Optional[Path] = None  # where the governor's state is kept; None: not kept
 
 
@@ -233,6 +235,14 @@ class Daemon:
 
     def _setup_worker(self) -> None:
         c = self.config
+        self.kv_arena = None
+        if c.cache_bytes > 0:
+            from multiprocessing import shared_memory
+
+            # owned by the daemon, so cached pages outlive a worker that dies
+            self.kv_arena = shared_memory.SharedMemory(
+                create=True, size=c.cache_bytes, name=f"tandem-kv-{os.getuid()}-{os.getpid()}"
+            )
         kind = "model" if c.drafter_path is not None else c.drafter
         draft_endpoint = endpoint(self.socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else ""
         identity = governor_identity(c)
@@ -254,6 +264,9 @@ class Daemon:
                 governor_state=str(state_file(c.state_dir, identity)) if c.state_dir is not None and kind != "none" else "",
                 governor_identity=identity,
                 governor_per_task=c.governor_per_task,
+                cache_shm=self.kv_arena.name if self.kv_arena is not None else "",
+                cache_bytes=c.cache_bytes,
+                page_tokens=c.page_tokens,
                 **common,
             ),
             self.socket_dir,
@@ -676,6 +689,9 @@ class Daemon:
             self.config.socket_path.unlink()
         except FileNotFoundError:
             pass
+        if self.kv_arena is not None:
+            self.kv_arena.close()
+            self.kv_arena.unlink()
         self.lock.release()
         self.zctx.term()
         log.info("stopped")

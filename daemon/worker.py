@@ -61,6 +61,9 @@ class WorkerConfig:
     governor_state: str = ""  # file the governor's state is kept in ("": not kept)
     governor_identity: str = ""  # target, drafter and k: the state is valid only for these
     governor_per_task: bool = True  # one governor per task (the prompt's start), or one for all
+    cache_shm: str = ""  # the daemon's prefix-cache arena (a /dev/shm name); "": no prefix cache
+    cache_bytes: int = 0
+    page_tokens: int = 32
 
 
 def load_model(config: WorkerConfig):
@@ -183,9 +186,36 @@ class WorkerLoop:
             )
         self.governors = governors
         engine = Engine(
-            model, template, self._drafter(), c.draft_tokens, c.draft_p_min, min_batch, governors=governors
+            model,
+            template,
+            self._drafter(),
+            c.draft_tokens,
+            c.draft_p_min,
+            min_batch,
+            governors=governors,
+            cache=self._page_store(model),
         )
         return engine, info
+
+    def _page_store(self, model):
+        c = self.config
+        if not c.cache_shm:
+            return None
+        import mmap
+
+        from .page_store import PageStore
+        from .prefix_cache import ExtentAllocator, PageTree
+
+        # map the daemon's segment directly: multiprocessing's SharedMemory would
+        # register it with a resource tracker that unlinks it when this process exits
+        fd = os.open(f"/dev/shm/{c.cache_shm}", os.O_RDWR)
+        try:
+            self._arena = mmap.mmap(fd, c.cache_bytes)
+        finally:
+            os.close(fd)
+        store = PageStore(PageTree(c.page_tokens, ExtentAllocator(c.cache_bytes)), memoryview(self._arena), model)
+        store.probe_layout(model.bos_token if model.bos_token >= 0 else 0)
+        return store
 
     def _drafter(self):
         kind = self.config.drafter

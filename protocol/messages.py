@@ -96,6 +96,7 @@ class ChatMessage:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Generate(Message):
     draft_tokens: Optional[int] = None  # speculative draft length k; None = the daemon's; 0 = no drafting
     draft_p_min: Optional[float] = None  # stop a draft when the drafter's probability falls below; None = daemon's
     draft: str = "auto"  # "auto": the governor decides each round; "on": draft every round; "off": never
+    cache: bool = True  # use the prefix cache (if the daemon has one) for this request
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

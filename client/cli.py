@@ -368,6 +368,13 @@ def cmd_status(args) -> int:
             f"rounds, {g.failed_probes} of {g.probes} probes failed, interval {g.probe_interval} "
             f"(task {g.task}, {g.tasks} task(s) known)"
         )
+    if st.cache:
+        c = st.cache
+        print(
+            f"cache:     {c.pages:,} pages of {c.page_tokens} tokens, {_mib(c.bytes_used)} of {_mib(c.bytes_budget)}; "
+            f"{c.hits:,} hits, {c.misses:,} misses; {c.tokens_from_cache:,} prompt tokens from cache, "
+            f"{c.tokens_prefilled:,} prefilled; {c.evictions:,} evicted"
+        )
     if st.active:
         a = st.active
         print(f"active:    {a.id} ({a.completion_tokens} tokens, {a.elapsed_seconds:.1f} s)")

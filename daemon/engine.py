@@ -217,6 +217,7 @@ class Engine:
             ),
             draft=stats if stats is not None and stats.rounds else None,
             governor=self.governors.info() if governor is not None and self.governors is not None else None,
+            cache=self.cache.info() if self.cache is not None else None,
         )
 
     def _governor(self, req: Generate, tokens: list[int], k: int) -> Optional[Governor]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence
 
+from tandem.protocol import CacheInfo
+
 from .kv_pages import Layout, assemble, cut, parse
 from .prefix_cache import Node, PageTree
 
@@ -42,6 +44,7 @@ class PageStore:
         self.page_tokens = tree.page_tokens
         self.layout: Optional[Layout] = None
         self.locked: list[Node] = []
+        self.tokens_prefilled = 0
 
     def _page_bytes(self) -> int:
         assert self.layout is not None
@@ -61,18 +64,31 @@ class PageStore:
         the model is cleared)."""
         self.release()
         self.model.clear()
-        if self.layout is None:
-            return 0
-        chain = self.tree.match(list(tokens)[: len(tokens) - 1], self.role)
+        chain = self.tree.match(list(tokens)[: len(tokens) - 1], self.role) if self.layout is not None else []
+        n = len(chain) * self.page_tokens
+        self.tokens_prefilled += len(tokens) - n
         if not chain:
             return 0
         size = self._page_bytes()
-        pages = [self.arena[n.pages[self.role].offset : n.pages[self.role].offset + size] for n in chain]
-        n = len(chain) * self.page_tokens
+        pages = [self.arena[node.pages[self.role].offset : node.pages[self.role].offset + size] for node in chain]
         self.model.set_seq_state(assemble(self.layout, pages, self.page_tokens), n)
         self.tree.lock(chain)
         self.locked = chain
         return n
+
+    def info(self) -> CacheInfo:
+        t = self.tree
+        return CacheInfo(
+            page_tokens=self.page_tokens,
+            pages=t.pages(),
+            bytes_used=t.allocator.used,
+            bytes_budget=t.allocator.capacity,
+            hits=t.stats.hits,
+            misses=t.stats.misses,
+            tokens_from_cache=t.stats.tokens_from_cache,
+            tokens_prefilled=self.tokens_prefilled,
+            evictions=t.stats.evictions,
+        )
 
     def release(self) -> None:
         if self.locked:

@@ -26,6 +26,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tandem.protocol import (
+    CacheInfo,
     GovernorInfo,
     PROTOCOL_VERSION,
     ActiveRequest,
@@ -198,6 +199,7 @@ class Daemon:
         self.jobs: dict[str, Job] = {}
         self.counters = Counters()
         self.governor: Optional[GovernorInfo] = None  # the target worker's latest report
+        self.cache: Optional[CacheInfo] = None  # likewise
         self.restart_due: Optional[float] = None
         self.ever_ready = False
         self.on_ready: Optional[Callable[[], None]] = None
@@ -547,6 +549,8 @@ class Daemon:
             msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
             if msg.governor is not None:
                 self.governor = msg.governor
+            if msg.cache is not None:
+                self.cache = msg.cache
         self._finish(job, msg)
 
     def _on_ready(self, msg: Ready) -> None:
@@ -555,6 +559,7 @@ class Daemon:
         worker.info = msg.model
         if worker is self.target:
             self.governor = msg.governor
+            self.cache = msg.cache
         elapsed = time.monotonic() - worker.started_at
         log.info(
             "%s model %s loaded in %.1f s (context %d tokens, worker pid %d)",
@@ -661,6 +666,7 @@ class Daemon:
             draft_tokens=self.config.draft_tokens if self.config.drafter != "none" else 0,
             draft=self.counters.draft if self.counters.draft.rounds else None,
             governor=self.governor,
+            cache=self.cache,
         )
 
     # ------------------------------------------------------------------ shutdown

@@ -137,6 +137,7 @@ class WorkerLoop:
                 model=info,
                 pid=os.getpid(),
                 governor=self.governors.info() if self.governors is not None else None,
+                cache=engine.cache.info() if engine.cache is not None else None,
             )
         )
         while not self.stopping:

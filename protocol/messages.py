@@ -270,6 +270,21 @@ class GovernorInfo:
 
 
 @dataclass
+class CacheInfo:
+    """The prefix cache (see daemon/prefix_cache.py)."""
+
+    page_tokens: int
+    pages: int  # pages held (of every model)
+    bytes_used: int
+    bytes_budget: int
+    hits: int  # requests that restored at least one page
+    misses: int
+    tokens_from_cache: int  # prompt tokens restored instead of prefilled
+    tokens_prefilled: int  # prompt tokens prefilled by requests that used the cache
+    evictions: int
+
+
+@dataclass
 class Done(Message):
     op: ClassVar[Op] = Op.DONE
     id: str
@@ -279,6 +294,7 @@ class Done(Message):
     timings: Timings
     draft: Optional[DraftStats] = None  # None when the request was decoded without drafting
     governor: Optional[GovernorInfo] = None  # its task's governor after this request; None if not governed
+    cache: Optional[CacheInfo] = None  # the prefix cache after this request; None without one
 
 
 @dataclass
@@ -356,6 +372,7 @@ class StatusReply(Message):
     draft_tokens: int = 0  # the daemon's default k
     draft: Optional[DraftStats] = None  # cumulative over all requests that drafted
     governor: Optional[GovernorInfo] = None  # the most recently used task's governor; None without one
+    cache: Optional[CacheInfo] = None  # the prefix cache as of the last request; None without one
 
 
 @dataclass
@@ -373,6 +390,7 @@ class Ready(Message):
     model: ModelInfo
     pid: int
     governor: Optional[GovernorInfo] = None  # the target's governor as loaded from the state directory
+    cache: Optional[CacheInfo] = None  # the prefix cache, if the daemon has one
 
 
 @dataclass

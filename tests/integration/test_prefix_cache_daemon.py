@@ -3,6 +3,9 @@ opt-in with --cache-bytes while the issue is in progress)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 SYSTEM = (
@@ -31,6 +34,17 @@ def test_multi_turn_chat_with_the_cache_equals_without(cached_daemon):
             assert cached.usage.cached_tokens % 16 == 0 and cached.usage.cached_tokens < cached.usage.prompt_tokens
             assert cached.text == fresh.text
             first = cached
+        st = client.status()
+    c = st.cache
+    assert c is not None and c == cached.cache and c.page_tokens == 16
+    assert c.hits == 2 and c.misses == 1  # the first turn missed; the cache: false requests did not look
+    assert c.tokens_from_cache > 0 and c.tokens_prefilled > 0 and 0 < c.bytes_used <= c.bytes_budget == 64 * 2**20
+    assert c.pages > 0 and c.evictions == 0
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.client.cli", "--socket", str(cached_daemon.socket), "status"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and "prompt tokens from cache" in out.stdout, out.stderr
 
 
 def test_same_later_tokens_after_another_start_are_no_hit(cached_daemon):

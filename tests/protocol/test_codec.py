@@ -205,7 +205,7 @@ def test_protocol_md_documents_every_op_field_and_error_code():
         assert f"`{op.value}`" in doc, op
     for code in ErrorCode:
         assert re.search(rf"\b{int(code)}\b.*`{code.name}`", doc), code
-    for cls in [*P.REQUESTS.values(), *P.REPLIES.values(), *P.DRAFTER_REQUESTS.values(), *P.DRAFTER_REPLIES.values(), P.DraftStats, P.GovernorInfo]:
+    for cls in [*P.REQUESTS.values(), *P.REPLIES.values(), *P.DRAFTER_REQUESTS.values(), *P.DRAFTER_REPLIES.values(), P.DraftStats, P.GovernorInfo, P.CacheInfo]:
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name}"
     assert f"{P.PROTOCOL_VERSION[0]}.{P.PROTOCOL_VERSION[1]}" in doc

@@ -17,36 +17,13 @@ def state_dir() -> Path:
     return Path(base) / "tandem"
 
 
-def daemon_alive(socket_path: Path) -> bool:
-    """Whether a daemon holds the socket's lock (it may be too busy to answer quickly)."""
-    import fcntl
-
-    try:
-        fd = os.open(socket_path.with_name(socket_path.name + ".lock"), os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def daemon_answers(socket_path: Path) -> bool:
-    """Whether a daemon answers on the socket. One that holds the socket's lock
-    but is slow to answer (a loaded machine) gets 30 s rather than 2, so that we
-    never start a second daemon beside a live one."""
-    for timeout in (2.0, 30.0):
-        try:
-            with Client(socket_path, connect_timeout=timeout) as client:
-                client.connect()
-            return True
-        except DaemonNotRunning:
-            if not daemon_alive(socket_path):
-                return False
-    return False
+    try:
+        with Client(socket_path, connect_timeout=2.0) as client:
+            client.connect()
+        return True
+    except DaemonNotRunning:
+        return False
 
 
 def start_daemon(socket_path: Path, model: str, say=lambda line: print(line, file=sys.stderr, flush=True)) -> int:

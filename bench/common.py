@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -9,6 +10,17 @@ import time
 from pathlib import Path
 
 from tandem.client import Client
+from tandem.daemon import models
+
+
+def model_path(name: str) -> Path:
+    """A preset (pulled if needed) or a path to a .gguf file."""
+    return models.pull(name) if name in models.PRESETS else Path(name)
+
+
+def fmt(values: list[float], digits: int = 2) -> str:
+    """median (min–max)"""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
 def temp_socket(prefix: str) -> Path:

@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from tandem.client import Client
-from tandem.daemon import models
 
-from common import start_daemon, temp_socket
+from common import fmt, model_path, start_daemon, temp_socket
 from fidelity import load_corpus
 
 EDIT_CORPUS = Path(__file__).with_name("corpus_edit.json")
@@ -56,7 +54,7 @@ def run_prompts(client: Client, prompts, tokens: int, **params):
     t0 = time.perf_counter()
     generated = decode_tokens = 0
     decode_seconds = 0.0
-    draft_rounds = rounds = 0
+    draft_rounds = 0
     ids = []
     for messages in prompts:
         stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, **params)
@@ -70,9 +68,6 @@ def run_prompts(client: Client, prompts, tokens: int, **params):
     wall = time.perf_counter() - t0
     return decode_tokens / decode_seconds, generated / wall, draft_rounds, ids
 
-
-def fmt(values: list[float], digits: int = 2) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
 def main() -> None:
@@ -88,13 +83,8 @@ def main() -> None:
     ap.add_argument("--ctx-size", default="2048")
     args = ap.parse_args()
 
-    def path_of(name: str) -> Path:
-        if name in models.PRESETS:
-            return models.pull(name)
-        return Path(name)
-
-    target = path_of(args.target)
-    drafter = "ngram" if args.drafter == "ngram" else str(path_of(args.drafter))
+    target = model_path(args.target)
+    drafter = "ngram" if args.drafter == "ngram" else str(model_path(args.drafter))
     corpus = load_all_kinds()
     state = Path(tempfile.mkdtemp(prefix="tdm-gov-state-"))
     print(f"target {target.name}; drafter {Path(drafter).name}; {args.prompts} prompts per kind, "

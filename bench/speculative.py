@@ -27,9 +27,8 @@ from pathlib import Path
 
 
 from tandem.client import Client
-from tandem.daemon import models
 
-from common import start_daemon, temp_socket
+from common import fmt, model_path, start_daemon, temp_socket
 from fidelity import load_corpus
 
 KS = [1, 2, 4, 6]
@@ -75,9 +74,6 @@ def run_kind(client: Client, prompts, k: int, tokens: int, p_min: float = 0.0):
     return generated / (time.perf_counter() - t0), drafted, accepted, rounds, ids
 
 
-def fmt(values: list[float], digits: int = 2) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,13 +87,8 @@ def main() -> None:
     ap.add_argument("--p-min", type=float, default=0.0, help="draft_p_min for every request (default 0 = off)")
     args = ap.parse_args()
 
-    def path_of(name: str) -> Path:
-        if name in models.PRESETS:
-            return models.pull(name)
-        return Path(name)
-
-    target = path_of(args.target)
-    drafter = None if args.drafter == "ngram" else path_of(args.drafter)
+    target = model_path(args.target)
+    drafter = None if args.drafter == "ngram" else model_path(args.drafter)
     ks = args.ks
     widths = sorted({1, 2, *[k + 1 for k in ks]})
     target_ms = pass_costs_ms(target, widths)

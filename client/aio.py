@@ -22,6 +22,8 @@ import zmq
 import zmq.asyncio
 
 from tandem.protocol import (
+    CacheCleared,
+    CacheClear,
     Cancel,
     CancelReply,
     Chunk,
@@ -153,6 +155,16 @@ class AsyncClient:
         reply = await self._request(Status(id=new_id()), self.connect_timeout)
         raise_for_terminal(reply)
         assert isinstance(reply, StatusReply)
+        return reply
+
+    async def cache_clear(self, timeout: Optional[float] = 600.0) -> CacheCleared:
+        """Empty the daemon's prefix cache. It happens after the running request
+        (if any), before the next queued one: hence the long default timeout.
+        ``cache`` in the reply is None when the daemon has no prefix cache."""
+        await self.connect()
+        reply = await self._request(CacheClear(id=new_id()), timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, CacheCleared)
         return reply
 
     async def cancel(self, request_id: str) -> bool:

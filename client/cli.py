@@ -130,13 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cache-bytes",
         type=_byte_size,
-        default=0,
+        default=None,
         metavar="SIZE",
-        help="prefix cache: keep KV pages of recent prompts in this much shared memory (e.g. 512M, 1G) and "
-        "restore them instead of prefilling again; 0 = off (default; the prefix cache is being built)",
+        help="prefix cache: keep the KV state of recent prompts, in pages, in this much shared memory (e.g. "
+        "512M, 2G) and restore it instead of prefilling a prompt's start again; both models' pages count. "
+        "0 = off. Default 1G, or half of the free space of /dev/shm if that is less",
     )
     p.add_argument(
-        "--page-tokens", type=int, default=32, help="prefix cache page size in tokens (default %(default)s)"
+        "--page-tokens",
+        type=int,
+        default=32,
+        metavar="N",
+        help="prefix cache page size in tokens: a request reuses whole pages, so up to N-1 tokens of a cached "
+        "prefix are prefilled again (default %(default)s; see README)",
     )
     p.add_argument(
         "--state-dir",
@@ -177,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
 
     sub.add_parser("stop", help="shut the daemon down cleanly")
+
+    p = sub.add_parser("cache", help="the prefix cache: clear it", description="Manage the daemon's prefix cache.")
+    csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
+    csub.add_parser(
+        "clear", help="drop every cached page (after the running request, before the next queued one)"
+    )
 
     p = sub.add_parser("models", help="fetch and list models")
     msub = p.add_subparsers(dest="models_command", metavar="ACTION")
@@ -371,7 +383,8 @@ def cmd_status(args) -> int:
     if st.cache:
         c = st.cache
         print(
-            f"cache:     {c.pages:,} pages of {c.page_tokens} tokens, {_mib(c.bytes_used)} of {_mib(c.bytes_budget)}; "
+            f"cache:     {c.pages:,} of {c.pages_total:,} pages of {c.page_tokens} tokens, "
+            f"{_mib(c.bytes_used)} of {_mib(c.bytes_budget)}; "
             f"{c.hits:,} hits, {c.misses:,} misses; {c.tokens_from_cache:,} prompt tokens from cache, "
             f"{c.tokens_prefilled:,} prefilled; {c.evictions:,} evicted"
         )
@@ -410,6 +423,19 @@ def cmd_stop(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    if args.cache_command != "clear":
+        _say("usage: tandem cache clear")
+        return 2
+    with Client(args.socket) as client:
+        reply = client.cache_clear()
+    if reply.cache is None:
+        _say("this daemon has no prefix cache (it was started with --cache-bytes 0)")
+        return 0
+    print(f"cleared {reply.pages:,} pages ({_mib(reply.bytes)}); the cache now holds {reply.cache.pages:,} pages")
+    return 0
+
+
 def cmd_models(args) -> int:
     from tandem.daemon import models
 
@@ -436,6 +462,7 @@ COMMANDS = {
     "status": cmd_status,
     "stop": cmd_stop,
     "models": cmd_models,
+    "cache": cmd_cache,
 }
 
 

@@ -20,6 +20,8 @@ from typing import Iterator, Optional, Union
 import zmq
 
 from tandem.protocol import (
+    CacheCleared,
+    CacheClear,
     Cancel,
     CancelReply,
     Chunk,
@@ -155,6 +157,16 @@ class Client:
         reply = self._request(Status(id=new_id()), self.connect_timeout)
         raise_for_terminal(reply)
         assert isinstance(reply, StatusReply)
+        return reply
+
+    def cache_clear(self, timeout: Optional[float] = 600.0) -> CacheCleared:
+        """Empty the daemon's prefix cache. It happens after the running request
+        (if any), before the next queued one: hence the long default timeout.
+        ``cache`` in the reply is None when the daemon has no prefix cache."""
+        self.connect()
+        reply = self._request(CacheClear(id=new_id()), timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, CacheCleared)
         return reply
 
     def cancel(self, request_id: str) -> bool:

@@ -8,6 +8,11 @@ survives between requests, so a drafter re-reads only what changed.
 
 If the drafter stops answering, drafting is switched off (plain decoding goes
 on) rather than stalling the request.
+
+With a prefix cache (``pages``: the target's PageStore, whose tree also holds
+the drafter's pages), the drafter restores a cached prefix instead of reading
+it whenever that saves reading, and ``store`` has it write the full pages it
+holds at the end of a request.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class ModelDrafterClient:
         self.sampler: Optional[Sampler] = None
         self.seed = 0
         self.new_request = False
+        self.pages = None  # the target's PageStore, when the daemon has a prefix cache
+        self.page_bytes = 0  # the drafter's page size, from its replies (0: unknown yet, or no cache)
 
     def begin(self, request_id: str, prompt: list[int], sampler: Sampler, prefill: bool = True) -> None:
         self.request_id = request_id
@@ -109,6 +116,7 @@ class ModelDrafterClient:
         keep = common_prefix(self.mirror, context)
         if keep == len(context):
             keep -= 1  # the drafter needs logits after the last token: read it again
+        restore, keep = self._restore_plan(context, max(keep, 0))
         s = self.sampler
         assert s is not None
         req = DraftRequest(
@@ -122,11 +130,48 @@ class ModelDrafterClient:
             seed=self.seed,
             p_min=p_min,
             new_request=self.new_request,
+            restore=restore,
         )
         self.new_request = False
         self.sock.send_multipart(encode(req))
         self.mirror = list(context)  # what it will hold before drafting
         self.awaiting += 1
+
+    def _restore_plan(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
+        """Cached drafter pages to restore instead of keeping ``keep`` tokens and
+        reading the rest: (offsets, tokens they hold), or ([], keep) if they save nothing."""
+        if self.pages is None or not self.page_bytes or len(context) - keep <= self.pages.page_tokens:
+            return [], keep
+        offsets = self.pages.match_role(context[: len(context) - 1], "drafter")
+        n = len(offsets) * self.pages.page_tokens
+        return (offsets, n) if n > keep else ([], keep)
+
+    def store(self, tokens: Sequence[int]) -> None:
+        """End of a request: write the drafter's full pages of ``tokens`` that it
+        holds and the cache lacks (waits for it: the checksums need the bytes)."""
+        if self.broken or self.pages is None or not self.page_bytes or self.awaiting:
+            return
+        held = common_prefix(self.mirror, tokens)
+        planned = self.pages.plan(tokens[:held], "drafter", self.page_bytes)
+        if not planned:
+            return
+        nodes = [node for _, node in planned]
+        s = self.sampler
+        assert s is not None
+        self.sock.send_multipart(
+            encode(
+                DraftRequest(
+                    id=self.request_id, keep=len(self.mirror), append=[], k=0, temperature=s.temperature,
+                    top_k=s.top_k, top_p=s.top_p, seed=self.seed,
+                    store=[[start, node.pages["drafter"].offset] for start, node in planned],
+                )
+            )
+        )  # fmt: skip
+        self.awaiting += 1
+        if self._recv(DRAFT_TIMEOUT_MS) is None:
+            self.pages.unplan(nodes, "drafter")
+        else:
+            self.pages.seal(nodes, "drafter")
 
     def _recv(self, timeout_ms: int) -> Optional[Drafted]:
         if not self.sock.poll(timeout_ms, zmq.POLLIN):
@@ -139,4 +184,5 @@ class ModelDrafterClient:
             log.warning("the drafter failed (%s); drafting is off", msg.message)
             self.broken = True
             return None
+        self.page_bytes = msg.page_bytes
         return msg

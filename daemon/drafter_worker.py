@@ -6,6 +6,10 @@ each request it rolls its KV cache back to ``keep`` tokens, reads ``append``,
 then samples up to ``k`` tokens, decoding all but the last so the next round
 can start from them. At temperature > 0 it returns its distributions q as raw
 arrays (never pickled) so the target can apply the acceptance rule.
+
+With a prefix cache, the target worker (which owns the tree) tells it which of
+its KV pages to write into the daemon's arena (``store``) and which to read
+back instead of prefilling (``restore``); the bytes never leave shared memory.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class DrafterLoop:
         self.drafts.bind(config.draft_endpoint)
         os.chmod(config.draft_endpoint.removeprefix("ipc://"), 0o600)
         self.sampler = None
+        self.arena = None  # the prefix cache's arena, mapped
+        self.layout = None
+        self.page_bytes = 0
 
     def run(self) -> None:
         from .worker import load_model
@@ -52,6 +59,8 @@ class DrafterLoop:
         try:
             self.model = load_model(c)
             info = self.model_info()
+            if c.cache_shm:
+                self._map_cache()
         except Exception as exc:
             self.control.send_multipart(encode(Error.of(c.role, ErrorCode.NOT_READY, f"could not load the drafter: {exc}")))
             return
@@ -70,6 +79,32 @@ class DrafterLoop:
                     self._serve(self.drafts.recv_multipart())
         finally:
             self.drafts.close()
+
+    def _map_cache(self) -> None:
+        from .page_store import map_arena, probe_layout
+
+        c = self.config
+        self.arena = memoryview(map_arena(c.cache_shm, c.cache_bytes))
+        self.layout = probe_layout(self.model)
+        self.page_bytes = self.layout.page_bytes(c.page_tokens)
+
+    def _pages(self, req: DraftRequest) -> None:
+        from .page_store import read_pages, write_pages
+
+        if not (req.store or req.restore):
+            return
+        if self.arena is None:
+            raise ValueError("asked to use prefix-cache pages, but this drafter has no prefix cache")
+        pt = self.config.page_tokens
+        for start, offset in req.store:
+            if start < 0 or start + pt > self.model.n_past or offset < 0 or offset + self.page_bytes > len(self.arena):
+                raise ValueError(f"cannot store the page at token {start} (holding {self.model.n_past}) at offset {offset}")
+        if req.store:
+            write_pages(self.model, self.arena, pt, [(s, o) for s, o in req.store], expect=self.layout)
+        if req.restore:
+            if any(o < 0 or o + self.page_bytes > len(self.arena) for o in req.restore):
+                raise ValueError("a page to restore lies outside the arena")
+            read_pages(self.model, self.arena, self.layout, pt, req.restore)
 
     def model_info(self):
         from tandem.protocol import ModelInfo
@@ -106,6 +141,7 @@ class DrafterLoop:
         if req.new_request or self.sampler is None:
             self.sampler = Sampler(req.temperature, req.top_k, req.top_p, req.seed)
         sampler = self.sampler
+        self._pages(req)
         if req.keep > model.n_past:
             raise ValueError(f"asked to keep {req.keep} tokens but {model.n_past} are cached")
         model.truncate(req.keep)
@@ -113,7 +149,10 @@ class DrafterLoop:
         ids, probs, lens = [], [], []
         if not req.append or model.n_past + len(req.append) >= model.n_ctx:
             # nothing to read, or no room in this drafter's context: no drafts this time
-            return Drafted(id=req.id, tokens=[], n_cached=model.n_past, q_ids=EMPTY_IDS, q_probs=EMPTY_PROBS, q_lens=[])
+            return Drafted(
+                id=req.id, tokens=[], n_cached=model.n_past, q_ids=EMPTY_IDS, q_probs=EMPTY_PROBS, q_lens=[],
+                page_bytes=self.page_bytes,
+            )  # fmt: skip
         logits = model.decode(req.append)[0]
         for i in range(req.k):
             if sampler.greedy:
@@ -142,6 +181,7 @@ class DrafterLoop:
             q_ids=np.concatenate(ids) if ids else EMPTY_IDS,
             q_probs=np.concatenate(probs) if probs else EMPTY_PROBS,
             q_lens=lens,
+            page_bytes=self.page_bytes,
         )
 
 

@@ -145,6 +145,8 @@ class Engine:
         cached = cache.restore(tokens) if cache is not None else 0  # else the model is cleared
         if cache is None:
             model.clear()
+        if hasattr(self.drafter, "pages"):
+            self.drafter.pages = cache  # a model drafter restores its own pages of the prompt too
         if drafter is not None:
             # A model drafter reads the prompt in parallel with the target, unless
             # the task's governor is plain: on 2 cores that reading competes with
@@ -195,6 +197,8 @@ class Engine:
                     )
         if cache is not None:
             cache.store(tokens + completion)  # the prompt and the reply, which a next turn re-sends
+            if hasattr(self.drafter, "store"):
+                self.drafter.store(tokens + completion)
             cache.release()
         tail = stream.flush()
         if tail and req.stream:

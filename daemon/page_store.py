@@ -1,6 +1,5 @@
 """One model's KV pages in an arena: the worker-side half of the prefix cache.
 
-(Groundwork for the prefix-cache issue; not wired into the daemon yet.)
 ``PageStore`` ties a ``PageTree`` (which pages exist, where, what to evict) to
 an arena (any writable buffer: a ``multiprocessing.shared_memory`` block's
 ``buf`` in the daemon) and to a model with ``seq_state``/``set_seq_state``.
@@ -12,16 +11,85 @@ Page contents go between the model and the arena only, never through a socket.
 - ``store(tokens)``: after a request, the model holds ``tokens`` (or more):
   every full page of them not cached yet is cut from the model's state and
   written into the arena (evicting per the tree's policy when needed).
+- the drafter's pages live in the same tree (role "drafter", same budget): the
+  target worker plans them here (``match_role``, ``plan``, ``seal``) and the
+  drafter worker reads and writes the bytes (``read_pages``/``write_pages``).
+- ``save_index``/``load_index``: the tree, written atomically to a file next to
+  the arena after each request, so a restarted worker finds its pages again.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
+import os
+import zlib
+from dataclasses import replace
+from pathlib import Path
 from typing import Optional, Protocol, Sequence
+
+import msgpack
 
 from tandem.protocol import CacheInfo
 
 from .kv_pages import Layout, assemble, cut, parse
-from .prefix_cache import Node, PageTree
+from .prefix_cache import Node, Page, PageTree
+
+log = logging.getLogger("tandem.cache")
+
+INDEX_VERSION = 1
+
+
+def map_arena(name: str, size: int) -> mmap.mmap:
+    """Map the daemon's shared-memory arena ``/dev/shm/<name>``. (Not through
+    multiprocessing's SharedMemory: it would register the segment with a resource
+    tracker that unlinks it when this process exits, and the arena must outlive
+    a worker.)"""
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def index_path(arena_name: str) -> Path:
+    """Where the tree of the arena ``arena_name`` is kept between worker lives."""
+    return Path("/dev/shm") / f"{arena_name}.index"
+
+
+def write_pages(model, arena, page_tokens: int, pages: Sequence[tuple[int, int]], expect: Optional[Layout]) -> None:
+    """Cut pages [start, start + page_tokens) of ``model``'s KV state into the
+    arena at the given offsets; ``pages`` holds (start token, offset). Writes
+    nothing unless the state's layout is ``expect`` (the pages were sized for it)."""
+    state = parse(model.seq_state())
+    if state.layout != expect:
+        raise ValueError("the model's state layout is not the one its pages were sized for")
+    for start, offset in pages:
+        data = cut(state, start, start + page_tokens)
+        arena[offset : offset + len(data)] = data
+
+
+def read_pages(model, arena, layout: Layout, page_tokens: int, offsets: Sequence[int]) -> int:
+    """Replace ``model``'s KV state by the pages at ``offsets`` (a prefix, in
+    order); returns the tokens it holds now."""
+    size = layout.page_bytes(page_tokens)
+    n = len(offsets) * page_tokens
+    model.set_seq_state(assemble(layout, [arena[o : o + size] for o in offsets], page_tokens), n)
+    return n
+
+
+def probe_layout(model) -> Layout:
+    """The layout of ``model``'s sequence state, learnt by decoding one token
+    (clears the model)."""
+    model.clear()
+    model.decode([model.bos_token if model.bos_token >= 0 else 0])
+    layout = parse(model.seq_state()).layout
+    model.clear()
+    return layout
+
+
+def page_crc(arena, page: Page) -> int:
+    return zlib.crc32(arena[page.offset : page.offset + page.size])
 
 
 class StateModel(Protocol):
@@ -45,17 +113,15 @@ class PageStore:
         self.layout: Optional[Layout] = None
         self.locked: list[Node] = []
         self.tokens_prefilled = 0
+        self.role_bytes: dict[str, int] = {}  # page size of each model that has stored pages
 
     def _page_bytes(self) -> int:
         assert self.layout is not None
         return self.layout.page_bytes(self.page_tokens)
 
-    def probe_layout(self, token: int) -> Layout:
-        """Learn the state layout by decoding one token (clears the model)."""
-        self.model.clear()
-        self.model.decode([token])
-        self.layout = parse(self.model.seq_state()).layout
-        self.model.clear()
+    def probe_layout(self) -> Layout:
+        """Learn the state layout (clears the model)."""
+        self.layout = probe_layout(self.model)
         return self.layout
 
     def restore(self, tokens: Sequence[int]) -> int:
@@ -69,16 +135,20 @@ class PageStore:
         self.tokens_prefilled += len(tokens) - n
         if not chain:
             return 0
-        size = self._page_bytes()
-        pages = [self.arena[node.pages[self.role].offset : node.pages[self.role].offset + size] for node in chain]
-        self.model.set_seq_state(assemble(self.layout, pages, self.page_tokens), n)
+        read_pages(self.model, self.arena, self.layout, self.page_tokens, [node.pages[self.role].offset for node in chain])
         self.tree.lock(chain)
         self.locked = chain
         return n
 
     def info(self) -> CacheInfo:
         t = self.tree
+        sizes = dict(self.role_bytes)
+        if self.layout is not None:
+            sizes.setdefault(self.role, self._page_bytes())
+        per_node = sum(-(-b // t.allocator.align) * t.allocator.align for b in sizes.values())
         return CacheInfo(
+            pages_total=t.allocator.capacity // per_node * len(sizes) if per_node else 0,
+            page_bytes=sizes,
             page_tokens=self.page_tokens,
             pages=t.pages(),
             bytes_used=t.allocator.used,
@@ -91,26 +161,93 @@ class PageStore:
         )
 
     def release(self) -> None:
+        """Unlock every page this request locked (its own and the drafter's)."""
         if self.locked:
             self.tree.unlock(self.locked)
             self.locked = []
+
+    # ------------------------------------------------------------------ another model's pages (the drafter's)
+
+    def match_role(self, tokens: Sequence[int], role: str) -> list[int]:
+        """Offsets of the longest cached prefix of ``tokens`` in ``role``'s
+        pages, locked until ``release`` (not counted in hits and misses)."""
+        chain = self.tree.match(list(tokens), role, count=False)
+        self.tree.lock(chain)
+        self.locked.extend(chain)
+        return [node.pages[role].offset for node in chain]
+
+    def plan(self, tokens: Sequence[int], role: str, page_bytes: int) -> list[tuple[int, Node]]:
+        """Pages of ``role`` to write for every full page of ``tokens`` not
+        cached yet: (start token, node), each already allocated."""
+        full = len(tokens) // self.page_tokens * self.page_tokens
+        if full == 0:
+            return []
+        self.role_bytes[role] = page_bytes
+        return [
+            (node.depth * self.page_tokens, node)
+            for node, _, new in self.tree.store(list(tokens[:full]), role, page_bytes)
+            if new
+        ]
+
+    def seal(self, nodes: Sequence[Node], role: str) -> None:
+        """Their ``role`` pages have been written: checksum them (a page without
+        a checksum is never saved in the index)."""
+        for node in nodes:
+            page = node.pages.get(role)
+            if page is not None:
+                node.pages[role] = replace(page, crc=page_crc(self.arena, page))
+
+    def unplan(self, nodes: Sequence[Node], role: str) -> None:
+        """Their ``role`` pages were not written after all: free them."""
+        for node in nodes:
+            self.tree.drop_page(node, role)
+
+    # ------------------------------------------------------------------ the index, across worker restarts
+
+    def save_index(self, path: Path) -> None:
+        data = {"version": INDEX_VERSION, "layout": repr(self.layout), "tree": self.tree.snapshot()}
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_bytes(msgpack.packb(data))
+        os.replace(tmp, path)
+
+    def load_index(self, path: Path) -> tuple[int, int]:
+        """Take over the pages a previous worker left (after ``probe_layout``);
+        returns (pages kept, pages dropped). A missing index keeps nothing; an
+        unreadable or foreign one is ignored with a warning."""
+        try:
+            data = msgpack.unpackb(path.read_bytes(), strict_map_key=False)
+        except FileNotFoundError:
+            return 0, 0
+        except (OSError, ValueError, msgpack.UnpackException) as exc:
+            log.warning("ignoring the prefix-cache index %s: %s", path, exc)
+            return 0, 0
+        if not isinstance(data, dict) or data.get("version") != INDEX_VERSION or data.get("layout") != repr(self.layout):
+            log.warning("ignoring the prefix-cache index %s: written for another model or version", path)
+            return 0, 0
+        try:
+            return self.tree.load(data["tree"], lambda page: page_crc(self.arena, page) == page.crc)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            log.warning("ignoring the prefix-cache index %s: %s", path, exc)
+            self.tree.clear()
+            return 0, 0
 
     def store(self, tokens: Sequence[int]) -> int:
         """Cache every full page of ``tokens`` (which the model holds, from
         position 0) that is not cached yet; returns the pages written."""
         full = min(len(tokens), self.model.n_past) // self.page_tokens * self.page_tokens
-        if full == 0:
+        if full == 0 or self.layout is None:
             return 0
-        state = parse(self.model.seq_state())
-        if self.layout is None:
-            self.layout = state.layout
-        elif state.layout != self.layout:
-            raise ValueError("the model's state layout changed")
-        written = 0
-        for node, page, new in self.tree.store(list(tokens[:full]), self.role, self._page_bytes()):
-            if new:
-                start = node.depth * self.page_tokens
-                data = cut(state, start, start + self.page_tokens)
-                self.arena[page.offset : page.offset + len(data)] = data
-                written += 1
-        return written
+        planned = self.plan(tokens[:full], self.role, self._page_bytes())
+        if not planned:
+            return 0
+        nodes = [node for _, node in planned]
+        try:
+            write_pages(
+                self.model, self.arena, self.page_tokens,
+                [(start, node.pages[self.role].offset) for start, node in planned], expect=self.layout,
+            )  # fmt: skip
+        except Exception:
+            self.unplan(nodes, self.role)
+            raise
+        self.seal(nodes, self.role)
+        return len(planned)

@@ -1,9 +1,6 @@
 """The prefix cache's bookkeeping: pages of KV state, a tree keyed on content
 and full prefix, a byte budget and the eviction policy. Plain classes, no model.
 
-(Groundwork for the prefix-cache issue: the shared-memory arena, the workers'
-page reads/writes and the daemon wiring build on these.)
-
 **Pages and the tree.** The cache holds KV state in pages of ``page_tokens``
 tokens. The tree is a radix tree whose edges are whole pages: a node is one
 page, its key the page's tokens, its path from the root everything before it.
@@ -28,11 +25,19 @@ request are locked). Among them: the least recently used first, by buckets of
 same age, and among those the shortest prefix goes first (it saves the least
 prefill time for the same memory), then the least recently used. Evicting a
 leaf frees all its pages (every role) and may make its parent a leaf.
+
+**Surviving a worker restart.** ``snapshot`` writes the tree (tokens, pages,
+each page's checksum) as plain msgpack-able lists; ``load`` rebuilds it over a
+fresh allocator, keeping a page only if its bytes in the arena still match its
+checksum (a worker killed between evicting a page and writing the next
+snapshot leaves the old snapshot naming bytes that were overwritten) and its
+parent kept its page of the same role (otherwise it could never be matched).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -82,6 +87,25 @@ class ExtentAllocator:
             self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
             del self._free[i]
 
+    def reserve(self, offset: int, size: int) -> bool:
+        """Take ``[offset, offset + size)`` (as ``alloc`` would round it) if it
+        is wholly free; False if any of it is not."""
+        size = self._round(size)
+        i = bisect.bisect_right(self._free, (offset, float("inf"))) - 1
+        if i < 0:
+            return False
+        start, free = self._free[i]
+        if offset < start or offset + size > start + free:
+            return False
+        del self._free[i]
+        if offset + size < start + free:
+            self._free.insert(i, (offset + size, start + free - offset - size))
+        if offset > start:
+            self._free.insert(i, (start, offset - start))
+        self._live[offset] = size
+        self.used += size
+        return True
+
     def size_of(self, offset: int) -> int:
         return self._live[offset]
 
@@ -93,6 +117,7 @@ class ExtentAllocator:
 class Page:
     offset: int
     size: int  # bytes, as allocated
+    crc: Optional[int] = None  # zlib.crc32 of its bytes once written; None: not written yet
 
 
 @dataclass(eq=False)
@@ -146,9 +171,10 @@ class PageTree:
         for start in range(0, len(tokens) - len(tokens) % n, n):
             yield tuple(tokens[start : start + n])
 
-    def match(self, tokens: Sequence[int], role: str) -> list[Node]:
+    def match(self, tokens: Sequence[int], role: str, count: bool = True) -> list[Node]:
         """The longest chain of cached pages of ``role`` that ``tokens`` starts
-        with (possibly empty). Touches them (they count as just used)."""
+        with (possibly empty). Touches them (they count as just used); counts a
+        hit or a miss unless ``count`` is False."""
         chain: list[Node] = []
         node = self.root
         for key in self._pages_of(tokens):
@@ -160,6 +186,8 @@ class PageTree:
         now = self.clock()
         for n in chain:
             n.last_used = now
+        if not count:
+            return chain
         if chain:
             self.stats.hits += 1
             self.stats.tokens_from_cache += len(chain) * self.page_tokens
@@ -248,6 +276,16 @@ class PageTree:
             self.unlock(path)
             node.locks -= 1
 
+    def drop_page(self, node: Node, role: str) -> None:
+        """Free ``node``'s ``role`` page (one that was never written); a node
+        left without pages or children leaves the tree."""
+        page = node.pages.pop(role, None)
+        if page is not None:
+            self.allocator.free(page.offset)
+        if not node.pages and not node.children and node.locks == 0 and node.parent is not None:
+            if node.parent.children.get(node.tokens) is node:
+                del node.parent.children[node.tokens]
+
     def leaves(self) -> list[Node]:
         out = []
         stack = list(self.root.children.values())
@@ -285,11 +323,13 @@ class PageTree:
         self.stats.evictions += 1
 
     def clear(self) -> int:
-        """Drop every unlocked page; returns the number of nodes dropped."""
-        dropped = 0
+        """Drop every unlocked page (not counted as evictions); returns the
+        number of nodes dropped."""
+        dropped, evictions = 0, self.stats.evictions
         while True:
             victim = self.victim()
             if victim is None:
+                self.stats.evictions = evictions
                 return dropped
             self.evict(victim)
             dropped += 1
@@ -307,3 +347,51 @@ class PageTree:
 
     def pages(self) -> int:
         return sum(len(n.pages) for n in self.nodes())
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> dict:
+        """The tree as plain data: nodes parents first, each
+        ``[parent index (-1: root), tokens, {role: [offset, size, crc]}]``;
+        pages not written yet (no checksum) are left out."""
+        out: list = []
+        index = {id(self.root): -1}
+        queue = collections.deque(self.root.children.values())
+        while queue:
+            n = queue.popleft()
+            pages = {r: [p.offset, p.size, p.crc] for r, p in n.pages.items() if p.crc is not None}
+            if not pages:
+                continue  # nothing under it can be matched either
+            index[id(n)] = len(out)
+            out.append([index[id(n.parent)], list(n.tokens), pages])
+            queue.extend(c for c in n.children.values())
+        return {"page_tokens": self.page_tokens, "nodes": out}
+
+    def load(self, snapshot: dict, intact: Callable[[Page], bool]) -> tuple[int, int]:
+        """Rebuild the tree from ``snapshot`` (into an empty tree) keeping the
+        pages for which ``intact(page)`` holds; returns (pages kept, pages dropped)."""
+        if self.root.children or self.allocator.used:
+            raise ValueError("load into an empty tree")
+        if snapshot.get("page_tokens") != self.page_tokens:
+            raise ValueError(f"the snapshot has pages of {snapshot.get('page_tokens')} tokens, not {self.page_tokens}")
+        nodes: list[Optional[Node]] = []
+        kept = dropped = 0
+        for parent_index, tokens, pages in snapshot["nodes"]:
+            parent = self.root if parent_index < 0 else nodes[parent_index]
+            key = tuple(int(t) for t in tokens)
+            node = None
+            if parent is not None and len(key) == self.page_tokens and key not in parent.children:
+                node = Node(tokens=key, parent=parent, depth=parent.depth + 1, serial=next(self._serial))
+                for role, (offset, size, crc) in pages.items():
+                    page = Page(int(offset), int(size), int(crc))
+                    reachable = parent is self.root or role in parent.pages
+                    if reachable and intact(page) and self.allocator.reserve(page.offset, page.size):
+                        node.pages[role] = page
+                if node.pages:
+                    parent.children[key] = node
+                else:
+                    node = None
+            kept += len(node.pages) if node is not None else 0
+            dropped += len(pages) - (len(node.pages) if node is not None else 0)
+            nodes.append(node)
+        return kept, dropped

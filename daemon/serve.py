@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from . import models
-from .server import Daemon, ServeConfig, ServeError
+from .server import Daemon, ServeConfig, ServeError, cache_budget
 
 
 def serve(
@@ -27,7 +27,7 @@ def serve(
     governor: bool = True,
     governor_per_task: bool = True,
     state_dir: Optional[Path] = None,
-    cache_bytes: int = 0,
+    cache_bytes: Optional[int] = None,
     page_tokens: int = 32,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
@@ -40,6 +40,8 @@ def serve(
             drafter_name, drafter_path = _resolve(drafter, progress)
         if not 0 <= draft_tokens <= 16:
             raise ServeError(f"--draft-tokens must be between 0 and 16, got {draft_tokens}")
+        if not 1 <= page_tokens <= 4096:
+            raise ServeError(f"--page-tokens must be between 1 and 4096, got {page_tokens}")
         daemon = Daemon(
             ServeConfig(
                 model_name=name,
@@ -59,7 +61,7 @@ def serve(
                 governor=governor,
                 governor_per_task=governor_per_task,
                 state_dir=state_dir,
-                cache_bytes=cache_bytes,
+                cache_bytes=cache_budget(cache_bytes),
                 page_tokens=page_tokens,
             )
         )

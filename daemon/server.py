@@ -26,6 +26,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tandem.protocol import (
+    CacheCleared,
+    CacheClear,
     CacheInfo,
     GovernorInfo,
     PROTOCOL_VERSION,
@@ -57,6 +59,7 @@ from tandem.protocol import (
 from tandem.protocol.paths import MAX_SOCKET_PATH_BYTES
 
 from .governor import state_file
+from .page_store import index_path
 from .version import __version__
 from .vocab import vocab_mismatch
 from .worker import WorkerConfig
@@ -70,8 +73,38 @@ RESTART_BACKOFF_SECONDS = (1, 2, 4, 8, 16, 30)
 HARD_MESSAGE_CAP_BYTES = 64 * 1024 * 1024
 
 
+DEFAULT_CACHE_BYTES = 1 << 30
+SHM_DIR = Path("/dev/shm")
+
+
 class ServeError(Exception):
     """The daemon cannot start. The message says why and what to do."""
+
+
+def cache_budget(requested: Optional[int], shm_dir: Path = SHM_DIR) -> int:
+    """The prefix cache's byte budget: ``requested`` (None: the default, 1 GiB
+    or half of what shared memory has free, if less). Shared memory is tmpfs,
+    sparse until written: a budget larger than its free space would fault
+    (SIGBUS) when the cache fills, so that is refused up front."""
+    try:
+        st = os.statvfs(shm_dir)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    if requested is None:
+        budget = min(DEFAULT_CACHE_BYTES, free // 2)
+        if budget < DEFAULT_CACHE_BYTES:
+            log.warning(
+                "%s has %d MiB free: the prefix cache gets %d MiB instead of %d (set --cache-bytes to choose)",
+                shm_dir, free >> 20, budget >> 20, DEFAULT_CACHE_BYTES >> 20,
+            )  # fmt: skip
+        return budget
+    if requested > free:
+        raise ServeError(
+            f"--cache-bytes {requested >> 20} MiB is more than {shm_dir} has free ({free >> 20} MiB); "
+            "give a smaller --cache-bytes, 0 to run without a prefix cache, or enlarge /dev/shm"
+        )
+    return requested
 
 
 @dataclass
@@ -92,7 +125,7 @@ class ServeConfig:
     exact: str = "auto"  # "auto" (on when the target is not batch-invariant and the governor is off), "on", "off"
     governor: bool = True
     governor_per_task: bool = True
-    cache_bytes: int = 0  # prefix cache arena (shared memory); 0 = no prefix cache
+    cache_bytes: int = 0  # prefix cache arena (shared memory); 0 = no prefix cache (serve() defaults to 1 GiB)
     page_tokens: int = 32
     state_dir: Optional[Path] = None  # where the governor's state is kept; None: not kept
 
@@ -201,6 +234,8 @@ class Daemon:
         self.governor: Optional[GovernorInfo] = None  # the target worker's latest report
         self.cache: Optional[CacheInfo] = None  # likewise
         self.restart_due: Optional[float] = None
+        self.clears: collections.deque[tuple[bytes, CacheClear]] = collections.deque()  # waiting for the worker
+        self.clearing: Optional[tuple[bytes, CacheClear]] = None  # sent to the worker
         self.ever_ready = False
         self.on_ready: Optional[Callable[[], None]] = None
         self._process = psutil.Process()
@@ -277,7 +312,11 @@ class Daemon:
         if kind == "model":
             self.drafter = WorkerHandle(
                 self.zctx,
-                WorkerConfig(role="drafter", model_name=c.drafter, model_path=str(c.drafter_path), **common),
+                WorkerConfig(
+                role="drafter", model_name=c.drafter, model_path=str(c.drafter_path),
+                cache_shm=self.kv_arena.name if self.kv_arena is not None else "", cache_bytes=c.cache_bytes,
+                page_tokens=c.page_tokens, **common,
+            ),  # fmt: skip
                 self.socket_dir,
             )
             self.drafter.start()  # first: it binds the endpoint the target connects to
@@ -301,6 +340,7 @@ class Daemon:
             Cancel: self.handle_cancel,
             Status: self.handle_status,
             Shutdown: self.handle_shutdown,
+            CacheClear: self.handle_cache_clear,
         }
 
     # ------------------------------------------------------------------ main loop
@@ -481,6 +521,15 @@ class Daemon:
         self.send(identity, ShutdownReply(id=msg.id))
         self.stopping = True
 
+    def handle_cache_clear(self, identity: bytes, msg: CacheClear) -> None:
+        if self.kv_arena is None:
+            self.send(identity, CacheCleared(id=msg.id, pages=0, bytes=0, cache=None))
+            return
+        if self.state == "failed":
+            self.send(identity, Error.of(msg.id, ErrorCode.NOT_READY, f"the daemon has failed: {self.failure}"))
+            return
+        self.clears.append((identity, msg))  # after the running request, before the next (see _start_next)
+
     def _on_client_gone(self, identity: bytes) -> None:
         """The peer disconnected: cancel what it asked for; nobody is left to answer."""
         for job in list(self.jobs.values()):
@@ -524,7 +573,16 @@ class Daemon:
     # ------------------------------------------------------------------ worker side
 
     def _start_next(self) -> None:
-        if self.active is not None or not self.queue or self.state != "ready" or not self.models_ready or self.stopping:
+        if self.active is not None or self.clearing is not None or self.state != "ready" or not self.models_ready:
+            return
+        if self.stopping:
+            return
+        if self.clears:
+            self.clearing = self.clears.popleft()
+            if not self.target.send(self.clearing[1]):
+                self._clear_failed("the model worker could not take the request")
+            return
+        if not self.queue:
             return
         job = self.queue.popleft()
         job.started_at = time.monotonic()
@@ -534,6 +592,12 @@ class Daemon:
     def on_target_message(self, msg, frames: list[bytes]) -> None:
         """A chunk, done or error from the target worker; chunks are relayed as
         the worker encoded them."""
+        if isinstance(msg, CacheCleared):
+            if self.clearing is not None and msg.id == self.clearing[1].id:
+                self.cache = msg.cache
+                self.send(self.clearing[0], msg)
+                self.clearing = None
+            return
         job = self.active
         if job is None or msg.id != job.request.id:
             if isinstance(msg, Error) and msg.code == ErrorCode.NOT_READY:
@@ -552,6 +616,12 @@ class Daemon:
             if msg.cache is not None:
                 self.cache = msg.cache
         self._finish(job, msg)
+
+    def _clear_failed(self, why: str) -> None:
+        if self.clearing is not None:
+            identity, msg = self.clearing
+            self.clearing = None
+            self.send(identity, Error.of(msg.id, ErrorCode.WORKER_DIED, f"the cache was not cleared: {why}; retry"))
 
     def _on_ready(self, msg: Ready) -> None:
         worker = self.drafter if msg.id == "drafter" else self.target
@@ -607,6 +677,7 @@ class Daemon:
         if not self.ever_ready:
             self._on_load_failure(f"the model worker died while loading {self.config.model_path} (exit code {code})")
             return
+        self._clear_failed(f"the model worker died (exit code {code})")
         if self.active is not None:
             job = self.active
             self._finish(
@@ -672,6 +743,10 @@ class Daemon:
     # ------------------------------------------------------------------ shutdown
 
     def _shutdown(self) -> None:
+        for identity, msg in [*self.clears, *([self.clearing] if self.clearing else [])]:
+            self.send(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+        self.clears.clear()
+        self.clearing = None
         for job in list(self.queue):
             self.queue.remove(job)
             self._finish(job, Error.of(job.request.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
@@ -698,6 +773,7 @@ class Daemon:
         if self.kv_arena is not None:
             self.kv_arena.close()
             self.kv_arena.unlink()
+            index_path(self.kv_arena.name).unlink(missing_ok=True)
         self.lock.release()
         self.zctx.term()
         log.info("stopped")

@@ -22,6 +22,8 @@ from typing import Optional
 import zmq
 
 from tandem.protocol import (
+    CacheCleared,
+    CacheClear,
     Cancel,
     Error,
     ErrorCode,
@@ -202,20 +204,18 @@ class WorkerLoop:
         c = self.config
         if not c.cache_shm:
             return None
-        import mmap
-
-        from .page_store import PageStore
+        from .page_store import PageStore, index_path, map_arena
         from .prefix_cache import ExtentAllocator, PageTree
 
-        # map the daemon's segment directly: multiprocessing's SharedMemory would
-        # register it with a resource tracker that unlinks it when this process exits
-        fd = os.open(f"/dev/shm/{c.cache_shm}", os.O_RDWR)
-        try:
-            self._arena = mmap.mmap(fd, c.cache_bytes)
-        finally:
-            os.close(fd)
+        self._arena = map_arena(c.cache_shm, c.cache_bytes)
         store = PageStore(PageTree(c.page_tokens, ExtentAllocator(c.cache_bytes)), memoryview(self._arena), model)
-        store.probe_layout(model.bos_token if model.bos_token >= 0 else 0)
+        store.probe_layout()
+        kept, dropped = store.load_index(index_path(c.cache_shm))
+        if kept or dropped:
+            log.info(
+                "prefix cache: %d pages kept from the previous worker (%d dropped: evicted or overwritten since)",
+                kept, dropped,
+            )  # fmt: skip
         return store
 
     def _drafter(self):
@@ -243,6 +243,9 @@ class WorkerLoop:
             return
         if isinstance(msg, Cancel):
             return  # nothing running: it finished before the cancel arrived
+        if isinstance(msg, CacheClear):
+            self._clear_cache(engine, msg)
+            return
         if not isinstance(msg, Generate):
             log.error("unexpected %s message from the daemon", msg.op.value)
             return
@@ -250,13 +253,40 @@ class WorkerLoop:
         try:
             done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
             self.send(done)
+            # after the reply: a few ms of disk never delay it
             if done.governor is not None and self.governors is not None:
-                self.governors.save()  # after the reply: a few ms of disk never delay it
+                self.governors.save()
+            if engine.cache is not None:
+                self._save_cache_index(engine)
         except RequestError as exc:
             self.send(Error.of(msg.id, exc.code, exc.message))
         except Exception as exc:  # a bug or a llama.cpp failure: report it, keep serving
             log.exception("request %s failed", msg.id)
             self.send(Error.of(msg.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
+
+    def _clear_cache(self, engine, msg: CacheClear) -> None:
+        cache = engine.cache
+        if cache is None:
+            self.send(CacheCleared(id=msg.id, pages=0, bytes=0, cache=None))
+            return
+        pages, used = cache.tree.pages(), cache.tree.allocator.used
+        cache.release()
+        cache.tree.clear()
+        self._save_cache_index(engine)
+        log.info("prefix cache cleared: %d pages, %d bytes", pages - cache.tree.pages(), used - cache.tree.allocator.used)
+        self.send(
+            CacheCleared(
+                id=msg.id, pages=pages - cache.tree.pages(), bytes=used - cache.tree.allocator.used, cache=cache.info()
+            )
+        )
+
+    def _save_cache_index(self, engine) -> None:
+        from .page_store import index_path
+
+        try:
+            engine.cache.save_index(index_path(self.config.cache_shm))
+        except OSError as exc:
+            log.warning("could not save the prefix-cache index (a restarted worker would start empty): %s", exc)
 
     def _poll_cancel(self, request_id: str) -> bool:
         while self.sock.poll(0, zmq.POLLIN):

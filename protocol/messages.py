@@ -45,6 +45,7 @@ class Op(str, enum.Enum):
     CANCEL = "cancel"
     STATUS = "status"
     SHUTDOWN = "shutdown"
+    CACHE_CLEAR = "cache_clear"
     CHUNK = "chunk"
     DONE = "done"
     ERROR = "error"
@@ -191,6 +192,14 @@ class Shutdown(Message):
     id: str
 
 
+@dataclass
+class CacheClear(Message):
+    """Empty the prefix cache (after the running request, before the next)."""
+
+    op: ClassVar[Op] = Op.CACHE_CLEAR
+    id: str
+
+
 # --------------------------------------------------------------------------- replies
 
 
@@ -282,6 +291,8 @@ class CacheInfo:
     tokens_from_cache: int  # prompt tokens restored instead of prefilled
     tokens_prefilled: int  # prompt tokens prefilled by requests that used the cache
     evictions: int
+    pages_total: int = 0  # pages the budget holds (each cached page of tokens has one page per model)
+    page_bytes: dict[str, int] = field(default_factory=dict)  # bytes of one page, by model: "target", "drafter"
 
 
 @dataclass
@@ -376,6 +387,15 @@ class StatusReply(Message):
 
 
 @dataclass
+class CacheCleared(Message):
+    op: ClassVar[Op] = Op.CACHE_CLEAR
+    id: str
+    pages: int  # pages dropped
+    bytes: int  # bytes freed
+    cache: Optional[CacheInfo] = None  # the cache now (None: the daemon has none)
+
+
+@dataclass
 class ShutdownReply(Message):
     op: ClassVar[Op] = Op.SHUTDOWN
     id: str
@@ -411,6 +431,9 @@ class DraftRequest(Message):
     seed: int  # the drafter seeds its own sampler from this when ``new_request``
     p_min: float = 0.0  # stop early when the drafter's probability for its next guess is below
     new_request: bool = False
+    # prefix-cache pages in the daemon's arena (offsets), done before anything else:
+    store: list[list[int]] = field(default_factory=list)  # [start token, offset]: write these pages of the KV state
+    restore: list[int] = field(default_factory=list)  # replace the KV state by these pages (then keep <= their tokens)
 
 
 @dataclass
@@ -425,11 +448,13 @@ class Drafted(Message):
     q_ids: np.ndarray
     q_probs: np.ndarray
     q_lens: list[int]
+    page_bytes: int = 0  # bytes of one prefix-cache page of the drafter's KV (0: no prefix cache)
 
 
-REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Cancel, Status, Shutdown)}
+REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Cancel, Status, Shutdown, CacheClear)}
 REPLIES: dict[Op, type] = {
-    m.op: m for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, Ready)
+    m.op: m
+    for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared, Ready)
 }
 DRAFTER_REQUESTS: dict[Op, type] = {m.op: m for m in (DraftRequest, Shutdown)}
 DRAFTER_REPLIES: dict[Op, type] = {m.op: m for m in (Drafted, Error)}

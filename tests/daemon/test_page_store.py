@@ -33,7 +33,7 @@ def arena():
 
 def store_for(model, arena, pages: int) -> PageStore:
     probe = PageStore(PageTree(PAGE, ExtentAllocator(0)), arena.buf, model)
-    page_bytes = probe.probe_layout(1).page_bytes(PAGE)
+    page_bytes = probe.probe_layout().page_bytes(PAGE)
     tree = PageTree(PAGE, ExtentAllocator(pages * page_bytes, align=1))
     s = PageStore(tree, arena.buf, model)
     s.layout = probe.layout

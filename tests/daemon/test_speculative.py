@@ -216,7 +216,7 @@ def test_draft_p_min_keeps_the_target_distribution_at_temperature_above_zero():
 
     p_logits = np.log(np.array([0.5, 0.5], dtype=np.float32))
     loop = object.__new__(DrafterLoop)  # the drafting logic without its sockets
-    loop.model, loop.sampler = FakeDraftModel(), None
+    loop.model, loop.sampler, loop.arena, loop.page_bytes = FakeDraftModel(), None, None, 0
     target = Sampler(1.0, 0, 1.0, 1)
     n, zeros = 20000, 0
     for seed in range(n):

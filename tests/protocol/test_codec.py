@@ -33,6 +33,7 @@ REQUESTS = [
     P.Cancel(id="c1", request_id="g1"),
     P.Status(id="s1"),
     P.Shutdown(id="x1"),
+    P.CacheClear(id="k1"),
 ]
 
 REPLIES = [
@@ -79,12 +80,21 @@ REPLIES = [
         draft=P.DraftStats(1, 4, 2, 0.5, [1, 1], 3.0),
     ),
     P.ShutdownReply(id="x1"),
+    P.CacheCleared(
+        id="k1",
+        pages=3,
+        bytes=3 * 2**20,
+        cache=P.CacheInfo(16, 0, 0, 2**30, 1, 2, 32, 8, 0, pages_total=100, page_bytes={"target": 2**20}),
+    ),
+    P.CacheCleared(id="k2", pages=0, bytes=0, cache=None),
     P.Ready(id="target", model=MODEL, pid=43),
 ]
 
 
 DRAFTER = [
     P.DraftRequest(id="g1", keep=10, append=[5, 6], k=4, temperature=0.7, top_k=40, top_p=0.9, seed=3, p_min=0.1, new_request=True),
+    P.DraftRequest(id="g1", keep=32, append=[], k=0, temperature=0.0, top_k=0, top_p=1.0, seed=3,
+                   store=[[0, 0], [16, 4096]], restore=[0, 4096]),
 ]
 
 

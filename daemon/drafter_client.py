@@ -144,7 +144,10 @@ class ModelDrafterClient:
             return [], keep
         offsets = self.pages.match_role(context[: len(context) - 1], "drafter")
         n = len(offsets) * self.pages.page_tokens
-        return (offsets, n) if n > keep else ([], keep)
+        if n <= keep:
+            return [], keep
+        self.pages.drafter_tokens_from_cache += n
+        return offsets, n
 
     def store(self, tokens: Sequence[int]) -> None:
         """End of a request: write the drafter's full pages of ``tokens`` that it

@@ -114,6 +114,7 @@ class PageStore:
         self.locked: list[Node] = []
         self.tokens_prefilled = 0
         self.role_bytes: dict[str, int] = {}  # page size of each model that has stored pages
+        self.drafter_tokens_from_cache = 0
 
     def _page_bytes(self) -> int:
         assert self.layout is not None
@@ -149,6 +150,7 @@ class PageStore:
         return CacheInfo(
             pages_total=t.allocator.capacity // per_node * len(sizes) if per_node else 0,
             page_bytes=sizes,
+            drafter_tokens_from_cache=self.drafter_tokens_from_cache,
             page_tokens=self.page_tokens,
             pages=t.pages(),
             bytes_used=t.allocator.used,

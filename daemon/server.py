@@ -102,7 +102,7 @@ def cache_budget(requested: Optional[int], shm_dir: Path = SHM_DIR) -> int:
     if requested > free:
         raise ServeError(
             f"--cache-bytes {requested >> 20} MiB is more than {shm_dir} has free ({free >> 20} MiB); "
-            "give a smaller --cache-bytes, 0 to run without a prefix cache, or enlarge /dev/shm"
+            "give a smaller --cache-bytes (or --cache-bytes 0 to run without a prefix cache), or enlarge /dev/shm"
         )
     return requested
 

@@ -252,12 +252,13 @@ class WorkerLoop:
         self.cancelled.clear()
         try:
             done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
-            self.send(done)
-            # after the reply: a few ms of disk never delay it
-            if done.governor is not None and self.governors is not None:
-                self.governors.save()
             if engine.cache is not None:
+                # before the reply (a few ms in tmpfs): once a request is answered,
+                # its pages survive this worker being killed
                 self._save_cache_index(engine)
+            self.send(done)
+            if done.governor is not None and self.governors is not None:
+                self.governors.save()  # after the reply: a few ms of disk never delay it
         except RequestError as exc:
             self.send(Error.of(msg.id, exc.code, exc.message))
         except Exception as exc:  # a bug or a llama.cpp failure: report it, keep serving

@@ -97,3 +97,45 @@ def test_budget_holds_when_the_prompt_is_bigger_than_the_cache(model, arena):
     assert s.store(a) == 2
     assert s.tree.allocator.used <= s.tree.allocator.capacity
     assert s.restore(a + [1]) == 2 * PAGE
+
+
+def test_a_new_store_over_the_same_arena_takes_the_pages_back_from_the_index(model, arena, tmp_path):
+    """What a restarted worker does: same arena, fresh tree, the saved index."""
+    s = store_for(model, arena, pages=8)
+    a = text_tokens(model, "Tool output: 12 files changed. ", 3 * PAGE + 3)
+    model.clear()
+    model.decode(a)
+    assert s.store(a) == 3
+    s.save_index(tmp_path / "index")
+    follow_up = a + text_tokens(model, "Now summarise. ", 5)
+    expected = fresh_logits(model, follow_up)
+
+    again = store_for(model, arena, pages=8)
+    assert again.load_index(tmp_path / "index") == (3, 0)
+    n = again.restore(follow_up)
+    assert n == 3 * PAGE
+    assert np.array_equal(model.decode(follow_up[n:])[0], expected)
+
+
+def test_pages_overwritten_after_the_index_was_saved_are_dropped(model, arena, tmp_path):
+    s = store_for(model, arena, pages=8)
+    a = text_tokens(model, "Alpha beta gamma delta. ", 3 * PAGE)
+    model.clear()
+    model.decode(a)
+    s.store(a)
+    s.save_index(tmp_path / "index")
+    second = s.tree.match(a, "target")[1].pages["target"]
+    arena.buf[second.offset : second.offset + 8] = b"\xff" * 8  # what a later eviction + write would do
+
+    again = store_for(model, arena, pages=8)
+    assert again.load_index(tmp_path / "index") == (1, 2)  # the second fails, the third hangs below it
+    assert again.restore(a + [1]) == PAGE
+
+
+@pytest.mark.parametrize("content", [b"not msgpack \xc1", b"\x80"])
+def test_an_unreadable_or_foreign_index_is_ignored(model, arena, tmp_path, content, caplog):
+    (tmp_path / "index").write_bytes(content)
+    s = store_for(model, arena, pages=8)
+    assert s.load_index(tmp_path / "index") == (0, 0)
+    assert "ignoring the prefix-cache index" in caplog.text
+    assert s.load_index(tmp_path / "missing") == (0, 0)

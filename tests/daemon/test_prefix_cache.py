@@ -237,3 +237,105 @@ def test_clear_drops_everything_unlocked():
     t.lock(keep)
     assert t.clear() == 2
     assert t.pages() == 1 and t.allocator.used == 100
+
+
+def test_clear_is_not_counted_as_evictions():
+    t = tree()
+    cache(t, list(range(8)))
+    t.clear()
+    assert t.stats.evictions == 0 and t.pages() == 0
+
+
+# ---------------------------------------------------------------------------- surviving a worker restart
+
+
+@pytest.mark.parametrize(
+    "live, offset, size, ok",
+    [
+        ([], 0, 100, True),
+        ([], 40, 20, True),  # splits the free extent in three
+        ([(0, 50)], 40, 20, False),  # overlaps a live extent
+        ([(0, 50)], 50, 50, True),  # exactly the rest
+        ([], 90, 20, False),  # past the end
+    ],
+)
+def test_reserve_takes_only_free_ranges(live, offset, size, ok):
+    al = ExtentAllocator(100, align=1)
+    for off, sz in live:
+        assert al.reserve(off, sz)
+    assert al.reserve(offset, size) is ok
+    assert al.used == sum(s for _, s in live) + (size if ok else 0)
+    if ok:  # the rest is still allocatable, and no byte twice
+        rest = []
+        while (o := al.alloc(1)) is not None:
+            rest.append(o)
+        assert not set(rest) & set(range(offset, offset + size))
+        assert al.used == 100
+
+
+def written(t: PageTree, crc=7):
+    """Mark every page written (a checksum), as PageStore.seal does."""
+    from dataclasses import replace
+
+    for n in t.nodes():
+        for role, p in n.pages.items():
+            n.pages[role] = replace(p, crc=crc)
+
+
+def test_snapshot_and_load_give_the_same_tree():
+    t = tree()
+    cache(t, [1, 2, 3, 4, 5, 6, 7, 8])
+    cache(t, [1, 2, 3, 4, 9, 9, 9, 9])
+    cache(t, [1, 2, 3, 4], role="drafter", size=40)
+    written(t)
+    u = tree()
+    kept, dropped = u.load(t.snapshot(), lambda page: True)
+    assert (kept, dropped) == (4, 0)
+    assert u.allocator.used == t.allocator.used
+    assert len(u.match([1, 2, 3, 4, 9, 9, 9, 9], "target")) == 2
+    assert len(u.match([1, 2, 3, 4, 5, 6, 7, 8], "drafter")) == 1
+    assert len(u.match([5, 6, 7, 8], "target")) == 0  # still keyed on the full prefix
+    # a new page never lands on a kept one
+    offsets = {n.pages["target"].offset for n in u.nodes() if "target" in n.pages}
+    new = u.store([7] * 4, "target", 100)
+    assert new[0][1].offset not in offsets
+
+
+def test_load_drops_pages_that_fail_their_check_and_what_hangs_below_them():
+    t = tree()
+    cache(t, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    cache(t, [1, 2, 3, 4, 5, 6, 7, 8], role="drafter", size=40)
+    written(t)
+    bad = t.match([1, 2, 3, 4, 5, 6, 7, 8], "target")[1].pages["target"].offset
+    u = tree()
+    kept, dropped = u.load(t.snapshot(), lambda page: page.offset != bad)
+    # target: page 1 kept, page 2 failed, page 3 unreachable; drafter: both kept
+    assert (kept, dropped) == (3, 2)
+    assert len(u.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], "target")) == 1
+    assert len(u.match([1, 2, 3, 4, 5, 6, 7, 8], "drafter")) == 2
+
+
+def test_unwritten_pages_are_not_in_the_snapshot():
+    t = tree()
+    cache(t, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert t.snapshot()["nodes"] == []
+    written(t)
+    assert len(t.snapshot()["nodes"]) == 2
+
+
+def test_load_refuses_another_page_size_and_a_non_empty_tree():
+    t = tree()
+    cache(t, [1, 2, 3, 4])
+    written(t)
+    with pytest.raises(ValueError, match="pages of 4 tokens"):
+        tree(page_tokens=8).load(t.snapshot(), lambda page: True)
+    with pytest.raises(ValueError, match="empty"):
+        t.load(t.snapshot(), lambda page: True)
+
+
+def test_drop_page_frees_it_and_an_empty_leaf_leaves():
+    t = tree()
+    cache(t, [1, 2, 3, 4, 5, 6, 7, 8])
+    leaf = t.match([1, 2, 3, 4, 5, 6, 7, 8], "target")[1]
+    t.drop_page(leaf, "target")
+    assert t.allocator.used == 100 and len(t.nodes()) == 1

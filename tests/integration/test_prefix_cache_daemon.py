@@ -1,10 +1,14 @@
-"""The prefix cache through the daemon's socket with SmolLM2 (target pages only,
-opt-in with --cache-bytes while the issue is in progress)."""
+"""The prefix cache through the daemon's socket with SmolLM2: equal output with
+and without it, no false hits, pages that outlive a killed worker, clearing,
+and the drafter's own pages."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -56,3 +60,108 @@ def test_same_later_tokens_after_another_start_are_no_hit(cached_daemon):
     assert a.usage.cached_tokens == 0
     assert b.usage.cached_tokens == 0  # its pages after the first hold a's tokens, but follow another prefix
     assert again.usage.cached_tokens > 0
+
+
+def wait_ready_again(d, old_pid: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with d.client() as c:
+            st = c.status()
+        if st.state == "ready" and st.worker_pids.get("target") not in (None, old_pid):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(d.log())
+
+
+def test_a_worker_killed_with_sigkill_restarts_and_still_hits_the_cache(cached_daemon):
+    prompt = "Report A." + " The build log follows. step one compiled, step two linked, step three tested." * 6
+    with cached_daemon.client() as client:
+        first = client.complete(prompt=prompt, max_tokens=8, temperature=0.0)
+        before = client.status()
+        pid = before.worker_pids["target"]
+        os.kill(pid, signal.SIGKILL)
+    wait_ready_again(cached_daemon, pid)
+    with cached_daemon.client() as client:
+        after = client.status()
+        assert after.worker_restarts == 1
+        assert after.cache is not None and after.cache.pages == before.cache.pages > 0  # taken back from the arena
+        again = client.complete(prompt=prompt, max_tokens=8, temperature=0.0)
+    assert again.usage.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert again.text == first.text
+    assert "pages kept from the previous worker" in cached_daemon.log()
+
+
+def test_cache_clear_empties_it_after_which_requests_miss(cached_daemon):
+    prompt = SYSTEM + "Question: what is a flaky test?"
+    with cached_daemon.client() as client:
+        client.complete(prompt=prompt, max_tokens=4, temperature=0.0)
+        assert client.complete(prompt=prompt, max_tokens=4, temperature=0.0).usage.cached_tokens > 0
+        held = client.status().cache
+        out = subprocess.run(
+            [sys.executable, "-m", "tandem.client.cli", "--socket", str(cached_daemon.socket), "cache", "clear"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert f"cleared {held.pages:,} pages" in out.stdout
+        st = client.status().cache
+        assert st.pages == 0 and st.bytes_used == 0 and st.evictions == 0
+        assert client.complete(prompt=prompt, max_tokens=4, temperature=0.0).usage.cached_tokens == 0
+        # a clear sent while a request runs waits for it, and that request completes normally
+        stream = client.generate(prompt=prompt, max_tokens=64, temperature=0.0, ignore_eos=True)
+        next(iter(stream))  # it runs
+        cleared = client.cache_clear()
+        for _ in stream:
+            pass
+        assert stream.done.finish_reason.value == "length"
+        # the clear came after the request stored its pages: it dropped them
+        assert cleared.pages > 0 and cleared.cache is not None and cleared.cache.pages == 0
+
+
+def test_a_daemon_started_with_cache_bytes_0_has_no_cache(start_daemon):
+    d = start_daemon("--ctx-size", "512", "--cache-bytes", "0")
+    with d.client() as client:
+        done = client.complete(prompt="Hello", max_tokens=2, temperature=0.0)
+        assert done.cache is None and client.status().cache is None
+        assert client.cache_clear().cache is None
+
+
+def test_cache_bytes_larger_than_shared_memory_is_refused_with_the_fix(smollm2_path, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.client.cli", "--socket", str(tmp_path / "s"), "serve",
+         "--model", str(smollm2_path), "--cache-bytes", "100000G"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "more than /dev/shm has free" in out.stderr and "--cache-bytes 0" in out.stderr
+
+
+@pytest.fixture
+def pair(smollm2_path):
+    from tandem.daemon import models
+
+    return models.derive_f16(smollm2_path), smollm2_path
+
+
+def test_the_drafter_keeps_its_own_pages_and_output_is_unchanged(start_daemon, pair):
+    target, drafter = pair
+    d = start_daemon(
+        "--drafter", str(drafter), "--ctx-size", "1024", "--draft-tokens", "4", "--governor", "off",
+        "--cache-bytes", "64M", "--page-tokens", "16", model=target,
+    )  # fmt: skip
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name one kind of test."}]
+    with d.client() as client:
+        first = client.complete(messages=history, max_tokens=16, temperature=0.0)
+        c = first.cache
+        assert set(c.page_bytes) == {"target", "drafter"} and c.drafter_tokens_from_cache == 0
+        # every cached stretch of tokens has a page of each model
+        assert c.pages % 2 == 0 and c.pages > 0
+        assert c.bytes_used >= c.pages // 2 * (c.page_bytes["target"] + c.page_bytes["drafter"])
+        # another session in between: the drafter's KV then holds that one
+        client.complete(prompt="A different session about databases. " * 8, max_tokens=8, temperature=0.0)
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And another?"}]
+        cached = client.complete(messages=history, max_tokens=16, temperature=0.0)
+        fresh = client.complete(messages=history, max_tokens=16, temperature=0.0, cache=False)
+    assert cached.usage.cached_tokens > 0 and cached.text == fresh.text
+    assert cached.draft is not None and cached.draft.rounds > 0
+    # so it restored its pages of this session's start rather than reading them again
+    assert cached.cache.drafter_tokens_from_cache >= cached.usage.cached_tokens - 16 > 0

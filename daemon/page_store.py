@@ -209,7 +209,9 @@ class PageStore:
     def save_index(self, path: Path) -> None:
         data = {"version": INDEX_VERSION, "layout": repr(self.layout), "tree": self.tree.snapshot()}
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_bytes(msgpack.packb(data))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # prompts' tokens: this user's only
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgpack.packb(data))
         os.replace(tmp, path)
 
     def load_index(self, path: Path) -> tuple[int, int]:

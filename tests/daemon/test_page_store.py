@@ -139,3 +139,9 @@ def test_an_unreadable_or_foreign_index_is_ignored(model, arena, tmp_path, conte
     assert s.load_index(tmp_path / "index") == (0, 0)
     assert "ignoring the prefix-cache index" in caplog.text
     assert s.load_index(tmp_path / "missing") == (0, 0)
+
+
+def test_the_index_is_readable_by_this_user_only(model, arena, tmp_path):
+    s = store_for(model, arena, pages=8)
+    s.save_index(tmp_path / "index")
+    assert (tmp_path / "index").stat().st_mode & 0o777 == 0o600

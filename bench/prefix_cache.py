@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
+from tandem.daemon.llama_model import cpu_has_amx  # noqa: E402
 
 TOOLS = [
     ("read_file", "Read a file of the repository and return its text with line numbers.", ["path", "start_line", "end_line"]),
@@ -166,10 +167,10 @@ def ttft_tandem(client: Client, prompt: str, cache: bool) -> tuple[float, int, i
 class Ideal:
     """The model in this process, keeping the previous prompt in its KV cache."""
 
-    def __init__(self, path: Path, n_ctx: int):
+    def __init__(self, path: Path, n_ctx: int, flash_attn: bool):
         from tandem.daemon.llama_model import LlamaModel
 
-        self.model = LlamaModel(path, n_ctx=n_ctx)
+        self.model = LlamaModel(path, n_ctx=n_ctx, flash_attn=flash_attn)
         self.tokens: list[int] = []
 
     def ttft(self, prompt: str) -> tuple[float, int]:
@@ -200,12 +201,14 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    def __init__(self, binary: Path, model: Path, n_ctx: int, threads: int):
+    def __init__(self, binary: Path, model: Path, n_ctx: int, threads: int, flash_attn: bool):
         self.port = free_port()
         self.command = [
             str(binary), "-m", str(model), "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads),
-            "--host", "127.0.0.1", "--port", str(self.port), "--no-webui",
+            "-fa", "on" if flash_attn else "off", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui",
         ]  # fmt: skip
+        if cpu_has_amx():
+            self.command.append("--no-repack")  # like tandem's --extra-buffers auto: AMX repacking crashes
         env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
         self.log = open(Path("/tmp") / f"llama-server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -318,6 +321,11 @@ def main() -> int:
     ap.add_argument("--system-chars", type=int, default=13_000, help="system prompt size (~4,000 Qwen tokens)")
     ap.add_argument("--tool-chars", type=int, default=3_600, help="tool output per turn (~1,200 Qwen tokens)")
     ap.add_argument("--ctx-size", type=int, default=16_384)
+    ap.add_argument("--interleaved-runs", type=int, default=None, help="runs of the interleaved workload (default --runs)")
+    ap.add_argument(
+        "--flash-attn", choices=["on", "off"], default="on",
+        help="for every system (tandem serve --flash-attn, llama-server -fa, the ideal); on: 20%% faster prefill here",
+    )  # fmt: skip
     ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (bench/build_llama_server.sh)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
@@ -325,9 +333,12 @@ def main() -> int:
     path = model_path(args.model)
     threads = os.cpu_count() or 1
     sock = temp_socket("tdm-pc-")
-    daemon = start_daemon(sock, "--model", str(path), "--ctx-size", str(args.ctx_size))
-    server = LlamaServer(args.llama_server, path, args.ctx_size, threads) if args.llama_server else None
-    ideal = Ideal(path, args.ctx_size)
+    fa = args.flash_attn == "on"
+    serve_args = ["--model", str(path), "--ctx-size", str(args.ctx_size), "--flash-attn", args.flash_attn]
+    daemon = start_daemon(sock, *serve_args)
+    server = LlamaServer(args.llama_server, path, args.ctx_size, threads, fa) if args.llama_server else None
+    ideal = Ideal(path, args.ctx_size, fa)
+    inter_runs = args.runs if args.interleaved_runs is None else args.interleaved_runs
     agent_rows: list[dict] = []
     inter_rows: list[dict] = []
     try:
@@ -335,7 +346,7 @@ def main() -> int:
             for run in range(args.runs):
                 print(f"run {run + 1} of {args.runs}", flush=True)
                 agent_loop(run, args, client, ideal, server, agent_rows)
-                if args.sessions:
+                if args.sessions and run < inter_runs:
                     interleaved(run, args, client, server, inter_rows)
             cache = client.status().cache
     finally:
@@ -359,11 +370,11 @@ def main() -> int:
         summary["turns 2+: llama-server / tandem"] = [a / b for a, b in zip(by_run("llama_server"), by_run("tandem"))]
     if inter_rows:
         ilater = [r for r in inter_rows if r["turn"] >= 2]
-        print(f"\n## {args.sessions} interleaved sessions, turns 2+, mean TTFT per run\n")
-        t = [statistics.mean(r["tandem"] for r in ilater if r["run"] == run) for run in range(args.runs)]
+        print(f"\n## {args.sessions} interleaved sessions, {inter_runs} runs, turns 2+, mean TTFT per run\n")
+        t = [statistics.mean(r["tandem"] for r in ilater if r["run"] == run) for run in range(inter_runs)]
         print(f"tandem: {fmt(t)} s")
         if server:
-            s = [statistics.mean(r["llama_server"] for r in ilater if r["run"] == run) for run in range(args.runs)]
+            s = [statistics.mean(r["llama_server"] for r in ilater if r["run"] == run) for run in range(inter_runs)]
             print(f"llama-server: {fmt(s)} s")
             summary["interleaved turns 2+: llama-server / tandem"] = [a / b for a, b in zip(s, t)]
             print("llama-server prompt tokens it prefilled, turns 2+: median "
@@ -376,7 +387,7 @@ def main() -> int:
               f"{cache.evictions} evictions")  # fmt: skip
     if server:
         print(f"\nllama-server command: {shlex.join(server.command)}")
-    print(f"tandem command: tandem serve --model {path} --ctx-size {args.ctx_size}")
+    print(f"tandem command: tandem serve {shlex.join(serve_args)}")
     if args.out:
         args.out.write_text(json.dumps({"agent": agent_rows, "interleaved": inter_rows, "summary": summary}, indent=1))
     return 0

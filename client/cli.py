@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--page-tokens",
         type=int,
-        default=32,
+        default=16,
         metavar="N",
         help="prefix cache page size in tokens: a request reuses whole pages, so up to N-1 tokens of a cached "
         "prefix are prefilled again (default %(default)s; see README)",
@@ -386,7 +386,9 @@ def cmd_status(args) -> int:
             f"cache:     {c.pages:,} of {c.pages_total:,} pages of {c.page_tokens} tokens, "
             f"{_mib(c.bytes_used)} of {_mib(c.bytes_budget)}; "
             f"{c.hits:,} hits, {c.misses:,} misses; {c.tokens_from_cache:,} prompt tokens from cache, "
-            f"{c.tokens_prefilled:,} prefilled; {c.evictions:,} evicted"
+            f"{c.tokens_prefilled:,} prefilled"
+            + (f", {c.drafter_tokens_from_cache:,} drafter tokens from cache" if c.drafter_tokens_from_cache else "")
+            + f"; {c.evictions:,} evicted"
         )
     if st.active:
         a = st.active

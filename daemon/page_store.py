@@ -209,7 +209,8 @@ class PageStore:
     def save_index(self, path: Path) -> None:
         data = {"version": INDEX_VERSION, "layout": repr(self.layout), "tree": self.tree.snapshot()}
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # prompts' tokens: this user's only
+        tmp.unlink(missing_ok=True)  # a leftover of a killed worker; then never follow a planted link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)  # prompts' tokens: ours only
         with os.fdopen(fd, "wb") as f:
             f.write(msgpack.packb(data))
         os.replace(tmp, path)

@@ -28,7 +28,7 @@ def serve(
     governor_per_task: bool = True,
     state_dir: Optional[Path] = None,
     cache_bytes: Optional[int] = None,
-    page_tokens: int = 32,
+    page_tokens: int = 16,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
     """Run the daemon in this process until it is stopped. Returns an exit code."""

@@ -126,7 +126,7 @@ class ServeConfig:
     governor: bool = True
     governor_per_task: bool = True
     cache_bytes: int = 0  # prefix cache arena (shared memory); 0 = no prefix cache (serve() defaults to 1 GiB)
-    page_tokens: int = 32
+    page_tokens: int = 16
     state_dir: Optional[Path] = None  # where the governor's state is kept; None: not kept
 
 
@@ -277,9 +277,10 @@ class Daemon:
             from multiprocessing import shared_memory
 
             # owned by the daemon, so cached pages outlive a worker that dies
-            self.kv_arena = shared_memory.SharedMemory(
-                create=True, size=c.cache_bytes, name=f"tandem-kv-{os.getuid()}-{os.getpid()}"
-            )
+            name = f"tandem-kv-{os.getuid()}-{os.getpid()}"
+            for stale in (SHM_DIR / name, index_path(name)):  # a crashed daemon that had our pid
+                stale.unlink(missing_ok=True)
+            self.kv_arena = shared_memory.SharedMemory(create=True, size=c.cache_bytes, name=name)
         kind = "model" if c.drafter_path is not None else c.drafter
         draft_endpoint = endpoint(self.socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else ""
         identity = governor_identity(c)

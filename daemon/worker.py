@@ -65,7 +65,7 @@ class WorkerConfig:
     governor_per_task: bool = True  # one governor per task (the prompt's start), or one for all
     cache_shm: str = ""  # the daemon's prefix-cache arena (a /dev/shm name); "": no prefix cache
     cache_bytes: int = 0
-    page_tokens: int = 32
+    page_tokens: int = 16
 
 
 def load_model(config: WorkerConfig):

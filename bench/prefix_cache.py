@@ -322,6 +322,7 @@ def main() -> int:
     ap.add_argument("--tool-chars", type=int, default=3_600, help="tool output per turn (~1,200 Qwen tokens)")
     ap.add_argument("--ctx-size", type=int, default=16_384)
     ap.add_argument("--interleaved-runs", type=int, default=None, help="runs of the interleaved workload (default --runs)")
+    ap.add_argument("--first-run", type=int, default=0, help="number of the first run (its prompts' salt), to add runs later")
     ap.add_argument(
         "--flash-attn", choices=["on", "off"], default="on",
         help="for every system (tandem serve --flash-attn, llama-server -fa, the ideal); on: 20%% faster prefill here",
@@ -343,10 +344,10 @@ def main() -> int:
     inter_rows: list[dict] = []
     try:
         with Client(sock) as client:
-            for run in range(args.runs):
-                print(f"run {run + 1} of {args.runs}", flush=True)
+            for run in range(args.first_run, args.first_run + args.runs):
+                print(f"run {run + 1} of {args.first_run + args.runs}", flush=True)
                 agent_loop(run, args, client, ideal, server, agent_rows)
-                if args.sessions and run < inter_runs:
+                if args.sessions and run - args.first_run < inter_runs:
                     interleaved(run, args, client, server, inter_rows)
             cache = client.status().cache
     finally:
@@ -359,9 +360,8 @@ def main() -> int:
     print(f"\n## Agent loop: {path.name}, {args.runs} runs, TTFT per turn, median (min–max)\n")
     print("\n".join(per_turn_table(agent_rows, systems)))
     later = [r for r in agent_rows if r["turn"] >= 2]
-    by_run = lambda key: [  # noqa: E731
-        statistics.mean(r[key] for r in later if r["run"] == run) for run in range(args.runs)
-    ]
+    runs = range(args.first_run, args.first_run + args.runs)
+    by_run = lambda key: [statistics.mean(r[key] for r in later if r["run"] == run) for run in runs]  # noqa: E731
     summary = {
         "turns 2+: no cache / tandem": [a / b for a, b in zip(by_run("no_cache"), by_run("tandem"))],
         "turns 2+: ideal / tandem (1.0 = ideal)": [a / b for a, b in zip(by_run("ideal"), by_run("tandem"))],
@@ -371,10 +371,10 @@ def main() -> int:
     if inter_rows:
         ilater = [r for r in inter_rows if r["turn"] >= 2]
         print(f"\n## {args.sessions} interleaved sessions, {inter_runs} runs, turns 2+, mean TTFT per run\n")
-        t = [statistics.mean(r["tandem"] for r in ilater if r["run"] == run) for run in range(inter_runs)]
+        t = [statistics.mean(r["tandem"] for r in ilater if r["run"] == run) for run in runs[:inter_runs]]
         print(f"tandem: {fmt(t)} s")
         if server:
-            s = [statistics.mean(r["llama_server"] for r in ilater if r["run"] == run) for run in range(inter_runs)]
+            s = [statistics.mean(r["llama_server"] for r in ilater if r["run"] == run) for run in runs[:inter_runs]]
             print(f"llama-server: {fmt(s)} s")
             summary["interleaved turns 2+: llama-server / tandem"] = [a / b for a, b in zip(s, t)]
             print("llama-server prompt tokens it prefilled, turns 2+: median "

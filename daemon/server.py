@@ -393,6 +393,12 @@ class Daemon:
             except zmq.Again:
                 return
             identity = frames[0].bytes
+            # ZeroMQ queues a connection's "accepted" event before it reads any of
+            # its data, and an earlier connection's "disconnected" event on the same
+            # fd before that: draining the monitor now retires any earlier owner of
+            # this fd, so a late disconnect of a previous client can never cancel
+            # this one's request (the fd is reused at once)
+            self._drain_monitor()
             self.peer_fds[frames[0].get(zmq.SRCFD)] = identity
             self.dispatch(identity, [f.bytes for f in frames[1:]])
 

@@ -117,24 +117,22 @@ class ModelDrafterClient:
         if keep == len(context):
             keep -= 1  # the drafter needs logits after the last token: read it again
         restore, keep = self._restore_plan(context, max(keep, 0))
+        self._post(keep, list(context[keep:]), k, p_min, new_request=self.new_request, restore=restore)
+        self.new_request = False
+        self.mirror = list(context)  # what it will hold before drafting
+
+    def _post(self, keep: int, append: list[int], k: int, p_min: float, new_request: bool = False, **pages) -> None:
+        """Send one draft request with this request's sampling settings."""
         s = self.sampler
         assert s is not None
-        req = DraftRequest(
-            id=self.request_id,
-            keep=max(keep, 0),
-            append=list(context[max(keep, 0) :]),
-            k=k,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            seed=self.seed,
-            p_min=p_min,
-            new_request=self.new_request,
-            restore=restore,
-        )
-        self.new_request = False
-        self.sock.send_multipart(encode(req))
-        self.mirror = list(context)  # what it will hold before drafting
+        self.sock.send_multipart(
+            encode(
+                DraftRequest(
+                    id=self.request_id, keep=keep, append=append, k=k, temperature=s.temperature, top_k=s.top_k,
+                    top_p=s.top_p, seed=self.seed, p_min=p_min, new_request=new_request, **pages,
+                )
+            )
+        )  # fmt: skip
         self.awaiting += 1
 
     def _restore_plan(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
@@ -159,18 +157,8 @@ class ModelDrafterClient:
         if not planned:
             return
         nodes = [node for _, node in planned]
-        s = self.sampler
-        assert s is not None
-        self.sock.send_multipart(
-            encode(
-                DraftRequest(
-                    id=self.request_id, keep=len(self.mirror), append=[], k=0, temperature=s.temperature,
-                    top_k=s.top_k, top_p=s.top_p, seed=self.seed,
-                    store=[[start, node.pages["drafter"].offset] for start, node in planned],
-                )
-            )
-        )  # fmt: skip
-        self.awaiting += 1
+        store = [[start, node.pages["drafter"].offset] for start, node in planned]
+        self._post(len(self.mirror), [], 0, 0.0, store=store)
         if self._recv(DRAFT_TIMEOUT_MS) is None:
             self.pages.unplan(nodes, "drafter")
         else:

@@ -274,12 +274,9 @@ class WorkerLoop:
         cache.release()
         cache.tree.clear()
         self._save_cache_index(engine)
-        log.info("prefix cache cleared: %d pages, %d bytes", pages - cache.tree.pages(), used - cache.tree.allocator.used)
-        self.send(
-            CacheCleared(
-                id=msg.id, pages=pages - cache.tree.pages(), bytes=used - cache.tree.allocator.used, cache=cache.info()
-            )
-        )
+        pages, used = pages - cache.tree.pages(), used - cache.tree.allocator.used
+        log.info("prefix cache cleared: %d pages, %d bytes", pages, used)
+        self.send(CacheCleared(id=msg.id, pages=pages, bytes=used, cache=cache.info()))
 
     def _save_cache_index(self, engine) -> None:
         from .page_store import index_path

@@ -46,6 +46,13 @@ def text_tokens(model, text: str, n: int) -> list[int]:
     return out[:n]
 
 
+def prefill_and_store(model, s: PageStore, tokens) -> int:
+    """Read ``tokens`` from scratch, then cache them; returns the pages written."""
+    model.clear()
+    model.decode(tokens)
+    return s.store(tokens)
+
+
 def fresh_logits(model, tokens):
     model.clear()
     return model.decode(tokens)[0]
@@ -54,9 +61,7 @@ def fresh_logits(model, tokens):
 def test_restored_prefix_gives_bit_identical_logits(model, arena):
     s = store_for(model, arena, pages=8)
     prompt = text_tokens(model, "Tool output: the build passed with 3 warnings. ", 3 * PAGE + 5)
-    model.clear()
-    model.decode(prompt)
-    assert s.store(prompt) == 3  # the partial fourth page is not cached
+    assert prefill_and_store(model, s, prompt) == 3  # the partial fourth page is not cached
 
     follow_up = prompt + text_tokens(model, "Next turn: fix the warnings. ", 9)
     expected = fresh_logits(model, follow_up)
@@ -72,9 +77,7 @@ def test_restored_prefix_gives_bit_identical_logits(model, arena):
 def test_same_page_tokens_after_another_prefix_are_not_a_hit(model, arena):
     s = store_for(model, arena, pages=8)
     a = text_tokens(model, "Alpha beta gamma delta. ", 2 * PAGE)
-    model.clear()
-    model.decode(a)
-    s.store(a)
+    prefill_and_store(model, s, a)
     b = text_tokens(model, "Zeta eta theta iota. ", PAGE) + a[PAGE:]  # shares only a's second page
     assert s.restore(b + [1]) == 0 and model.n_past == 0
     assert s.restore(a + [1]) == 2 * PAGE
@@ -83,18 +86,14 @@ def test_same_page_tokens_after_another_prefix_are_not_a_hit(model, arena):
 def test_at_least_one_token_is_left_to_decode(model, arena):
     s = store_for(model, arena, pages=8)
     a = text_tokens(model, "One two three four. ", 2 * PAGE)
-    model.clear()
-    model.decode(a)
-    s.store(a)
+    prefill_and_store(model, s, a)
     assert s.restore(a) == PAGE  # all of it is cached, but its last token must be decoded for logits
 
 
 def test_budget_holds_when_the_prompt_is_bigger_than_the_cache(model, arena):
     s = store_for(model, arena, pages=2)
     a = text_tokens(model, "Red green blue. ", 4 * PAGE)
-    model.clear()
-    model.decode(a)
-    assert s.store(a) == 2
+    assert prefill_and_store(model, s, a) == 2
     assert s.tree.allocator.used <= s.tree.allocator.capacity
     assert s.restore(a + [1]) == 2 * PAGE
 
@@ -103,9 +102,7 @@ def test_a_new_store_over_the_same_arena_takes_the_pages_back_from_the_index(mod
     """What a restarted worker does: same arena, fresh tree, the saved index."""
     s = store_for(model, arena, pages=8)
     a = text_tokens(model, "Tool output: 12 files changed. ", 3 * PAGE + 3)
-    model.clear()
-    model.decode(a)
-    assert s.store(a) == 3
+    assert prefill_and_store(model, s, a) == 3
     s.save_index(tmp_path / "index")
     follow_up = a + text_tokens(model, "Now summarise. ", 5)
     expected = fresh_logits(model, follow_up)
@@ -120,9 +117,7 @@ def test_a_new_store_over_the_same_arena_takes_the_pages_back_from_the_index(mod
 def test_pages_overwritten_after_the_index_was_saved_are_dropped(model, arena, tmp_path):
     s = store_for(model, arena, pages=8)
     a = text_tokens(model, "Alpha beta gamma delta. ", 3 * PAGE)
-    model.clear()
-    model.decode(a)
-    s.store(a)
+    prefill_and_store(model, s, a)
     s.save_index(tmp_path / "index")
     second = s.tree.match(a, "target")[1].pages["target"]
     arena.buf[second.offset : second.offset + 8] = b"\xff" * 8  # what a later eviction + write would do

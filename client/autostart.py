@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tandem.daemon import config
 
 from .client import Client
 from .errors import DaemonNotRunning, TandemError
 
 
 def state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "tandem"
+    return config.default_state_dir()
 
 
 def daemon_answers(socket_path: Path) -> bool:

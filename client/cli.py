@@ -10,12 +10,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from tandem.daemon import config
 from tandem.protocol import Generate, default_socket_path
 
 from .client import Client
 from .errors import DaemonNotRunning, QueueFull, RequestFailed, TandemError
-
-DEFAULT_MODEL = "smollm2-135m"  # mirrors tandem.daemon.models.DEFAULT_MODEL without importing llama.cpp
 
 DESCRIPTION = """\
 tandem: a private, local LLM daemon. Models run in worker processes behind a
@@ -26,6 +25,8 @@ Unix socket; nothing leaves this machine.
   tandem serve --model qwen2.5-coder-1.5b run the daemon in the foreground
   tandem status | tandem stop             inspect / stop the daemon
   tandem models pull NAME | list          fetch / list models
+  tandem config show                      the effective settings and their sources
+  tandem service install                  run the daemon as a systemd user service
 """
 
 
@@ -49,17 +50,22 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _byte_size(text: str) -> int:
-    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in "KMG" else ""
-    try:
-        value = float(t[: len(t) - len(unit)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a number with K, M or G (512M, 1G)")
-    if value < 0:
-        raise argparse.ArgumentTypeError("a size cannot be negative")
-    return int(value * units[unit])
+def _serve_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("socket",)) -> None:
+    """One flag per option of the settings schema (tandem.daemon.config); a flag
+    not given is left out, so the environment and the config file can supply it."""
+    for o in config.OPTIONS:
+        if o.key in skip:
+            continue
+        kw: dict = dict(dest=o.key, default=argparse.SUPPRESS)
+        if o.kind == "bool":
+            kw["choices"] = ["on", "off"]
+        elif o.kind == "choice":
+            kw["choices"] = list(o.choices)
+        else:
+            kw["metavar"] = o.metavar or o.key.upper()
+        default = config.show_value(o, o.default)
+        extra = "; SIGHUP reloads it" if o.reload else ""
+        p.add_argument(o.flag, help=f"{o.help} (default {default}; env {o.env}{extra})", **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,98 +74,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--socket",
+        default=None,
+        help=f"daemon socket (default: $TANDEM_SOCKET, else the config file's socket, else {default_socket_path()})",
+    )
+    parser.add_argument(
+        "--config",
         type=Path,
         default=None,
-        help=f"daemon socket (default: $TANDEM_SOCKET, else {default_socket_path()})",
+        metavar="PATH",
+        help=f"config file (default: $TANDEM_CONFIG, else {config.default_config_path()}; it need not exist)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="run the daemon in the foreground", description="Run the daemon in the foreground.")
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="preset name (see `tandem models list`) or path of a .gguf file (default %(default)s; pulled if missing)",
+    p = sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground",
+        description="Run the daemon in the foreground. Every option is also an environment variable "
+        "(TANDEM_<OPTION>) and a key of the config file; a flag beats the environment, which beats the file, "
+        "which beats the default. `tandem config show` prints the effective settings and where each came from.",
     )
-    p.add_argument(
-        "--ctx-size", type=int, default=None, help="context length in tokens (default: the model's, capped at 8192)"
-    )
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for llama.cpp (default: all cores)")
-    p.add_argument("--batch-size", type=int, default=512, help="prompt tokens per llama_decode call (default %(default)s)")
-    p.add_argument(
-        "--max-queue", type=int, default=16, help="requests that may wait; more get a `busy` reply (default %(default)s)"
-    )
-    p.add_argument(
-        "--drafter",
-        default="none",
-        metavar="PRESET|PATH|ngram|none",
-        help="speculative decoding: a small model with the target's tokenizer (its own worker process), "
-        "'ngram' (prompt lookup, no model), or 'none' (default %(default)s)",
-    )
-    p.add_argument(
-        "--draft-tokens", type=int, default=4, help="tokens drafted per round, 1-16; requests may override (default %(default)s)"
-    )
-    p.add_argument(
-        "--draft-p-min",
-        type=float,
-        default=0.0,
-        help="end a draft early when the drafter's probability for its next guess is below this; 0 = off (default)",
-    )
-    p.add_argument(
-        "--governor",
-        choices=["on", "off"],
-        default="on",
-        help="with a drafter: draft only while drafting is measurably faster than plain decoding, learned per task "
-        "and kept in --state-dir across restarts; off = draft every round (default %(default)s)",
-    )
-    p.add_argument(
-        "--governor-per-task",
-        choices=["on", "off"],
-        default="on",
-        help="keep one governor state per task (requests whose prompts start with the same 16 tokens: the same "
-        "system prompt, the same file), so alternating tasks each keep their own mode; off = one state for all "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--exact",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="with a drafter: decode every step as a batch of >= 2 tokens, so that drafting never changes greedy "
-        "output on a target whose one-token and batched kernels round differently (probed at load). Costs "
-        "25-30%% on steps without drafts. auto = on only with --governor off (default %(default)s)",
-    )
-    p.add_argument(
-        "--cache-bytes",
-        type=_byte_size,
-        default=None,
-        metavar="SIZE",
-        help="prefix cache: keep the KV state of recent prompts, in pages, in this much shared memory (e.g. "
-        "512M, 2G) and restore it instead of prefilling a prompt's start again; both models' pages count. "
-        "0 = off. Default 1G, or half of the free space of /dev/shm if that is less",
-    )
-    p.add_argument(
-        "--page-tokens",
-        type=int,
-        default=16,
-        metavar="N",
-        help="prefix cache page size in tokens: a request reuses whole pages, so up to N-1 tokens of a cached "
-        "prefix are prefilled again (default %(default)s; see README)",
-    )
-    p.add_argument(
-        "--state-dir",
-        type=Path,
-        default=None,
-        help="where the daemon keeps what it learns (the governor's state) "
-        "(default: $XDG_STATE_HOME/tandem, else ~/.local/state/tandem)",
-    )
-    p.add_argument(
-        "--flash-attn", choices=["on", "off"], default="off", help="llama.cpp flash attention (default %(default)s)"
-    )
-    p.add_argument(
-        "--extra-buffers",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="llama.cpp weight repacking/AMX buffers; auto = off on CPUs with AMX, where they crash (default auto)",
-    )
+    _serve_options(p)
 
     p = sub.add_parser(
         "run",
@@ -170,12 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the prompt; - reads it from stdin")
     p.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text (no chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result instead of streaming")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model for a daemon started by this command (default %(default)s)")
+    p.add_argument("--model", default=argparse.SUPPRESS, help="model for a daemon started by this command (default: the configured model)")
     p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
     _sampling_args(p)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat", description="Chat in the terminal. /reset forgets, /exit (or Ctrl-D) leaves.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model for a daemon started by this command (default %(default)s)")
+    p.add_argument("--model", default=argparse.SUPPRESS, help="model for a daemon started by this command (default: the configured model)")
     p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
     _sampling_args(p)
 
@@ -190,6 +124,34 @@ def build_parser() -> argparse.ArgumentParser:
         "clear", help="drop every cached page (after the running request, before the next queued one)"
     )
 
+    p = sub.add_parser(
+        "config",
+        help="show the effective settings and where each came from",
+        description="Settings come from flags, then TANDEM_<OPTION> environment variables, then the config file "
+        f"({config.default_config_path()}, or --config / $TANDEM_CONFIG), then defaults.",
+    )
+    gsub = p.add_subparsers(dest="config_command", metavar="ACTION")
+    pp = gsub.add_parser(
+        "show",
+        help="print every setting as the daemon would use it, with its source (the output is a valid config file)",
+        description="Print the effective settings; give serve flags to see their effect.",
+    )
+    _serve_options(pp)
+
+    p = sub.add_parser(
+        "service",
+        help="run the daemon as a systemd user service",
+        description="Install, remove or inspect the systemd user service (~/.config/systemd/user/tandem.service, "
+        "Type=notify with a watchdog, sandboxed to loopback). Its options come from the config file; "
+        "`systemctl --user reload tandem` re-reads it.",
+    )
+    ssub = p.add_subparsers(dest="service_command", metavar="ACTION")
+    pp = ssub.add_parser("install", help="pull the configured models, write the unit, reload systemd, enable and start it")
+    pp.add_argument("--no-start", action="store_true", help="write the unit and reload systemd, but do not enable or start it")
+    ssub.add_parser("uninstall", help="stop and disable the service, remove the unit")
+    ssub.add_parser("status", help="whether the unit is installed, and systemctl's status of it")
+    ssub.add_parser("unit", help="print the unit this installation would write")
+
     p = sub.add_parser("models", help="fetch and list models")
     msub = p.add_subparsers(dest="models_command", metavar="ACTION")
     pp = msub.add_parser("pull", help="download a preset model into the model store, verifying its sha256")
@@ -199,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _flags(args) -> dict:
+    """The settings given as flags (those not given are absent from ``args``)."""
+    return {k: v for k, v in vars(args).items() if k in config.BY_KEY and v is not None}
 
 
 def _say(line: str) -> None:
@@ -255,28 +222,7 @@ def _stream_to_terminal(stream) -> None:
 def cmd_serve(args) -> int:
     from tandem.daemon.serve import serve
 
-    from .autostart import state_dir
-
-    extra = {"auto": None, "on": True, "off": False}[args.extra_buffers]
-    return serve(
-        model=args.model,
-        socket_path=args.socket,
-        ctx_size=args.ctx_size,
-        threads=args.threads,
-        batch_size=args.batch_size,
-        max_queue=args.max_queue,
-        extra_buffers=extra,
-        flash_attn=args.flash_attn == "on",
-        drafter=args.drafter,
-        draft_tokens=args.draft_tokens,
-        draft_p_min=args.draft_p_min,
-        exact=args.exact,
-        governor=args.governor == "on",
-        governor_per_task=args.governor_per_task == "on",
-        cache_bytes=args.cache_bytes,
-        page_tokens=args.page_tokens,
-        state_dir=args.state_dir or state_dir(),
-    )
+    return serve(args.settings, reload=lambda: config.load(args.flags, args.config))
 
 
 def cmd_run(args) -> int:
@@ -402,6 +348,7 @@ def cmd_status(args) -> int:
     mem = ", ".join(f"{k} {_mib(v)}" + (f" (pid {st.worker_pids[k]})" if k in st.worker_pids else "") for k, v in st.memory_rss_bytes.items())
     print(f"memory:    {mem}")
     print(f"restarts:  {st.worker_restarts}")
+    print(f"metrics:   {'http://' + st.metrics_addr + '/metrics' if st.metrics_addr else 'off'}")
     return 0
 
 
@@ -438,6 +385,62 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    if args.config_command != "show":
+        _say("usage: tandem config show [serve flags]")
+        return 2
+    st = args.settings
+    where = "found" if st.path.exists() else "not found; defaults apply"
+    print(f"# tandem settings; config file: {st.path} ({where})")
+    print("# precedence: flag > environment (TANDEM_<OPTION>) > config file > default")
+    resolved = {"socket": args.socket, "state_dir": st.state_dir or config.default_state_dir()}
+    for o in config.OPTIONS:
+        value = st.values[o.key]
+        text = config.toml_value(o, value)
+        if value is None and o.key in resolved:
+            text = config.toml_value(o, resolved[o.key])
+        reload = ", reloads on SIGHUP" if o.reload else ""
+        print(f"{o.key} = {text}".ljust(44) + f"  # {st.sources[o.key]}{reload}")
+    return 0
+
+
+def cmd_service(args) -> int:
+    from . import service
+
+    if args.service_command == "install":
+        _pull_configured(args.settings)
+        from .autostart import daemon_answers
+
+        if daemon_answers(args.socket):
+            _say(
+                f"note: a daemon already serves {args.socket} (not as this service?); the service cannot start "
+                "while it runs: stop it with `tandem stop` first"
+            )
+        return service.install(_say, enable=not args.no_start)
+    if args.service_command == "uninstall":
+        return service.uninstall(_say)
+    if args.service_command == "status":
+        return service.status(_say)
+    if args.service_command == "unit":
+        print(service.render(), end="")
+        return 0
+    _say("usage: tandem service {install [--no-start] | uninstall | status | unit}")
+    return 2
+
+
+def _pull_configured(settings) -> None:
+    """The service may not reach the network: pull its models now."""
+    from tandem.daemon import models
+
+    for name in (settings.model, settings.drafter):
+        if name in models.PRESETS and not models.is_pulled(name):
+            _say(f"tandem: pulling '{name}' first (the service is sandboxed to loopback and cannot)")
+            try:
+                models.pull(name, progress=_say, show_pip_progress=sys.stderr.isatty())
+            except models.ModelError as exc:
+                raise TandemError(str(exc)) from None
+
+
 def cmd_models(args) -> int:
     from tandem.daemon import models
 
@@ -465,6 +468,8 @@ COMMANDS = {
     "stop": cmd_stop,
     "models": cmd_models,
     "cache": cmd_cache,
+    "config": cmd_config,
+    "service": cmd_service,
 }
 
 
@@ -474,8 +479,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.socket is None:
-        args.socket = default_socket_path()
+    args.flags = _flags(args)  # as given, for a reload on SIGHUP
+    try:
+        args.settings = config.load(args.flags, args.config)
+    except config.ConfigError as exc:
+        _say(f"tandem: {exc}")
+        return 2
+    args.socket = args.settings.socket or default_socket_path()
+    if "model" not in vars(args) or args.model is None:
+        args.model = args.settings.model
     try:
         return COMMANDS[args.command](args)
     except QueueFull as exc:

@@ -7,63 +7,63 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import models
+from tandem.protocol import default_socket_path
+
+from . import config, models, sdnotify
 from .server import Daemon, ServeConfig, ServeError, cache_budget
+
+log = logging.getLogger("tandem.daemon")
 
 
 def serve(
-    model: str,
-    socket_path: Path,
-    ctx_size: Optional[int] = None,
-    threads: Optional[int] = None,
-    batch_size: int = 512,
-    max_queue: int = 16,
-    extra_buffers: Optional[bool] = None,
-    flash_attn: bool = False,
-    drafter: str = "none",
-    draft_tokens: int = 4,
-    draft_p_min: float = 0.0,
-    exact: str = "auto",
-    governor: bool = True,
-    governor_per_task: bool = True,
-    state_dir: Optional[Path] = None,
-    cache_bytes: Optional[int] = None,
-    page_tokens: int = 16,
+    settings: config.Settings,
+    reload: Optional[Callable[[], config.Settings]] = None,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
-    """Run the daemon in this process until it is stopped. Returns an exit code."""
-    logging.basicConfig(level=logging.INFO, format="tandem %(levelname)s %(message)s", stream=sys.stderr)
+    """Run the daemon in this process until it is stopped. Returns an exit code.
+    ``reload`` re-reads the settings on SIGHUP (see Daemon.reload)."""
+    s = settings
+    logging.basicConfig(level=s.log_level.upper(), format="tandem %(levelname)s %(message)s", stream=sys.stderr)
+    notifier = sdnotify.Notifier.from_environment()
     try:
-        name, path = _resolve(model, progress)
-        drafter_name, drafter_path = drafter, None
-        if drafter not in ("none", "ngram"):
-            drafter_name, drafter_path = _resolve(drafter, progress)
-        if not 0 <= draft_tokens <= 16:
-            raise ServeError(f"--draft-tokens must be between 0 and 16, got {draft_tokens}")
-        if not 1 <= page_tokens <= 4096:
-            raise ServeError(f"--page-tokens must be between 1 and 4096, got {page_tokens}")
+        if s.file_found:
+            log.info("settings from %s", s.path)
+
+        def say(line: str) -> None:
+            progress(line)
+            notifier.extend_timeout(120)  # a model download: tell systemd we are still starting
+
+        name, path = _resolve(s.model, say)
+        drafter_name, drafter_path = s.drafter, None
+        if s.drafter not in ("none", "ngram"):
+            drafter_name, drafter_path = _resolve(s.drafter, say)
         daemon = Daemon(
             ServeConfig(
                 model_name=name,
                 model_path=path,
-                socket_path=socket_path,
-                ctx_size=ctx_size,
-                threads=threads,
-                batch_size=batch_size,
-                max_queue=max_queue,
-                extra_buffers=extra_buffers,
-                flash_attn=flash_attn,
+                socket_path=s.socket or default_socket_path(),
+                ctx_size=s.ctx_size,
+                threads=s.threads,
+                batch_size=s.batch_size,
+                max_queue=s.max_queue,
+                extra_buffers={"auto": None, "on": True, "off": False}[s.extra_buffers],
+                flash_attn=s.flash_attn,
                 drafter=drafter_name,
                 drafter_path=drafter_path,
-                draft_tokens=draft_tokens,
-                draft_p_min=draft_p_min,
-                exact=exact,
-                governor=governor,
-                governor_per_task=governor_per_task,
-                state_dir=state_dir,
-                cache_bytes=cache_budget(cache_bytes),
-                page_tokens=page_tokens,
-            )
+                draft_tokens=s.draft_tokens,
+                draft_p_min=s.draft_p_min,
+                exact=s.exact,
+                governor=s.governor,
+                governor_per_task=s.governor_per_task,
+                state_dir=s.state_dir or config.default_state_dir(),
+                cache_bytes=cache_budget(s.cache_bytes),
+                page_tokens=s.page_tokens,
+                metrics_addr=s.metrics_addr,
+                log_level=s.log_level,
+            ),
+            notifier=notifier,
+            reload=reload,
+            settings=s,
         )
     except (ServeError, models.ModelError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)

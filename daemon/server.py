@@ -58,8 +58,11 @@ from tandem.protocol import (
 )
 from tandem.protocol.paths import MAX_SOCKET_PATH_BYTES
 
+from .config import RELOADABLE, ConfigError, Settings
 from .governor import state_file
+from .metrics import Metrics
 from .page_store import index_path
+from .sdnotify import Notifier
 from .version import __version__
 from .vocab import vocab_mismatch
 from .worker import WorkerConfig
@@ -128,6 +131,8 @@ class ServeConfig:
     cache_bytes: int = 0  # prefix cache arena (shared memory); 0 = no prefix cache (serve() defaults to 1 GiB)
     page_tokens: int = 16
     state_dir: Optional[Path] = None  # where the governor's state is kept; None: not kept
+    metrics_addr: str = "off"  # HOST:PORT of the Prometheus endpoint (config.check keeps it loopback) or "off"
+    log_level: str = "info"
 
 
 @dataclass
@@ -139,6 +144,7 @@ class Job:
     enqueued_at: float
     started_at: Optional[float] = None
     completion_tokens: int = 0
+    last_tokens_at: Optional[float] = None  # when the latest chunk with tokens was relayed
     client_gone: bool = False
 
 
@@ -221,8 +227,18 @@ def governor_identity(c: ServeConfig) -> str:
 
 
 class Daemon:
-    def __init__(self, config: ServeConfig):
+    def __init__(
+        self,
+        config: ServeConfig,
+        notifier: Optional[Notifier] = None,
+        reload: Optional[Callable[[], Settings]] = None,
+        settings: Optional[Settings] = None,
+    ):
         self.config = config
+        self.notifier = notifier or Notifier(None)
+        self.reload_settings = reload
+        self.started_with = dict(settings.values) if settings is not None else {}
+        self.reload_requested = False
         self.started_at = time.monotonic()
         self.state = "loading"
         self.failure = ""
@@ -239,11 +255,26 @@ class Daemon:
         self.ever_ready = False
         self.on_ready: Optional[Callable[[], None]] = None
         self._process = psutil.Process()
+        self._setup_metrics()
         self._setup_socket()
         self._setup_worker()
         self._setup_dispatch()
 
     # ------------------------------------------------------------------ setup steps
+
+    def _setup_metrics(self) -> None:
+        self.metrics = Metrics(self.live_metrics)
+        if self.config.metrics_addr == "off":
+            return
+        try:
+            bound = self.metrics.serve(self.config.metrics_addr)
+        except OSError as exc:
+            raise ServeError(
+                f"cannot serve metrics on {self.config.metrics_addr}: {exc.strerror or exc}. Another daemon may "
+                "hold that port: give this one --metrics-addr 127.0.0.1:OTHER_PORT (0 picks a free port), or "
+                "--metrics-addr off"
+            ) from None
+        log.info("metrics on http://%s/metrics", bound)
 
     def _setup_socket(self) -> None:
         path = self.config.socket_path
@@ -349,7 +380,9 @@ class Daemon:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_sighup)
         log.info("listening on %s (pid %d); loading %s", self.config.socket_path, os.getpid(), self.config.model_name)
+        self.notifier.status(f"loading {self.config.model_name}")
         try:
             while not self.stopping:
                 self._poll_once()
@@ -359,6 +392,39 @@ class Daemon:
     def _on_signal(self, signum, frame) -> None:
         log.info("received %s; shutting down", signal.Signals(signum).name)
         self.stopping = True
+
+    def _on_sighup(self, signum, frame) -> None:
+        self.reload_requested = True  # handled by the main loop, between messages
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the settings (flags given at start still win) and apply
+        those that can change without dropping the models: max_queue and
+        log_level. Others that changed are logged as needing a restart. A config
+        that does not load changes nothing."""
+        self.reload_requested = False
+        if self.reload_settings is None:
+            log.info("SIGHUP: nothing to reload (the daemon was not started from settings)")
+            return
+        self.notifier.reloading()
+        try:
+            new = self.reload_settings()
+        except ConfigError as exc:
+            log.error("SIGHUP: the settings did not load, nothing changed: %s", exc)
+            self.notifier.ready(self._ready_status() if self.state == "ready" else f"{self.state}")
+            return
+        applied = []
+        if new.max_queue != self.config.max_queue:
+            applied.append(f"max_queue {self.config.max_queue} -> {new.max_queue}")
+            self.config.max_queue = new.max_queue  # a shorter queue keeps who is already in it
+        if new.log_level != self.config.log_level:
+            applied.append(f"log_level {self.config.log_level} -> {new.log_level}")
+            self.config.log_level = new.log_level
+            logging.getLogger().setLevel(new.log_level.upper())
+        pending = [k for k, v in new.values.items() if k not in RELOADABLE and v != self.started_with.get(k, v)]
+        log.info("SIGHUP: reloaded settings from %s: %s", new.path, "; ".join(applied) or "nothing to change")
+        if pending:
+            log.warning("SIGHUP: %s changed; restart the daemon to apply (tandem stop, or systemctl --user restart tandem)", ", ".join(pending))
+        self.notifier.ready(self._ready_status() if self.state == "ready" else self.state)
 
     def _poll_once(self) -> None:
         poller = zmq.Poller()
@@ -370,6 +436,9 @@ class Daemon:
                 if w.sentinel is not None:
                     poller.register(w.sentinel, zmq.POLLIN)
         events = dict(poller.poll(POLL_MS))
+        self.notifier.watchdog()  # only from here: a loop that hangs stops the pings
+        if self.reload_requested:
+            self.reload()
         for w in self.workers:
             if w.sock is not None and w.sock in events:
                 self._drain_worker(w)
@@ -499,6 +568,7 @@ class Daemon:
             return
         if len(self.queue) >= self.config.max_queue:
             self.counters.requests["busy"] += 1
+            self.metrics.request_ended("busy")
             self.send(
                 identity,
                 Busy(
@@ -572,8 +642,10 @@ class Daemon:
             self.counters.requests[f"done_{terminal.finish_reason.value}"] += 1
             self.counters.tokens["prompt"] += terminal.usage.prompt_tokens
             self.counters.tokens["completion"] += terminal.usage.completion_tokens
+            self.metrics.request_ended(terminal.finish_reason.value, terminal)
         else:
             self.counters.requests["error"] += 1
+            self.metrics.request_ended("error")
         if not job.client_gone:
             self.send(job.identity, terminal)
 
@@ -602,6 +674,8 @@ class Daemon:
         if isinstance(msg, CacheCleared):
             if self.clearing is not None and msg.id == self.clearing[1].id:
                 self.cache = msg.cache
+                if msg.cache is not None:
+                    self.metrics.cache_seen(msg.cache)
                 self.send(self.clearing[0], msg)
                 self.clearing = None
             return
@@ -612,6 +686,11 @@ class Daemon:
             return
         if isinstance(msg, Chunk):
             job.completion_tokens += len(msg.token_ids)
+            if msg.token_ids:
+                now = time.monotonic()
+                if job.last_tokens_at is not None:  # the first chunk's wait is the time to first token
+                    self.metrics.tokens_relayed(len(msg.token_ids), now - job.last_tokens_at)
+                job.last_tokens_at = now
             if not job.client_gone and not self.send_frames(job.identity, frames):
                 job.client_gone = True
                 self._cancel(job)
@@ -637,6 +716,10 @@ class Daemon:
         if worker is self.target:
             self.governor = msg.governor
             self.cache = msg.cache
+            if msg.governor is not None:
+                self.metrics.governor_seen(msg.governor)
+            if msg.cache is not None:
+                self.metrics.cache_seen(msg.cache)
         elapsed = time.monotonic() - worker.started_at
         log.info(
             "%s model %s loaded in %.1f s (context %d tokens, worker pid %d)",
@@ -652,6 +735,7 @@ class Daemon:
         self.state = "ready"
         self.ever_ready = True
         log.info("ready")
+        self.notifier.ready(self._ready_status())  # models loaded, socket bound: systemd may call us started
         if self.on_ready is not None:
             self.on_ready()
 
@@ -666,8 +750,13 @@ class Daemon:
         log.warning("the drafter worker died (exit code %s); decoding continues without drafting", code)
         self.drafter_dead = True
 
+    def _ready_status(self) -> str:
+        drafter = f" + drafter {self.config.drafter}" if self.config.drafter != "none" else ""
+        return f"serving {self.config.model_name}{drafter} on {self.config.socket_path}"
+
     def _on_load_failure(self, message: str) -> None:
         log.error("%s", message)
+        self.notifier.status(f"failed: {message}"[:400])
         self.state = "failed"
         self.failure = message
         for job in list(self.queue):
@@ -697,23 +786,43 @@ class Daemon:
                 ),
             )
         self.state = "loading"
+        self.notifier.status(f"restarting the model worker (it died, exit code {code})")
         delay = RESTART_BACKOFF_SECONDS[min(self.target.restarts, len(RESTART_BACKOFF_SECONDS) - 1)]
         self.target.restarts += 1
+        self.metrics.worker_restarted("target")
         self.restart_due = time.monotonic() + delay
 
     # ------------------------------------------------------------------ status
 
-    def status_reply(self, request_id: str) -> StatusReply:
-        now = time.monotonic()
+    def memory(self, reap: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+        """Resident memory by process ("daemon", "target", "drafter") and the workers'
+        pids. ``reap=False`` (off the main thread) leaves worker liveness to psutil:
+        a dead worker's pid has no memory to read."""
         memory = {"daemon": self._process.memory_info().rss}
         pids = {}
         for w in self.workers:
-            if w.alive and w.pid:
-                pids[w.role] = w.pid
+            pid = w.pid
+            if pid and (not reap or w.alive):
+                pids[w.role] = pid
                 try:
-                    memory[w.role] = psutil.Process(w.pid).memory_info().rss
+                    memory[w.role] = psutil.Process(pid).memory_info().rss
                 except psutil.Error:
                     pass
+        return memory, pids
+
+    def live_metrics(self) -> dict:
+        """The present, for a metrics scrape (called on the metrics thread: reads only)."""
+        return dict(
+            queue_depth=len(self.queue),
+            active=1 if self.active is not None else 0,
+            ready=1 if self.state == "ready" and not self.stopping else 0,
+            memory=self.memory(reap=False)[0],
+            uptime=time.monotonic() - self.started_at,
+        )
+
+    def status_reply(self, request_id: str) -> StatusReply:
+        now = time.monotonic()
+        memory, pids = self.memory()
         active = None
         if self.active is not None:
             job = self.active
@@ -745,11 +854,13 @@ class Daemon:
             draft=self.counters.draft if self.counters.draft.rounds else None,
             governor=self.governor,
             cache=self.cache,
+            metrics_addr=self.metrics.address,
         )
 
     # ------------------------------------------------------------------ shutdown
 
     def _shutdown(self) -> None:
+        self.notifier.stopping("stopping: answering queued requests and stopping the workers")
         for identity, msg in [*self.clears, *([self.clearing] if self.clearing else [])]:
             self.send(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
         self.clears.clear()
@@ -783,4 +894,6 @@ class Daemon:
             index_path(self.kv_arena.name).unlink(missing_ok=True)
         self.lock.release()
         self.zctx.term()
+        self.metrics.close()
+        self.notifier.close()
         log.info("stopped")

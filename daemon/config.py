@@ -1,0 +1,380 @@
+"""The daemon's settings: one schema, three sources, one precedence.
+
+Every option is a ``tandem serve`` flag (``--cache-bytes``), an environment
+variable (``TANDEM_CACHE_BYTES``) and a key of the TOML config file
+(``cache_bytes = "2G"``). The first of these that is set wins:
+
+1. a command-line flag;
+2. the environment variable;
+3. the config file: ``--config PATH``, else ``$TANDEM_CONFIG``, else
+   ``$XDG_CONFIG_HOME/tandem/config.toml`` (``~/.config/tandem/config.toml``);
+4. the built-in default.
+
+Values from all three sources go through the same parser, so a bad value gets
+the same message wherever it came from: it names the key, where the value came
+from, and what is accepted. Unknown keys in the file are errors too (a typo must
+not be silently ignored). ``tandem config show`` prints the effective settings
+and where each came from.
+
+Options marked ``reload`` are re-read on SIGHUP without dropping the models;
+the others need a restart. This module is plain Python (no llama.cpp), so the
+CLI can use it without loading the model runtime.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+AUTO = None  # the value of an option left to the daemon ("auto" in files and flags)
+
+
+class ConfigError(Exception):
+    """A setting is unknown or has a bad value. The message names the key, its source and the fix."""
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str
+    kind: str  # "str", "int", "float", "bool", "size", "path", "choice", "addr"
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    auto: bool = False  # "auto" is accepted and means the default (None): the daemon decides
+    reload: bool = False  # applied on SIGHUP
+    metavar: Optional[str] = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "TANDEM_" + self.key.upper()
+
+    def accepted(self) -> str:
+        """What this option accepts, for error messages."""
+        auto = ' or "auto"' if self.auto else ""
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.kind == "bool":
+            return "on or off (true/false)"
+        if self.kind in ("int", "float"):
+            bounds = ""
+            if self.minimum is not None and self.maximum is not None:
+                bounds = f" from {_num(self.minimum)} to {_num(self.maximum)}"
+            elif self.minimum is not None:
+                bounds = f" >= {_num(self.minimum)}"
+            return f"{'an integer' if self.kind == 'int' else 'a number'}{bounds}{auto}"
+        if self.kind == "size":
+            return f"a size in bytes, or with K, M or G (512M, 2G){auto}"
+        if self.kind == "addr":
+            return 'HOST:PORT (127.0.0.1:9464; port 0 picks a free one) or "off"'
+        if self.kind == "path":
+            return f"a path{auto}"
+        return "a string"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+LOOPBACK_METRICS = "127.0.0.1:9464"
+
+OPTIONS: tuple[Option, ...] = (
+    Option("socket", "path", AUTO, "the daemon's Unix socket (auto: $XDG_RUNTIME_DIR/tandem/tandem.sock, "
+           "else /tmp/tandem-<uid>/tandem.sock)", auto=True),  # fmt: skip
+    Option("model", "str", "smollm2-135m", "preset name (see `tandem models list`) or path of a .gguf file; "
+           "a preset is pulled if missing", metavar="PRESET|PATH"),  # fmt: skip
+    Option("ctx_size", "int", AUTO, "context length in tokens (auto: the model's, capped at 8192)",
+           minimum=16, maximum=1 << 20, auto=True, metavar="N"),  # fmt: skip
+    Option("threads", "int", AUTO, "CPU threads for llama.cpp (auto: all cores)", minimum=1, maximum=1024,
+           auto=True, metavar="N"),  # fmt: skip
+    Option("batch_size", "int", 512, "prompt tokens per llama_decode call", minimum=1, maximum=65536, metavar="N"),
+    Option("max_queue", "int", 16, "requests that may wait; more get a `busy` reply", minimum=0, maximum=100_000,
+           reload=True, metavar="N"),  # fmt: skip
+    Option("drafter", "str", "none", "speculative decoding: a small model with the target's tokenizer (its own "
+           "worker process), 'ngram' (prompt lookup, no model), or 'none'", metavar="PRESET|PATH|ngram|none"),  # fmt: skip
+    Option("draft_tokens", "int", 4, "tokens drafted per round; requests may override", minimum=0, maximum=16,
+           metavar="K"),  # fmt: skip
+    Option("draft_p_min", "float", 0.0, "end a draft early when the drafter's probability for its next guess is "
+           "below this; 0 = off", minimum=0.0, maximum=1.0, metavar="P"),  # fmt: skip
+    Option("governor", "bool", True, "with a drafter: draft only while drafting is measurably faster than plain "
+           "decoding, learned per task and kept in state_dir across restarts; off = draft every round"),  # fmt: skip
+    Option("governor_per_task", "bool", True, "keep one governor state per task (requests whose prompts start "
+           "with the same 16 tokens), so alternating tasks each keep their own mode; off = one state for all"),  # fmt: skip
+    Option("exact", "choice", "auto", "with a drafter: decode every step as a batch of >= 2 tokens, so drafting "
+           "never changes greedy output on a target whose one-token and batched kernels round differently "
+           "(probed at load); costs 25-30%% on steps without drafts. auto = on only with governor off",
+           choices=("auto", "on", "off")),  # fmt: skip
+    Option("cache_bytes", "size", AUTO, "prefix cache: keep the KV state of recent prompts, in pages, in this "
+           "much shared memory and restore it instead of prefilling a prompt's start again; both models' pages "
+           "count. 0 = off. auto: 1G, or half of the free space of /dev/shm if that is less",
+           auto=True, metavar="SIZE"),  # fmt: skip
+    Option("page_tokens", "int", 16, "prefix cache page size in tokens: a request reuses whole pages, so up to "
+           "N-1 tokens of a cached prefix are prefilled again", minimum=1, maximum=4096, metavar="N"),  # fmt: skip
+    Option("state_dir", "path", AUTO, "where the daemon keeps what it learns (the governor's state) "
+           "(auto: $XDG_STATE_HOME/tandem, else ~/.local/state/tandem)", auto=True, metavar="DIR"),  # fmt: skip
+    Option("flash_attn", "bool", False, "llama.cpp flash attention"),
+    Option("extra_buffers", "choice", "auto", "llama.cpp weight repacking/AMX buffers; auto = off on CPUs with "
+           "AMX, where they crash", choices=("auto", "on", "off")),  # fmt: skip
+    Option("metrics_addr", "addr", LOOPBACK_METRICS, "Prometheus metrics endpoint (HTTP, GET /metrics); "
+           "loopback only unless metrics_allow_remote; port 0 picks a free port; off = no endpoint",
+           metavar="HOST:PORT|off"),  # fmt: skip
+    Option("metrics_allow_remote", "bool", False, "allow a metrics_addr that is not loopback (a warning is "
+           "logged: the metrics then leave this machine)"),  # fmt: skip
+    Option("log_level", "choice", "info", "the daemon's log level", choices=("debug", "info", "warning", "error"),
+           reload=True),  # fmt: skip
+)
+
+BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
+RELOADABLE = frozenset(o.key for o in OPTIONS if o.reload)
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in ("K", "M", "G", "T") else ""
+    value = float(t[: len(t) - len(unit)])  # ValueError: not a size
+    if value < 0:
+        raise ValueError("negative")
+    return int(value * units[unit])
+
+
+def parse_value(option: Option, raw: Any, source: str) -> Any:
+    """``raw`` (a string from a flag or the environment, or a TOML value) as
+    ``option``'s type; ConfigError names the key, the source and what is accepted."""
+
+    def bad(why: str = "") -> ConfigError:
+        return ConfigError(
+            f"{option.key} = {raw!r} (from {source}) is not valid{': ' + why if why else ''}; "
+            f"{option.key} takes {option.accepted()}"
+        )
+
+    if option.auto and (raw is None or (isinstance(raw, str) and raw.strip().lower() == "auto")):
+        return AUTO
+    kind = option.kind
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str):
+            word = raw.strip().lower()
+            if word in ("on", "true", "yes", "1"):
+                return True
+            if word in ("off", "false", "no", "0"):
+                return False
+        raise bad()
+    if kind == "choice":
+        if isinstance(raw, bool) and option.choices == ("auto", "on", "off"):
+            return "on" if raw else "off"
+        if isinstance(raw, str) and raw.strip().lower() in option.choices:
+            return raw.strip().lower()
+        raise bad()
+    if kind in ("int", "float"):
+        if isinstance(raw, bool):
+            raise bad()
+        try:
+            if kind == "int":
+                if isinstance(raw, float) and not raw.is_integer():
+                    raise ValueError
+                value: Any = int(raw) if not isinstance(raw, str) else int(raw.strip(), 10)
+            else:
+                value = float(raw)
+        except (TypeError, ValueError):
+            raise bad() from None
+        if option.minimum is not None and value < option.minimum:
+            raise bad("too small")
+        if option.maximum is not None and value > option.maximum:
+            raise bad("too large")
+        return value
+    if kind == "size":
+        if isinstance(raw, bool):
+            raise bad()
+        if isinstance(raw, int):
+            if raw < 0:
+                raise bad("negative")
+            return raw
+        try:
+            return parse_size(str(raw))
+        except ValueError:
+            raise bad() from None
+    if kind == "addr":
+        if not isinstance(raw, str):
+            raise bad()
+        if raw.strip().lower() == "off":
+            return "off"
+        host, sep, port = raw.strip().rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise bad()
+        if host != "localhost":
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise bad("the host must be an IP address or localhost") from None
+        return f"{host}:{int(port)}" if ":" not in host else f"[{host}]:{int(port)}"
+    if kind == "path":
+        if isinstance(raw, os.PathLike):
+            raw = os.fspath(raw)
+        if not isinstance(raw, str) or not raw.strip():
+            raise bad()
+        return Path(raw).expanduser()
+    if not isinstance(raw, str):
+        raise bad()
+    return raw
+
+
+def is_loopback(addr: str) -> bool:
+    host = addr.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------- where things are
+
+
+def default_state_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    base = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "tandem"
+
+
+
+def default_config_path(environ: Mapping[str, str] = os.environ) -> Path:
+    base = environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "tandem" / "config.toml"
+
+
+def config_path(explicit: Optional[Path], environ: Mapping[str, str] = os.environ) -> tuple[Path, bool]:
+    """The config file to read, and whether it was named (then it must exist)."""
+    if explicit is not None:
+        return Path(explicit).expanduser(), True
+    named = environ.get("TANDEM_CONFIG")
+    if named:
+        return Path(named).expanduser(), True
+    return default_config_path(environ), False
+
+
+def read_file(path: Path, required: bool) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"the config file {path} does not exist; create it, or drop --config / TANDEM_CONFIG")
+        return {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"the config file {path} is not valid TOML: {exc}") from None
+    for key, value in data.items():
+        if key not in BY_KEY:
+            hint = _closest(key)
+            raise ConfigError(
+                f"unknown key {key!r} in {path}{f' (did you mean {hint!r}?)' if hint else ''}; "
+                f"the keys are: {', '.join(BY_KEY)}"
+            )
+        if isinstance(value, dict):
+            raise ConfigError(f"{key} in {path} is a table; the config file has only top-level keys")
+    return data
+
+
+def _closest(key: str) -> Optional[str]:
+    import difflib
+
+    match = difflib.get_close_matches(key.replace("-", "_"), BY_KEY, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+# --------------------------------------------------------------------------- the effective settings
+
+
+@dataclass
+class Settings:
+    values: dict[str, Any]
+    sources: dict[str, str]  # "default", "flag --x", "environment TANDEM_X", "config file PATH"
+    path: Path  # the config file consulted (it may not exist)
+    file_found: bool
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["values"][key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def changed(self, other: "Settings") -> list[str]:
+        return [k for k in self.values if self.values[k] != other.values[k]]
+
+
+def load(
+    flags: Optional[Mapping[str, Any]] = None,
+    config: Optional[Path] = None,
+    environ: Mapping[str, str] = os.environ,
+) -> Settings:
+    """The effective settings: ``flags`` (key → raw value, only those given),
+    then the environment, then the config file, then the defaults."""
+    flags = flags or {}
+    path, required = config_path(config, environ)
+    file_values = read_file(path, required)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for option in OPTIONS:
+        if option.key in flags and flags[option.key] is not None:
+            raw, source = flags[option.key], f"flag {option.flag}"
+        elif environ.get(option.env, "") != "":
+            raw, source = environ[option.env], f"environment {option.env}"
+        elif option.key in file_values:
+            raw, source = file_values[option.key], f"config file {path}"
+        else:
+            values[option.key], sources[option.key] = option.default, "default"
+            continue
+        values[option.key] = parse_value(option, raw, source)
+        sources[option.key] = source
+    settings = Settings(values, sources, path, bool(file_values) or path.exists())
+    check(settings)
+    return settings
+
+
+def check(settings: Settings) -> None:
+    """Rules between options."""
+    addr = settings.values["metrics_addr"]
+    if addr != "off" and not is_loopback(addr) and not settings.values["metrics_allow_remote"]:
+        raise ConfigError(
+            f"metrics_addr = {addr!r} (from {settings.sources['metrics_addr']}) is not a loopback address: the "
+            "metrics would be reachable from other machines. Use 127.0.0.1:PORT, or set metrics_allow_remote = "
+            "true (--metrics-allow-remote on) if you mean it"
+        )
+
+
+def show_value(option: Option, value: Any) -> str:
+    if value is AUTO:
+        return "auto"
+    if option.kind == "bool":
+        return "on" if value else "off"
+    if option.kind == "size":
+        for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+            if value and value % size == 0:
+                return f"{value // size}{unit}"
+        return str(value)
+    return str(value)
+
+
+def toml_value(option: Option, value: Any) -> str:
+    """``value`` as it would be written in the config file."""
+    if value is AUTO:
+        return '"auto"'
+    if option.kind == "bool":
+        return "true" if value else "false"
+    if option.kind in ("int", "float"):
+        return str(value)
+    return '"' + show_value(option, value).replace("\\", "\\\\").replace('"', '\\"') + '"'

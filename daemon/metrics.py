@@ -1,0 +1,194 @@
+"""Every Prometheus metric of the daemon, in one place.
+
+The front process owns them. The workers send plain numbers in the messages
+they already send (``done``'s usage, timings, draft stats, governor and cache
+info), and the front's main loop turns those into metrics here; gauges that
+describe the present (queue depth, resident memory, state) are read when
+Prometheus scrapes. Labels have fixed, small value sets: finish reason, worker
+role, process, draft position (1-16).
+
+The endpoint is prometheus_client's HTTP server on its own thread, bound to a
+loopback address (see config.check for the rule on remote addresses).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tandem.protocol import CacheInfo, Done, DraftStats, GovernorInfo
+
+from .config import is_loopback
+
+log = logging.getLogger("tandem.daemon")
+
+prometheus_client.disable_created_metrics()  # no *_created series: they double the output and nobody reads them
+
+REASONS = ("stop", "length", "cancelled", "error", "busy")
+ROLES = ("target", "drafter")
+MAX_POSITIONS = 16  # protocol.MAX_DRAFT_TOKENS
+
+# 5 ms to 2 s, where per-token latencies of a CPU daemon fall; first tokens after a long prompt take longer
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, live: Callable[[], dict]):
+        """``live()`` returns the present: ``queue_depth``, ``active``, ``ready``,
+        ``memory`` ({process: rss bytes}); it is called on each scrape."""
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("tandem_requests", "Requests by how they ended (finish reason, error or busy)", ["reason"], registry=r)
+        for reason in REASONS:
+            self.requests.labels(reason)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "tandem_cached_prompt_tokens", "Prompt tokens restored from the prefix cache instead of prefilled", registry=r
+        )
+        self.generated_tokens = Counter("tandem_generated_tokens", "Tokens generated", registry=r)
+        self.draft_rounds = Counter("tandem_draft_rounds", "Speculative rounds: target passes that verified a draft", registry=r)
+        self.drafted_tokens = Counter("tandem_drafted_tokens", "Draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("tandem_accepted_tokens", "Draft tokens the target kept", registry=r)
+        self.accepted_by_position = Counter(
+            "tandem_accepted_tokens_by_position",
+            "Rounds whose draft token at this position (1 = first guess) was accepted",
+            ["position"],
+            registry=r,
+        )
+        self.acceptance_rate = Gauge("tandem_draft_acceptance_rate", "Accepted / drafted tokens since start", registry=r)
+        self.governor_drafting = Gauge(
+            "tandem_governor_drafting", "1 while the governor drafts, 0 while it decodes plainly (latest task)", registry=r
+        )
+        self.governor_plain = Gauge(
+            "tandem_governor_plain_tokens_per_second", "The governor's moving average of plain decoding (latest task)", registry=r
+        )
+        self.governor_draft = Gauge(
+            "tandem_governor_draft_tokens_per_second", "The governor's moving average of drafting (latest task)", registry=r
+        )
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds", "From the worker taking a request to its first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.token_latency = Histogram(
+            "tandem_token_latency_seconds",
+            "Time per generated token after the first, as the daemon relays them (a chunk's gap / its tokens)",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.cache_hits = Counter("tandem_prefix_cache_hits", "Requests that restored at least one cached page", registry=r)
+        self.cache_misses = Counter("tandem_prefix_cache_misses", "Requests that found no cached page", registry=r)
+        self.cache_evictions = Counter("tandem_prefix_cache_evictions", "Cached pages evicted to stay in budget", registry=r)
+        self.cache_bytes = Gauge("tandem_prefix_cache_bytes", "Bytes of shared memory holding cached pages", registry=r)
+        self.cache_budget = Gauge("tandem_prefix_cache_budget_bytes", "The prefix cache's byte budget", registry=r)
+        self.cache_pages = Gauge("tandem_prefix_cache_pages", "Cached pages (of every model)", registry=r)
+        self.restarts = Counter("tandem_worker_restarts", "Worker processes restarted after they died", ["role"], registry=r)
+        for role in ROLES:
+            self.restarts.labels(role)
+        self._last_cache: Optional[tuple[int, int, int]] = None
+        self._draft_total = DraftStats()
+        r.register(_Live(live))
+        self.server = None
+        self.address = ""
+
+    # ------------------------------------------------------------------ events
+
+    def request_ended(self, reason: str, done: Optional[Done] = None) -> None:
+        self.requests.labels(reason if reason in REASONS else "error").inc()
+        if done is None:
+            return
+        self.prompt_tokens.inc(done.usage.prompt_tokens)
+        self.cached_prompt_tokens.inc(done.usage.cached_tokens)
+        self.generated_tokens.inc(done.usage.completion_tokens)
+        if done.usage.completion_tokens > 0:
+            self.ttft.observe(done.timings.time_to_first_token_seconds)
+        if done.draft is not None and done.draft.rounds:
+            d = done.draft
+            self.draft_rounds.inc(d.rounds)
+            self.drafted_tokens.inc(d.drafted)
+            self.accepted_tokens.inc(d.accepted)
+            for i, n in enumerate(d.accepted_per_position[:MAX_POSITIONS]):
+                if n:
+                    self.accepted_by_position.labels(str(i + 1)).inc(n)
+            self._draft_total.merge(d)
+            if self._draft_total.acceptance_rate is not None:
+                self.acceptance_rate.set(self._draft_total.acceptance_rate)
+        if done.governor is not None:
+            self.governor_seen(done.governor)
+        if done.cache is not None:
+            self.cache_seen(done.cache)
+
+    def tokens_relayed(self, n: int, seconds: float) -> None:
+        """``n`` tokens arrived ``seconds`` after the previous ones."""
+        if n <= 0:
+            return
+        per = max(seconds, 0.0) / n
+        for _ in range(n):
+            self.token_latency.observe(per)
+
+    def governor_seen(self, g: GovernorInfo) -> None:
+        self.governor_drafting.set(1 if g.drafting else 0)
+        if g.plain_tokens_per_second is not None:
+            self.governor_plain.set(g.plain_tokens_per_second)
+        if g.draft_tokens_per_second is not None:
+            self.governor_draft.set(g.draft_tokens_per_second)
+
+    def cache_seen(self, c: CacheInfo) -> None:
+        """The worker's cumulative cache counters; a worker that restarted counts from 0 again."""
+        now = (c.hits, c.misses, c.evictions)
+        last = self._last_cache or (0, 0, 0)
+        for counter, new, old in zip((self.cache_hits, self.cache_misses, self.cache_evictions), now, last):
+            counter.inc(new - old if new >= old else new)
+        self._last_cache = now
+        self.cache_bytes.set(c.bytes_used)
+        self.cache_budget.set(c.bytes_budget)
+        self.cache_pages.set(c.pages)
+
+    def worker_restarted(self, role: str) -> None:
+        self.restarts.labels(role).inc()
+
+    # ------------------------------------------------------------------ endpoint
+
+    def serve(self, addr: str) -> str:
+        """Listen on ``addr`` (HOST:PORT; port 0 picks one); returns the address bound."""
+        host, _, port = addr.rpartition(":")
+        host = host.strip("[]")
+        if not is_loopback(addr):
+            log.warning("metrics are served on %s, which is not loopback: other machines can read them", addr)
+        self.server, _thread = prometheus_client.start_http_server(int(port), addr=host, registry=self.registry)
+        bound = self.server.server_address[1]
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        return self.address
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
+class _Live(Collector):
+    """Gauges read at scrape time, from the main loop's last published snapshot."""
+
+    def __init__(self, live: Callable[[], dict]):
+        self.live = live
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.live()
+        yield GaugeMetricFamily("tandem_queue_depth", "Requests waiting in the queue", value=s["queue_depth"])
+        yield GaugeMetricFamily("tandem_active_requests", "Requests being decoded (0 or 1)", value=s["active"])
+        yield GaugeMetricFamily("tandem_ready", "1 when the models are loaded and requests are served", value=s["ready"])
+        mem = GaugeMetricFamily("tandem_resident_memory_bytes", "Resident memory (RSS) by process", labels=["process"])
+        for process, rss in s["memory"].items():
+            mem.add_metric([process], rss)
+        yield mem
+        yield GaugeMetricFamily("tandem_uptime_seconds", "Seconds since the daemon started", value=s["uptime"])

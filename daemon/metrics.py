@@ -75,7 +75,8 @@ class Metrics:
         )
         self.token_latency = Histogram(
             "tandem_token_latency_seconds",
-            "Time per generated token after the first, as the daemon relays them (a chunk's gap / its tokens)",
+            "Time per generated token after the first, as the daemon relays them (a chunk's gap / its tokens; "
+            "a request without streaming counts its mean)",
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
@@ -96,7 +97,9 @@ class Metrics:
 
     # ------------------------------------------------------------------ events
 
-    def request_ended(self, reason: str, done: Optional[Done] = None) -> None:
+    def request_ended(self, reason: str, done: Optional[Done] = None, streamed: bool = True) -> None:
+        """A terminal message. Per-token latency of a ``streamed`` request was observed
+        chunk by chunk (tokens_relayed); one without chunks gets its mean from ``done``."""
         self.requests.labels(reason if reason in REASONS else "error").inc()
         if done is None:
             return
@@ -105,6 +108,8 @@ class Metrics:
         self.generated_tokens.inc(done.usage.completion_tokens)
         if done.usage.completion_tokens > 0:
             self.ttft.observe(done.timings.time_to_first_token_seconds)
+        if not streamed and done.usage.completion_tokens > 1:
+            self.tokens_relayed(done.usage.completion_tokens - 1, done.timings.generation_seconds)
         if done.draft is not None and done.draft.rounds:
             d = done.draft
             self.draft_rounds.inc(d.rounds)

@@ -642,7 +642,7 @@ class Daemon:
             self.counters.requests[f"done_{terminal.finish_reason.value}"] += 1
             self.counters.tokens["prompt"] += terminal.usage.prompt_tokens
             self.counters.tokens["completion"] += terminal.usage.completion_tokens
-            self.metrics.request_ended(terminal.finish_reason.value, terminal)
+            self.metrics.request_ended(terminal.finish_reason.value, terminal, streamed=job.request.stream)
         else:
             self.counters.requests["error"] += 1
             self.metrics.request_ended("error")

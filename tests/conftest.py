@@ -104,8 +104,8 @@ def start_daemon(smollm2_path):
     """Factory: start_daemon(*serve_args) -> a ready DaemonProcess, stopped at teardown."""
     started: list[DaemonProcess] = []
 
-    def start(*args: str, model: Path | None = None, wait: bool = True) -> DaemonProcess:
-        d = DaemonProcess(model or smollm2_path, *args)
+    def start(*args: str, model: Path | None = None, wait: bool = True, env: dict | None = None) -> DaemonProcess:
+        d = DaemonProcess(model or smollm2_path, *args, env=env)
         started.append(d)
         if wait:
             d.wait_ready()

@@ -1,0 +1,152 @@
+"""Settings: one schema, flags > environment > config file > default, clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tandem.daemon import config
+from tandem.daemon.config import ConfigError, load
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_a_file(tmp_path):
+    s = load({}, None, environ={"XDG_CONFIG_HOME": str(tmp_path)})
+    assert s.path == tmp_path / "tandem" / "config.toml" and not s.file_found
+    for option in config.OPTIONS:
+        assert s.values[option.key] == option.default and s.sources[option.key] == "default"
+
+
+def test_precedence_flag_over_environment_over_file_over_default(tmp_path):
+    path = write(tmp_path, 'max_queue = 3\ndraft_tokens = 5\ncache_bytes = "2G"\n')
+    env = {"TANDEM_MAX_QUEUE": "7", "TANDEM_DRAFT_TOKENS": "6"}
+    s = load({"max_queue": "9"}, path, environ=env)
+    assert (s.max_queue, s.sources["max_queue"]) == (9, "flag --max-queue")
+    assert (s.draft_tokens, s.sources["draft_tokens"]) == (6, "environment TANDEM_DRAFT_TOKENS")
+    assert (s.cache_bytes, s.sources["cache_bytes"]) == (2 << 30, f"config file {path}")
+    assert (s.page_tokens, s.sources["page_tokens"]) == (16, "default")
+
+
+def test_the_file_is_found_through_tandem_config_and_xdg(tmp_path):
+    path = write(tmp_path, "max_queue = 4\n")
+    assert load({}, None, environ={"TANDEM_CONFIG": str(path)}).max_queue == 4
+    xdg = tmp_path / "xdg"
+    (xdg / "tandem").mkdir(parents=True)
+    (xdg / "tandem" / "config.toml").write_text("max_queue = 5\n")
+    assert load({}, None, environ={"XDG_CONFIG_HOME": str(xdg)}).max_queue == 5
+
+
+def test_a_named_file_that_does_not_exist_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load({}, tmp_path / "nope.toml", environ={})
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("cache_byte = 1\n", ["unknown key 'cache_byte'", "did you mean 'cache_bytes'"]),
+        ("max_queue = -1\n", ["max_queue", "too small", "an integer from 0"]),
+        ('governor = "maybe"\n', ["governor", "on or off"]),
+        ('exact = "sometimes"\n', ["exact", "one of auto, on, off"]),
+        ('cache_bytes = "lots"\n', ["cache_bytes", "512M, 2G"]),
+        ("draft_p_min = 2.0\n", ["draft_p_min", "too large", "from 0 to 1"]),
+        ('metrics_addr = "127.0.0.1"\n', ["metrics_addr", "HOST:PORT"]),
+        ('metrics_addr = "example.com:9464"\n', ["metrics_addr", "IP address or localhost"]),
+        ("max_queue = 1.5\n", ["max_queue", "an integer"]),
+        ("[serve]\nmodel = 'x'\n", ["unknown key 'serve'"]),
+        ("model = \n", ["not valid TOML"]),
+    ],
+)
+def test_bad_files_name_the_key_the_source_and_what_is_accepted(tmp_path, text, words):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load({}, path, environ={})
+    message = str(info.value)
+    for word in words:
+        assert word in message, message
+    assert str(path) in message
+
+
+def test_bad_environment_and_flag_values_say_where_they_came_from():
+    with pytest.raises(ConfigError, match=r"environment TANDEM_PAGE_TOKENS.*page_tokens takes an integer"):
+        load({}, None, environ={"TANDEM_PAGE_TOKENS": "sixteen"})
+    with pytest.raises(ConfigError, match=r"flag --log-level.*one of debug"):
+        load({"log_level": "loud"}, None, environ={})
+
+
+def test_toml_types_and_strings_both_work(tmp_path):
+    path = write(
+        tmp_path,
+        'governor = false\nflash_attn = "on"\ncache_bytes = 1048576\nctx_size = "auto"\nthreads = 2\n'
+        'state_dir = "~/somewhere"\nexact = true\n',
+    )
+    s = load({}, path, environ={})
+    assert s.governor is False and s.flash_attn is True and s.cache_bytes == 1 << 20
+    assert s.ctx_size is None and s.threads == 2 and s.exact == "on"
+    assert s.state_dir == Path("~/somewhere").expanduser()
+
+
+def test_metrics_off_loopback_and_remote():
+    assert load({"metrics_addr": "off"}, None, environ={}).metrics_addr == "off"
+    assert load({"metrics_addr": "[::1]:9000"}, None, environ={}).metrics_addr == "[::1]:9000"
+    assert load({"metrics_addr": "localhost:0"}, None, environ={}).metrics_addr == "localhost:0"
+    with pytest.raises(ConfigError, match="not a loopback address.*metrics_allow_remote"):
+        load({"metrics_addr": "0.0.0.0:9464"}, None, environ={})
+    s = load({"metrics_addr": "0.0.0.0:9464", "metrics_allow_remote": "on"}, None, environ={})
+    assert s.metrics_addr == "0.0.0.0:9464"
+
+
+def test_every_option_has_a_flag_an_environment_variable_and_help():
+    keys = [o.key for o in config.OPTIONS]
+    assert len(keys) == len(set(keys))
+    for o in config.OPTIONS:
+        assert o.flag == "--" + o.key.replace("_", "-") and o.env == "TANDEM_" + o.key.upper() and o.help
+        if o.default is not None:  # every default passes its own parser
+            assert config.parse_value(o, config.toml_value(o, o.default).strip('"'), "test") == o.default
+    assert config.RELOADABLE == {"max_queue", "log_level"}
+
+
+def tandem(*args: str, env: dict) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.client.cli", *args], capture_output=True, text=True, env={**full, **env}, timeout=60
+    )
+
+
+def test_config_show_prints_each_value_with_its_source_as_a_valid_file(tmp_path):
+    xdg = tmp_path / "xdg"
+    (xdg / "tandem").mkdir(parents=True)
+    path = xdg / "tandem" / "config.toml"
+    path.write_text('cache_bytes = "512M"\nmax_queue = 3\n')
+    out = tandem("config", "show", "--max-queue", "8", env={"XDG_CONFIG_HOME": str(xdg), "TANDEM_DRAFTER": "ngram"})
+    assert out.returncode == 0, out.stderr
+    lines = {line.split(" = ")[0]: line for line in out.stdout.splitlines() if " = " in line and not line.startswith("#")}
+    assert set(lines) == {o.key for o in config.OPTIONS}
+    assert lines["max_queue"].startswith("max_queue = 8") and "# flag --max-queue" in lines["max_queue"]
+    assert lines["drafter"].startswith('drafter = "ngram"') and "# environment TANDEM_DRAFTER" in lines["drafter"]
+    assert lines["cache_bytes"].startswith('cache_bytes = "512M"') and f"# config file {path}" in lines["cache_bytes"]
+    assert "# default" in lines["page_tokens"]
+    # what it prints is a config file that gives the same settings
+    shown = tomllib.loads(out.stdout)
+    again = tmp_path / "again.toml"
+    again.write_text(out.stdout)
+    s = load({}, again, environ={})
+    assert s.max_queue == 8 and s.drafter == "ngram" and s.cache_bytes == 512 << 20 and set(shown) == set(lines)
+
+
+def test_a_bad_config_file_stops_every_command_with_the_key_named(tmp_path):
+    path = write(tmp_path, "max_queu = 3\n")
+    for command in (["config", "show"], ["status"], ["serve"]):
+        out = tandem("--config", str(path), *command, env={})
+        assert out.returncode == 2, (command, out.stderr)
+        assert "unknown key 'max_queu'" in out.stderr and "did you mean 'max_queue'" in out.stderr

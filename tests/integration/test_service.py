@@ -1,0 +1,90 @@
+"""The systemd user unit: it verifies, and `tandem service` installs and removes it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.client import service
+
+from conftest import short_tmpdir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def verify(unit_text: str) -> subprocess.CompletedProcess:
+    """systemd-analyze verify --user on the unit, in a scratch directory (Debian: apt-get install systemd)."""
+    assert shutil.which("systemd-analyze"), "systemd-analyze is missing: apt-get install systemd"
+    work = short_tmpdir()
+    runtime = work / "runtime"
+    runtime.mkdir(mode=0o700)
+    (work / service.UNIT_NAME).write_text(unit_text)
+    return subprocess.run(
+        ["systemd-analyze", "verify", "--user", str(work / service.UNIT_NAME)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
+        timeout=60,
+    )
+
+
+def test_the_unit_this_installation_writes_verifies_cleanly():
+    out = verify(service.render())
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_verification_catches_a_broken_unit():
+    bad = service.render().replace("Type=notify", "Type=notifyy")
+    out = verify(bad)
+    assert "Failed to parse service type" in out.stderr
+    missing = verify(service.render("/nonexistent/tandem"))
+    assert missing.returncode != 0 and "is not executable" in missing.stderr
+
+
+def test_the_unit_is_type_notify_with_a_watchdog_and_loopback_only():
+    unit = service.render()
+    for line in (
+        "Type=notify", "NotifyAccess=main", "WatchdogSec=", "Restart=on-failure", "ExecReload=/bin/kill -HUP $MAINPID",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "IPAddressDeny=any", "IPAddressAllow=localhost",
+        "PrivateTmp=yes", "ProtectSystem=strict", "NoNewPrivileges=yes", "KillMode=mixed",
+    ):  # fmt: skip
+        assert line in unit
+    assert f"ExecStart={sys.executable} -m tandem.client.cli serve" in unit
+
+
+def test_deploy_file_is_the_template_rendered_for_a_user_install():
+    assert (ROOT / "deploy" / "tandem.service").read_text() == service.render(service.DEPLOY_EXEC_START)
+
+
+def tandem(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.client.cli", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_install_and_uninstall_without_a_user_manager_write_the_unit_and_print_the_commands(tmp_path, smollm2_path):
+    if service.systemctl_works():
+        pytest.fail("a systemd user manager answers here: this test would install a real service; run it in CI")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")},
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "TANDEM_SOCKET": str(short_tmpdir() / "none.sock"),
+    }
+    unit = tmp_path / "config" / "systemd" / "user" / "tandem.service"
+    out = tandem("service", "status", env=env)
+    assert out.returncode == 3 and "not installed" in out.stderr
+    out = tandem("service", "install", env=env)
+    assert out.returncode == 0, out.stderr
+    assert unit.read_text() == service.render()
+    assert "systemctl --user daemon-reload" in out.stderr and "systemctl --user enable --now tandem.service" in out.stderr
+    out = tandem("service", "status", env=env)
+    assert out.returncode == 0 and f"installed: {unit}" in out.stderr
+    assert tandem("service", "unit", env=env).stdout == service.render()
+    out = tandem("service", "uninstall", env=env)
+    assert out.returncode == 0 and not unit.exists()
+    assert "systemctl --user daemon-reload" in out.stderr

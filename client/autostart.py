@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from tandem.daemon import config
 
@@ -26,7 +27,12 @@ def daemon_answers(socket_path: Path) -> bool:
         return False
 
 
-def start_daemon(socket_path: Path, model: str, say=lambda line: print(line, file=sys.stderr, flush=True)) -> int:
+def start_daemon(
+    socket_path: Path,
+    model: str,
+    say=lambda line: print(line, file=sys.stderr, flush=True),
+    config_file: Optional[Path] = None,
+) -> int:
     """Pull the model if needed (in the foreground, with progress), then spawn
     ``tandem serve`` detached, and wait until it answers. Returns its pid."""
     from tandem.daemon import models  # the daemon side is only needed to start one
@@ -40,7 +46,10 @@ def start_daemon(socket_path: Path, model: str, say=lambda line: print(line, fil
     log_dir = state_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "daemon.log"
-    cmd = [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket_path), "serve", "--model", model]
+    cmd = [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket_path)]
+    if config_file is not None:
+        cmd += ["--config", str(config_file)]  # the rest of the settings: as this command read them
+    cmd += ["serve", "--model", model]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -172,13 +173,13 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _connect(socket: Path, model: str, no_start: bool) -> Client:
+def _connect(socket: Path, model: str, no_start: bool, config_file: Optional[Path] = None) -> Client:
     from .autostart import daemon_answers, start_daemon
 
     if not daemon_answers(socket):
         if no_start:
             raise DaemonNotRunning(f"no tandem daemon is running at {socket}; start one with `tandem serve`")
-        start_daemon(socket, model, say=_say)
+        start_daemon(socket, model, say=_say, config_file=config_file)
     client = Client(socket)
     client.connect()
     return client
@@ -227,7 +228,7 @@ def cmd_serve(args) -> int:
 
 def cmd_run(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    client = _connect(args.socket, args.model, args.no_start)
+    client = _connect(args.socket, args.model, args.no_start, args.config)
     with client:
         if args.raw:
             request = dict(prompt=(args.system + "\n\n" if args.system else "") + prompt)
@@ -252,7 +253,7 @@ def _done_json(done) -> dict:
 
 
 def cmd_chat(args) -> int:
-    client = _connect(args.socket, args.model, args.no_start)
+    client = _connect(args.socket, args.model, args.no_start, args.config)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     _say(f"tandem chat with {client.server.model} (context {client.server.n_ctx} tokens). /reset, /exit.")
     with client:
@@ -408,14 +409,22 @@ def cmd_service(args) -> int:
     from . import service
 
     if args.service_command == "install":
-        _pull_configured(args.settings)
         from .autostart import daemon_answers
 
-        if daemon_answers(args.socket):
-            _say(
-                f"note: a daemon already serves {args.socket} (not as this service?); the service cannot start "
-                "while it runs: stop it with `tandem stop` first"
+        st = args.settings
+        if not args.no_start and daemon_answers(args.socket) and not service.is_installed():
+            raise TandemError(
+                f"a daemon already serves {args.socket} outside systemd; the service cannot start while it runs. "
+                "Stop it with `tandem stop`, then install again"
             )
+        local = [f"{k} (from {src})" for k, src in st.sources.items() if src.startswith(("flag", "environment"))]
+        if local or args.config is not None or os.environ.get("TANDEM_CONFIG"):
+            _say(
+                "note: the service reads only its config file, "
+                f"{config.default_config_path()}; these settings of this shell will not reach it: "
+                + ", ".join(local + (["--config / TANDEM_CONFIG"] if args.config or os.environ.get("TANDEM_CONFIG") else []))
+            )
+        _pull_configured(st)
         return service.install(_say, enable=not args.no_start)
     if args.service_command == "uninstall":
         return service.uninstall(_say)
@@ -460,6 +469,8 @@ def cmd_models(args) -> int:
     return 2
 
 
+CLIENT_ONLY = ("status", "stop", "cache")
+
 COMMANDS = {
     "serve": cmd_serve,
     "run": cmd_run,
@@ -483,8 +494,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args.settings = config.load(args.flags, args.config)
     except config.ConfigError as exc:
-        _say(f"tandem: {exc}")
-        return 2
+        if args.command not in CLIENT_ONLY:
+            _say(f"tandem: {exc}")
+            return 2
+        # status, stop, cache: only the socket matters; a broken file must not stop you stopping the daemon
+        _say(f"tandem: warning: {exc}")
+        args.settings = config.Settings(
+            {**{o.key: o.default for o in config.OPTIONS}, "socket": Path(args.socket) if args.socket else None},
+            {}, Path(), False,
+        )  # fmt: skip
     args.socket = args.settings.socket or default_socket_path()
     if "model" not in vars(args) or args.model is None:
         args.model = args.settings.model

@@ -40,6 +40,8 @@ ExecStart={exec_start} serve
 ExecReload=/bin/kill -HUP $MAINPID
 Restart=on-failure
 RestartSec=2s
+# exit 2 is a bad setting: restarting will not fix it (journalctl --user -u tandem says which)
+RestartPreventExitStatus=2
 # a large model takes a while to load; a model download asks for more time itself
 TimeoutStartSec=5min
 # SIGTERM: the running request is cancelled, queued ones get an error, the workers stop
@@ -50,17 +52,15 @@ WatchdogSec=30s
 Environment=PYTHONUNBUFFERED=1
 UMask=0077
 
-# where it may write: the socket ($XDG_RUNTIME_DIR/tandem), what it learns
-# (~/.local/state/tandem), the model store (~/.cache/tandem); /dev/shm for the prefix cache
-RuntimeDirectory=tandem
-RuntimeDirectoryMode=0700
-StateDirectory=tandem
-CacheDirectory=tandem
-ConfigurationDirectory=tandem
+# where it may write: the socket ($XDG_RUNTIME_DIR/tandem, made 0700 by the daemon), what it
+# learns (~/.local/state/tandem), the model store (~/.cache/tandem); /dev/shm for the prefix cache.
+# (systemd applies ProtectSystem= and PrivateTmp= to user units from version 253 on.)
+ReadWritePaths=%t -%h/.local/state/tandem -%h/.cache/tandem
 ProtectSystem=strict
 PrivateTmp=yes
 NoNewPrivileges=yes
-# no network beyond loopback (the metrics endpoint on 127.0.0.1)
+# no network beyond loopback (the metrics endpoint on 127.0.0.1). A user manager may be unable
+# to enforce the IP rules (they need cgroup BPF); the daemon itself opens nothing else either.
 RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
 IPAddressDeny=any
 IPAddressAllow=localhost
@@ -110,7 +110,19 @@ def _systemctl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["systemctl", "--user", *args], capture_output=True, text=True, timeout=60)
 
 
+def is_installed() -> bool:
+    return (unit_dir() / UNIT_NAME).exists()
+
+
+def writable_dirs() -> list[Path]:
+    """What the unit lets the daemon write under home (ReadWritePaths=): they must exist first."""
+    home = Path(os.path.expanduser("~"))
+    return [home / ".local" / "state" / "tandem", home / ".cache" / "tandem"]
+
+
 def install(say: Callable[[str], None], enable: bool = True) -> int:
+    for directory in writable_dirs():
+        directory.mkdir(parents=True, exist_ok=True)
     path = unit_dir() / UNIT_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     text = render()

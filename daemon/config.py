@@ -24,6 +24,7 @@ CLI can use it without loading the model runtime.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -142,8 +143,8 @@ def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     unit = t[-1:] if t[-1:] in ("K", "M", "G", "T") else ""
     value = float(t[: len(t) - len(unit)])  # ValueError: not a size
-    if value < 0:
-        raise ValueError("negative")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("not a finite size")
     return int(value * units[unit])
 
 
@@ -186,7 +187,9 @@ def parse_value(option: Option, raw: Any, source: str) -> Any:
                 value: Any = int(raw) if not isinstance(raw, str) else int(raw.strip(), 10)
             else:
                 value = float(raw)
-        except (TypeError, ValueError):
+                if not math.isfinite(value):
+                    raise ValueError
+        except (TypeError, ValueError, OverflowError):
             raise bad() from None
         if option.minimum is not None and value < option.minimum:
             raise bad("too small")
@@ -200,9 +203,11 @@ def parse_value(option: Option, raw: Any, source: str) -> Any:
             if raw < 0:
                 raise bad("negative")
             return raw
+        if not isinstance(raw, str):
+            raise bad("write a fraction with a unit, as a string: \"1.5G\"")
         try:
-            return parse_size(str(raw))
-        except ValueError:
+            return parse_size(raw)
+        except (ValueError, OverflowError):
             raise bad() from None
     if kind == "addr":
         if not isinstance(raw, str):
@@ -335,6 +340,8 @@ def load(
             raw, source = environ[option.env], f"environment {option.env}"
         elif option.key in file_values:
             raw, source = file_values[option.key], f"config file {path}"
+            if option.kind == "path" and isinstance(raw, str) and raw.strip() and raw.strip().lower() != "auto":
+                raw = str(path.parent / Path(raw).expanduser())  # relative to the file, not to where the daemon runs
         else:
             values[option.key], sources[option.key] = option.default, "default"
             continue

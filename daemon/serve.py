@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,6 +26,8 @@ def serve(
     s = settings
     logging.basicConfig(level=s.log_level.upper(), format="tandem %(levelname)s %(message)s", stream=sys.stderr)
     notifier = sdnotify.Notifier.from_environment()
+    # until the main loop takes over: a SIGHUP (a reload, a closed terminal) must not kill a starting daemon
+    signal.signal(signal.SIGHUP, lambda signum, frame: log.info("SIGHUP while starting: ignored; send it again once ready"))
     try:
         if s.file_found:
             log.info("settings from %s", s.path)
@@ -59,6 +62,7 @@ def serve(
                 cache_bytes=cache_budget(s.cache_bytes),
                 page_tokens=s.page_tokens,
                 metrics_addr=s.metrics_addr,
+                metrics_addr_explicit=s.sources["metrics_addr"] != "default",
                 log_level=s.log_level,
             ),
             notifier=notifier,

@@ -11,6 +11,7 @@ reply, so the daemon never dies of a request.
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import logging
 import os
@@ -80,6 +81,29 @@ DEFAULT_CACHE_BYTES = 1 << 30
 SHM_DIR = Path("/dev/shm")
 
 
+def arena_name(pid: int) -> str:
+    return f"tandem-kv-{os.getuid()}-{pid}"
+
+
+def remove_stale_arenas(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Prefix cache arenas (and their indexes) of this user's daemons that are
+    gone: killed, or stopped by the watchdog, without their shutdown."""
+    removed = []
+    prefix = arena_name(0)[:-1]
+    for path in shm_dir.glob(prefix + "*"):
+        pid_text = path.name[len(prefix):].removesuffix(".index")
+        if not pid_text.isdigit() or psutil.pid_exists(int(pid_text)):
+            continue
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed the prefix cache of daemons that are gone: %s", ", ".join(sorted(removed)))
+    return removed
+
+
 class ServeError(Exception):
     """The daemon cannot start. The message says why and what to do."""
 
@@ -132,6 +156,7 @@ class ServeConfig:
     page_tokens: int = 16
     state_dir: Optional[Path] = None  # where the governor's state is kept; None: not kept
     metrics_addr: str = "off"  # HOST:PORT of the Prometheus endpoint (config.check keeps it loopback) or "off"
+    metrics_addr_explicit: bool = True  # False: the default address, which falls back to a free port if taken
     log_level: str = "info"
 
 
@@ -255,8 +280,14 @@ class Daemon:
         self.ever_ready = False
         self.on_ready: Optional[Callable[[], None]] = None
         self._process = psutil.Process()
-        self._setup_metrics()
+        self.target: Optional[WorkerHandle] = None
+        self.drafter: Optional[WorkerHandle] = None
         self._setup_socket()
+        try:
+            self._setup_metrics()  # after the instance lock: a second daemon is told about the first one
+        except BaseException:
+            self._release_socket()
+            raise
         self._setup_worker()
         self._setup_dispatch()
 
@@ -269,6 +300,15 @@ class Daemon:
         try:
             bound = self.metrics.serve(self.config.metrics_addr)
         except OSError as exc:
+            if not self.config.metrics_addr_explicit and exc.errno == errno.EADDRINUSE:
+                # the default port is taken (another daemon, on another socket): any free port
+                # beats no metrics or no daemon; status and the log say where
+                bound = self.metrics.serve(self.config.metrics_addr.rpartition(":")[0] + ":0")
+                log.warning(
+                    "the default metrics address %s is in use; serving metrics on %s instead (set metrics_addr "
+                    "to choose)", self.config.metrics_addr, bound,
+                )  # fmt: skip
+                return
             raise ServeError(
                 f"cannot serve metrics on {self.config.metrics_addr}: {exc.strerror or exc}. Another daemon may "
                 "hold that port: give this one --metrics-addr 127.0.0.1:OTHER_PORT (0 picks a free port), or "
@@ -301,14 +341,24 @@ class Daemon:
         self.monitor = self.front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.peer_fds: dict[int, bytes] = {}
 
+    def _release_socket(self) -> None:
+        """Undo _setup_socket (a later setup step failed)."""
+        self.front.disable_monitor()
+        self.monitor.close(linger=0)
+        self.front.close(linger=0)
+        self.config.socket_path.unlink(missing_ok=True)
+        self.lock.release()
+        self.zctx.term()
+
     def _setup_worker(self) -> None:
         c = self.config
         self.kv_arena = None
+        remove_stale_arenas()
         if c.cache_bytes > 0:
             from multiprocessing import shared_memory
 
             # owned by the daemon, so cached pages outlive a worker that dies
-            name = f"tandem-kv-{os.getuid()}-{os.getpid()}"
+            name = arena_name(os.getpid())
             for stale in (SHM_DIR / name, index_path(name)):  # a crashed daemon that had our pid
                 stale.unlink(missing_ok=True)
             self.kv_arena = shared_memory.SharedMemory(create=True, size=c.cache_bytes, name=name)
@@ -340,7 +390,6 @@ class Daemon:
             ),
             self.socket_dir,
         )
-        self.drafter: Optional[WorkerHandle] = None
         if kind == "model":
             self.drafter = WorkerHandle(
                 self.zctx,
@@ -402,15 +451,20 @@ class Daemon:
         log_level. Others that changed are logged as needing a restart. A config
         that does not load changes nothing."""
         self.reload_requested = False
-        if self.reload_settings is None:
-            log.info("SIGHUP: nothing to reload (the daemon was not started from settings)")
+        if self.reload_settings is None or self.stopping:
+            log.info("SIGHUP: nothing to reload")
             return
-        self.notifier.reloading()
+        # RELOADING=1 ... READY=1 only once started: before that, READY=1 would tell
+        # systemd the daemon is up while its models are still loading
+        started = self.ever_ready
+        if started:
+            self.notifier.reloading()
         try:
             new = self.reload_settings()
         except ConfigError as exc:
             log.error("SIGHUP: the settings did not load, nothing changed: %s", exc)
-            self.notifier.ready(self._ready_status() if self.state == "ready" else f"{self.state}")
+            if started:
+                self.notifier.ready(self._ready_status() if self.state == "ready" else self.state)
             return
         applied = []
         if new.max_queue != self.config.max_queue:
@@ -424,7 +478,8 @@ class Daemon:
         log.info("SIGHUP: reloaded settings from %s: %s", new.path, "; ".join(applied) or "nothing to change")
         if pending:
             log.warning("SIGHUP: %s changed; restart the daemon to apply (tandem stop, or systemctl --user restart tandem)", ", ".join(pending))
-        self.notifier.ready(self._ready_status() if self.state == "ready" else self.state)
+        if started:
+            self.notifier.ready(self._ready_status() if self.state == "ready" else self.state)
 
     def _poll_once(self) -> None:
         poller = zmq.Poller()
@@ -802,7 +857,8 @@ class Daemon:
         pids = {}
         for w in self.workers:
             pid = w.pid
-            if pid and (not reap or w.alive):
+            # off the main thread: a reaped worker has no channel, and its pid may be reused
+            if pid and (w.alive if reap else w.sock is not None):
                 pids[w.role] = pid
                 try:
                     memory[w.role] = psutil.Process(pid).memory_info().rss

@@ -96,6 +96,7 @@ def run_worker_process(config: WorkerConfig) -> None:
     """Entry point of the worker process."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a terminal hangup or a reload is the daemon's business
     if config.spin_count is not None:
         os.environ.setdefault("GOMP_SPINCOUNT", str(config.spin_count))
     logging.basicConfig(level=logging.INFO, format=f"tandem[{config.role}] %(levelname)s %(message)s")

@@ -144,9 +144,34 @@ def test_config_show_prints_each_value_with_its_source_as_a_valid_file(tmp_path)
     assert s.max_queue == 8 and s.drafter == "ngram" and s.cache_bytes == 512 << 20 and set(shown) == set(lines)
 
 
-def test_a_bad_config_file_stops_every_command_with_the_key_named(tmp_path):
+def test_a_bad_config_file_stops_commands_that_use_it_with_the_key_named(tmp_path):
     path = write(tmp_path, "max_queu = 3\n")
-    for command in (["config", "show"], ["status"], ["serve"]):
+    for command in (["config", "show"], ["serve"], ["run", "hi"]):
         out = tandem("--config", str(path), *command, env={})
         assert out.returncode == 2, (command, out.stderr)
         assert "unknown key 'max_queu'" in out.stderr and "did you mean 'max_queue'" in out.stderr
+    # status, stop and cache clear need only the socket: they warn and go on
+    sock = tmp_path / "none.sock"
+    for command in (["status"], ["stop"]):
+        out = tandem("--config", str(path), "--socket", str(sock), *command, env={})
+        assert "warning: unknown key 'max_queu'" in out.stderr and str(sock) in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("raw", ["inf", "1e400", "nan"])
+def test_non_finite_numbers_are_refused(raw):
+    with pytest.raises(ConfigError, match="draft_p_min"):
+        load({"draft_p_min": raw}, None, environ={})
+    with pytest.raises(ConfigError, match="cache_bytes"):
+        load({"cache_bytes": raw + "G"}, None, environ={})
+
+
+def test_a_fractional_size_needs_a_unit(tmp_path):
+    with pytest.raises(ConfigError, match=r'"1.5G"'):
+        load({}, write(tmp_path, "cache_bytes = 1.5\n"), environ={})
+    assert load({}, write(tmp_path, 'cache_bytes = "1.5G"\n'), environ={}).cache_bytes == 3 << 29
+
+
+def test_relative_paths_in_the_file_are_relative_to_the_file(tmp_path):
+    s = load({}, write(tmp_path, 'state_dir = "state"\nsocket = "/run/x.sock"\n'), environ={})
+    assert s.state_dir == tmp_path / "state" and s.socket == Path("/run/x.sock")
+    assert load({"state_dir": "rel"}, None, environ={}).state_dir == Path("rel")  # a flag: relative to the cwd

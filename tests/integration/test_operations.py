@@ -157,6 +157,24 @@ def test_a_metrics_port_in_use_names_the_fix(smollm2_path):
     assert f"cannot serve metrics on 127.0.0.1:{port}" in out.stderr and "--metrics-addr off" in out.stderr
 
 
+def test_the_default_metrics_port_when_taken_falls_back_to_a_free_one(start_daemon):
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 9464))  # or someone else holds it already: the same situation
+        taken.listen()
+    except OSError:
+        pass
+    try:
+        d = start_daemon("--ctx-size", "256", env={"TANDEM_METRICS_ADDR": ""})  # unset: the default address
+        with d.client() as c:
+            addr = c.status().metrics_addr
+    finally:
+        taken.close()
+    assert addr.startswith("127.0.0.1:") and addr != "127.0.0.1:9464"
+    assert "the default metrics address 127.0.0.1:9464 is in use" in d.log()
+    assert value(scrape(addr), "tandem_ready") == 1
+
+
 # --------------------------------------------------------------------------- systemd notification
 
 

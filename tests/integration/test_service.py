@@ -67,6 +67,16 @@ def tandem(*args: str, env: dict) -> subprocess.CompletedProcess:
     )
 
 
+def test_install_refuses_while_a_daemon_runs_outside_systemd(start_daemon, tmp_path):
+    d = start_daemon("--ctx-size", "256")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config"), "TANDEM_SOCKET": str(d.socket)}
+    out = tandem("service", "install", env=env)
+    assert out.returncode == 1 and "Stop it with `tandem stop`" in out.stderr
+    assert not (tmp_path / "config" / "systemd" / "user" / "tandem.service").exists()
+    with d.client() as c:
+        assert c.status().state == "ready"  # untouched
+
+
 def test_install_and_uninstall_without_a_user_manager_write_the_unit_and_print_the_commands(tmp_path, smollm2_path):
     if service.systemctl_works():
         pytest.fail("a systemd user manager answers here: this test would install a real service; run it in CI")

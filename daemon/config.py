@@ -122,6 +122,10 @@ OPTIONS: tuple[Option, ...] = (
            "N-1 tokens of a cached prefix are prefilled again", minimum=1, maximum=4096, metavar="N"),  # fmt: skip
     Option("state_dir", "path", AUTO, "where the daemon keeps what it learns (the governor's state) "
            "(auto: $XDG_STATE_HOME/tandem, else ~/.local/state/tandem)", auto=True, metavar="DIR"),  # fmt: skip
+    Option("worker_timeout", "float", 120.0, "seconds a model worker may go without a sign of life during a "
+           "request (it sends one every second while it works, also while it waits for the drafter) before it "
+           "is treated as hung: killed, restarted, and the request answered with an error", minimum=1.0,
+           maximum=86400.0, metavar="SECONDS"),  # fmt: skip
     Option("flash_attn", "bool", False, "llama.cpp flash attention"),
     Option("extra_buffers", "choice", "auto", "llama.cpp weight repacking/AMX buffers; auto = off on CPUs with "
            "AMX, where they crash", choices=("auto", "on", "off")),  # fmt: skip

@@ -7,7 +7,12 @@ append (accepted tokens the drafter did not produce itself). The mirror also
 survives between requests, so a drafter re-reads only what changed.
 
 If the drafter stops answering, drafting is switched off (plain decoding goes
-on) rather than stalling the request.
+on) rather than stalling the request, and the daemon is told (``on_timeout``),
+which kills and restarts the drafter; ``reset`` starts afresh with the new
+one. Every draft request's id carries a nonce of this client, so a reply that a
+drafter computed for an earlier target worker is never taken for ours. While
+waiting it calls ``on_wait`` about once a second (the worker's heartbeat and
+its check for the daemon's messages).
 
 With a prefix cache (``pages``: the target's PageStore, whose tree also holds
 the drafter's pages), the drafter restores a cached prefix instead of reading
@@ -18,7 +23,9 @@ holds at the end of a request.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+import secrets
+import time
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -30,8 +37,8 @@ from .speculative import SparseDist
 
 log = logging.getLogger("tandem.worker")
 
-PREFILL_TIMEOUT_MS = 300_000  # the drafter reads a whole prompt
 DRAFT_TIMEOUT_MS = 10_000
+WAIT_SLICE_MS = 1_000
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -44,18 +51,30 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class ModelDrafterClient:
-    def __init__(self, zctx: zmq.Context, endpoint: str):
-        self.sock = zctx.socket(zmq.PAIR)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.mirror: list[int] = []  # tokens in the drafter's KV cache
-        self.awaiting = 0  # replies still to collect
-        self.broken = False
+    def __init__(self, zctx: zmq.Context, endpoint: str, timeout: float = 120.0):
+        self.zctx, self.endpoint = zctx, endpoint
+        self.prefill_timeout_ms = int(timeout * 1000)  # the drafter reads a whole prompt
+        self.on_wait: Optional[Callable[[], object]] = None
+        self.on_timeout: Optional[Callable[[str], object]] = None
+        self.sock = None
+        self.reset()
         self.request_id = ""
         self.sampler: Optional[Sampler] = None
         self.seed = 0
         self.new_request = False
         self.pages = None  # the target's PageStore, when the daemon has a prefix cache
+
+    def reset(self) -> None:
+        """Start afresh with a (new) drafter worker on the endpoint: a new socket, an empty mirror."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.zctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.endpoint)
+        self.nonce = secrets.token_hex(4)
+        self.mirror: list[int] = []  # tokens in the drafter's KV cache
+        self.awaiting = 0  # replies still to collect
+        self.broken = False
         self.page_bytes = 0  # the drafter's page size, from its replies (0: unknown yet, or no cache)
 
     def begin(self, request_id: str, prompt: list[int], sampler: Sampler, prefill: bool = True) -> None:
@@ -69,14 +88,12 @@ class ModelDrafterClient:
         self._send(prompt, k=0, p_min=0.0)
 
     def ready(self) -> bool:
-        if self.broken:
-            return True
-        while self.awaiting and self.sock.poll(0, zmq.POLLIN):
+        while self.awaiting and not self.broken and self.sock.poll(0, zmq.POLLIN):
             reply = self._recv(0)
             if reply is None:
-                return True
+                break
             self.mirror = self.mirror[: reply.n_cached]  # a k = 0 reply: it read what was sent
-        return self.awaiting == 0
+        return self.broken or self.awaiting == 0
 
     def sync(self, context: list[int]) -> None:
         """Make the drafter hold ``context`` and wait until it does."""
@@ -86,7 +103,7 @@ class ModelDrafterClient:
             self._send(context, k=0, p_min=0.0)
         reply = None
         while self.awaiting:
-            reply = self._recv(PREFILL_TIMEOUT_MS)
+            reply = self._recv(self.prefill_timeout_ms)
             if reply is None:
                 return
         if reply is not None:
@@ -98,7 +115,7 @@ class ModelDrafterClient:
         self._send(context, k, p_min)
         reply = None
         while self.awaiting:
-            reply = self._recv(PREFILL_TIMEOUT_MS if self.awaiting > 1 else DRAFT_TIMEOUT_MS)
+            reply = self._recv(self.prefill_timeout_ms if self.awaiting > 1 else DRAFT_TIMEOUT_MS)
             if reply is None:
                 return [], None
         assert reply is not None
@@ -128,7 +145,7 @@ class ModelDrafterClient:
         self.sock.send_multipart(
             encode(
                 DraftRequest(
-                    id=self.request_id, keep=keep, append=append, k=k, temperature=s.temperature, top_k=s.top_k,
+                    id=f"{self.nonce}:{self.request_id}", keep=keep, append=append, k=k, temperature=s.temperature, top_k=s.top_k,
                     top_p=s.top_p, seed=self.seed, p_min=p_min, new_request=new_request, **pages,
                 )
             )
@@ -165,15 +182,33 @@ class ModelDrafterClient:
             self.pages.seal(nodes, "drafter")
 
     def _recv(self, timeout_ms: int) -> Optional[Drafted]:
-        if not self.sock.poll(timeout_ms, zmq.POLLIN):
-            log.warning("the drafter did not answer within %d s; drafting is off", timeout_ms // 1000)
-            self.broken = True
-            return None
-        self.awaiting -= 1
-        msg = decode(self.sock.recv_multipart(), table=DRAFTER_REPLIES)
-        if isinstance(msg, Error):
-            log.warning("the drafter failed (%s); drafting is off", msg.message)
-            self.broken = True
-            return None
-        self.page_bytes = msg.page_bytes
-        return msg
+        """The next reply to one of our requests; None when the drafter failed, did
+        not answer within ``timeout_ms`` (then drafting is off and the daemon is
+        told), or was switched off meanwhile. ``timeout_ms`` 0: only what is there."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not self.broken:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if self.sock.poll(min(left_ms, WAIT_SLICE_MS), zmq.POLLIN):
+                msg = decode(self.sock.recv_multipart(), table=DRAFTER_REPLIES)
+                if isinstance(msg, Error):
+                    self.awaiting -= 1
+                    log.warning("the drafter failed (%s); drafting is off", msg.message)
+                    self.broken = True
+                    return None
+                if not msg.id.startswith(self.nonce + ":"):
+                    continue  # computed for an earlier target worker (or before a reset)
+                self.awaiting -= 1
+                self.page_bytes = msg.page_bytes
+                return msg
+            if timeout_ms == 0:
+                return None
+            if time.monotonic() >= deadline:
+                why = f"the drafter did not answer within {timeout_ms / 1000:.0f} s"
+                log.warning("%s; drafting is off", why)
+                self.broken = True
+                if self.on_timeout is not None:
+                    self.on_timeout(why)
+                return None
+            if self.on_wait is not None:
+                self.on_wait()
+        return None

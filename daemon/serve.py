@@ -63,6 +63,7 @@ def serve(
                 page_tokens=s.page_tokens,
                 metrics_addr=s.metrics_addr,
                 metrics_addr_explicit=s.sources["metrics_addr"] != "default",
+                worker_timeout=s.worker_timeout,
                 log_level=s.log_level,
             ),
             notifier=notifier,

@@ -38,6 +38,7 @@ from tandem.protocol import (
     CancelReply,
     Chunk,
     Done,
+    DrafterState,
     DraftStats,
     Error,
     ErrorCode,
@@ -45,6 +46,7 @@ from tandem.protocol import (
     Generate,
     Hello,
     HelloReply,
+    Progress,
     ProtocolError,
     Ready,
     Shutdown,
@@ -74,6 +76,9 @@ log = logging.getLogger("tandem.daemon")
 POLL_MS = 200
 SEND_HWM = 10_000  # messages queued per client before it counts as too slow
 RESTART_BACKOFF_SECONDS = (1, 2, 4, 8, 16, 30)
+TARGET_MAX_FAILED_STARTS = 5  # the target died this often in a row without getting ready: the daemon fails
+DRAFTER_MAX_DEATHS = 3  # the drafter died this often within DRAFTER_DEATH_WINDOW: drafting is switched off
+DRAFTER_DEATH_WINDOW = 600.0
 HARD_MESSAGE_CAP_BYTES = 64 * 1024 * 1024
 
 
@@ -157,6 +162,7 @@ class ServeConfig:
     state_dir: Optional[Path] = None  # where the governor's state is kept; None: not kept
     metrics_addr: str = "off"  # HOST:PORT of the Prometheus endpoint (config.check keeps it loopback) or "off"
     metrics_addr_explicit: bool = True  # False: the default address, which falls back to a free port if taken
+    worker_timeout: float = 120.0  # a worker silent this long during a request is treated as hung
     log_level: str = "info"
 
 
@@ -170,6 +176,7 @@ class Job:
     started_at: Optional[float] = None
     completion_tokens: int = 0
     last_tokens_at: Optional[float] = None  # when the latest chunk with tokens was relayed
+    answered: bool = False  # its terminal message went out early (a worker died): the worker's own is dropped
     client_gone: bool = False
 
 
@@ -275,6 +282,12 @@ class Daemon:
         self.governor: Optional[GovernorInfo] = None  # the target worker's latest report
         self.cache: Optional[CacheInfo] = None  # likewise
         self.restart_due: Optional[float] = None
+        self.drafter_restart_due: Optional[float] = None
+        self.drafter_deaths: list[float] = []  # when, within DRAFTER_DEATH_WINDOW
+        self.drafter_off = ""  # why drafting was switched off for good ("" while it is not)
+        self.target_failed_starts = 0  # deaths since the target was last ready
+        self.target_heard = time.monotonic()  # the target's last message (for the hung-worker deadline)
+        self.hung: dict[str, str] = {}  # role -> why it was killed as hung
         self.clears: collections.deque[tuple[bytes, CacheClear]] = collections.deque()  # waiting for the worker
         self.clearing: Optional[tuple[bytes, CacheClear]] = None  # sent to the worker
         self.ever_ready = False
@@ -383,6 +396,7 @@ class Daemon:
                 governor_state=str(state_file(c.state_dir, identity)) if c.state_dir is not None and kind != "none" else "",
                 governor_identity=identity,
                 governor_per_task=c.governor_per_task,
+                worker_timeout=c.worker_timeout,
                 cache_shm=self.kv_arena.name if self.kv_arena is not None else "",
                 cache_bytes=c.cache_bytes,
                 page_tokens=c.page_tokens,
@@ -412,7 +426,8 @@ class Daemon:
     def models_ready(self) -> bool:
         if not self.target.ready:
             return False
-        return self.drafter is None or self.drafter_dead or self.drafter.ready
+        # after the first start a drafter that is down (restarting, switched off) blocks nothing
+        return self.drafter is None or self.drafter_dead or self.ever_ready or self.drafter.ready
 
     def _setup_dispatch(self) -> None:
         self.handlers: dict[type, Callable] = {
@@ -505,10 +520,37 @@ class Daemon:
             self._on_worker_death()
         if self.drafter is not None and self.drafter.sock is not None and not self.drafter.alive:
             self._on_drafter_death()
-        if self.restart_due is not None and time.monotonic() >= self.restart_due:
+        now = time.monotonic()
+        if self.restart_due is not None and now >= self.restart_due:
             self.restart_due = None
             self.target.start()
+        if self.drafter_restart_due is not None and now >= self.drafter_restart_due and self.drafter is not None:
+            self.drafter_restart_due = None
+            self.drafter.start()
+        self._check_hung(now)
         self._start_next()
+
+    def _check_hung(self, now: float) -> None:
+        """A target that sends nothing during a request for worker_timeout (it sends
+        progress every second while it works) is hung: kill it; its death is handled
+        like any other."""
+        busy = self.active is not None or self.clearing is not None
+        if not busy or not self.target.alive or self.target.sock is None:
+            return
+        silent = now - self.target_heard
+        if silent > self.config.worker_timeout:
+            why = f"did not answer within {self.config.worker_timeout:g} s (worker_timeout) and was killed"
+            log.error("the model worker (pid %s) %s", self.target.pid, why)
+            self.hung["target"] = why
+            self._kill(self.target)
+
+    @staticmethod
+    def _kill(worker: WorkerHandle) -> None:
+        try:
+            if worker.pid:
+                os.kill(worker.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _drain_front(self, limit: int = 256) -> None:
         for _ in range(limit):
@@ -688,6 +730,10 @@ class Daemon:
 
     def _finish(self, job: Job, terminal) -> None:
         """Deliver a request's one terminal message and forget the request."""
+        if job.answered:  # its terminal message went out already (_answer_early)
+            if job is self.active:
+                self.active = None
+            return
         self.jobs.pop(job.request.id, None)
         if job is self.active:
             self.active = None
@@ -713,6 +759,7 @@ class Daemon:
             return
         if self.clears:
             self.clearing = self.clears.popleft()
+            self.target_heard = time.monotonic()
             if not self.target.send(self.clearing[1]):
                 self._clear_failed("the model worker could not take the request")
             return
@@ -721,11 +768,21 @@ class Daemon:
         job = self.queue.popleft()
         job.started_at = time.monotonic()
         self.active = job
+        self.target_heard = job.started_at  # the hung-worker deadline counts from here
         self.target.send(job.request)
 
     def on_target_message(self, msg, frames: list[bytes]) -> None:
         """A chunk, done or error from the target worker; chunks are relayed as
         the worker encoded them."""
+        self.target_heard = time.monotonic()
+        if isinstance(msg, Progress):
+            return  # a heartbeat
+        if isinstance(msg, Error) and msg.id == "drafter":  # the target found the drafter hung
+            if self.drafter is not None and self.drafter.alive:
+                log.error("the drafter worker (pid %s): %s; killing it", self.drafter.pid, msg.message)
+                self.hung["drafter"] = msg.message.removeprefix("the drafter ") + " and was killed"
+                self._kill(self.drafter)
+            return
         if isinstance(msg, CacheCleared):
             if self.clearing is not None and msg.id == self.clearing[1].id:
                 self.cache = msg.cache
@@ -739,6 +796,10 @@ class Daemon:
             if isinstance(msg, Error) and msg.code == ErrorCode.NOT_READY:
                 self._on_load_failure(msg.message)
             return
+        if job.answered:  # already answered (a worker died): this is the worker finishing up
+            if not isinstance(msg, Chunk):
+                self._finish(job, msg)
+            return
         if isinstance(msg, Chunk):
             job.completion_tokens += len(msg.token_ids)
             if msg.token_ids:
@@ -751,6 +812,7 @@ class Daemon:
                 self._cancel(job)
             return
         if isinstance(msg, Done):
+            self.target_failed_starts = 0
             msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
             if msg.governor is not None:
                 self.governor = msg.governor
@@ -768,6 +830,10 @@ class Daemon:
         worker = self.drafter if msg.id == "drafter" else self.target
         assert worker is not None
         worker.info = msg.model
+        if worker is self.target and self.drafter is not None and (self.drafter_dead or not self.drafter.alive):
+            self.target.send(DrafterState(id="daemon", available=False))  # a new target: the drafter is down
+        if worker is self.drafter and self.ever_ready and self.target.alive:
+            self.target.send(DrafterState(id="daemon", available=True))  # a restarted drafter: draft again
         if worker is self.target:
             self.governor = msg.governor
             self.cache = msg.cache
@@ -794,16 +860,53 @@ class Daemon:
         if self.on_ready is not None:
             self.on_ready()
 
+    def _answer_early(self, job: Job, error: Error) -> None:
+        """End the running request now with ``error`` and have the target stop it;
+        it stays active (nothing else starts) until the target's own terminal
+        message, which is then dropped."""
+        self._finish(job, error)  # counts it, sends it, forgets the id (a retry may reuse it)
+        job.answered = True
+        self.active = job
+        self.target.send(Cancel(id=job.request.id, request_id=job.request.id))
+
     def _on_drafter_death(self) -> None:
         assert self.drafter is not None
         code = self.drafter.reap()
         if self.stopping or self.state == "failed":
             return
+        how = self.hung.pop("drafter", None) or f"died (exit code {code})"
         if not self.ever_ready:
-            self._on_load_failure(f"the drafter worker died while loading {self.config.drafter_path} (exit code {code})")
+            self._on_load_failure(f"the drafter worker {how} while loading {self.config.drafter_path}")
             return
-        log.warning("the drafter worker died (exit code %s); decoding continues without drafting", code)
-        self.drafter_dead = True
+        now = time.monotonic()
+        self.drafter_deaths = [t for t in self.drafter_deaths if now - t < DRAFTER_DEATH_WINDOW] + [now]
+        give_up = len(self.drafter_deaths) >= DRAFTER_MAX_DEATHS
+        if self.target.alive and self.target.sock is not None:
+            self.target.send(DrafterState(id="daemon", available=False))  # decode plainly until it is back
+        job = self.active
+        if job is not None and not job.answered and job.request.draft != "off" and job.request.draft_tokens != 0:
+            then = "drafting is now off" if give_up else "it is being restarted"
+            self._answer_early(
+                job,
+                Error.of(
+                    job.request.id,
+                    ErrorCode.DRAFTER_DIED,
+                    f"the drafter worker {how} while this request was decoded; {then}, and the request may be retried",
+                ),
+            )
+        if give_up:
+            self.drafter_dead = True
+            self.drafter_off = f"it died {len(self.drafter_deaths)} times within {DRAFTER_DEATH_WINDOW / 60:.0f} minutes"
+            log.warning(
+                "the drafter worker %s; %s, so drafting is switched off and plain decoding goes on "
+                "(restart the daemon to draft again)", how, self.drafter_off,
+            )  # fmt: skip
+            return
+        delay = RESTART_BACKOFF_SECONDS[min(len(self.drafter_deaths) - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
+        log.warning("the drafter worker %s; restarting it in %d s (plain decoding meanwhile)", how, delay)
+        self.drafter.restarts += 1
+        self.metrics.worker_restarted("drafter")
+        self.drafter_restart_due = now + delay
 
     def _ready_status(self) -> str:
         drafter = f" + drafter {self.config.drafter}" if self.config.drafter != "none" else ""
@@ -824,11 +927,12 @@ class Daemon:
         code = self.target.reap()
         if self.stopping or self.state == "failed":
             return
-        log.error("the %s worker died (exit code %s)", self.target.role, code)
+        how = self.hung.pop("target", None) or f"died (exit code {code})"
+        log.error("the model worker %s", how)
         if not self.ever_ready:
-            self._on_load_failure(f"the model worker died while loading {self.config.model_path} (exit code {code})")
+            self._on_load_failure(f"the model worker {how} while loading {self.config.model_path}")
             return
-        self._clear_failed(f"the model worker died (exit code {code})")
+        self._clear_failed(f"the model worker {how}")
         if self.active is not None:
             job = self.active
             self._finish(
@@ -836,18 +940,36 @@ class Daemon:
                 Error.of(
                     job.request.id,
                     ErrorCode.WORKER_DIED,
-                    f"the model worker died (exit code {code}) while serving this request; "
-                    "it is being restarted and the request may be retried",
+                    f"the model worker {how} while serving this request; it is being restarted and the request "
+                    "may be retried",
                 ),
             )
+            self.active = None
+        self.target_failed_starts += 1
+        if self.target_failed_starts > TARGET_MAX_FAILED_STARTS:
+            self._on_load_failure(
+                f"the model worker died {self.target_failed_starts} times without finishing a request in between "
+                f"(last: it {how}); the daemon gave up restarting it. See the log above, fix the cause, and "
+                "restart the daemon"
+            )
+            return
         self.state = "loading"
-        self.notifier.status(f"restarting the model worker (it died, exit code {code})")
-        delay = RESTART_BACKOFF_SECONDS[min(self.target.restarts, len(RESTART_BACKOFF_SECONDS) - 1)]
+        self.notifier.status(f"restarting the model worker (it {how})")
+        delay = RESTART_BACKOFF_SECONDS[min(self.target_failed_starts - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
         self.target.restarts += 1
         self.metrics.worker_restarted("target")
         self.restart_due = time.monotonic() + delay
 
     # ------------------------------------------------------------------ status
+
+    def _drafter_note(self) -> str:
+        if self.drafter is None:
+            return ""
+        if self.drafter_off:
+            return f" (off: {self.drafter_off})"
+        if self.drafter_restart_due is not None or (self.ever_ready and not self.drafter.alive):
+            return " (restarting)"
+        return ""
 
     def memory(self, reap: bool = True) -> tuple[dict[str, int], dict[str, int]]:
         """Resident memory by process ("daemon", "target", "drafter") and the workers'
@@ -902,9 +1024,9 @@ class Daemon:
             tokens=dict(self.counters.tokens),
             memory_rss_bytes=memory,
             worker_pids=pids,
-            worker_restarts=self.target.restarts,
+            worker_restarts=sum(w.restarts for w in self.workers),
             failure=self.failure,
-            drafter=self.config.drafter + (" (dead)" if self.drafter_dead else ""),
+            drafter=self.config.drafter + self._drafter_note(),
             drafter_model=self.drafter.info if self.drafter is not None else None,
             draft_tokens=self.config.draft_tokens if self.config.drafter != "none" else 0,
             draft=self.counters.draft if self.counters.draft.rounds else None,

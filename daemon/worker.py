@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,13 +26,16 @@ from tandem.protocol import (
     CacheCleared,
     CacheClear,
     Cancel,
+    DrafterState,
     Error,
     ErrorCode,
     Generate,
     ModelInfo,
+    Progress,
     ProtocolError,
     Ready,
     Shutdown,
+    WORKER_REQUESTS,
     decode,
     encode,
 )
@@ -40,6 +44,8 @@ from tandem.protocol import (
 # before llama.cpp (and its OpenMP runtime) is loaded.
 
 log = logging.getLogger("tandem.worker")
+
+HEARTBEAT_SECONDS = 1.0  # Progress at most this often while serving a request
 
 
 @dataclass
@@ -66,6 +72,7 @@ class WorkerConfig:
     cache_shm: str = ""  # the daemon's prefix-cache arena (a /dev/shm name); "": no prefix cache
     cache_bytes: int = 0
     page_tokens: int = 16
+    worker_timeout: float = 120.0  # the daemon's deadline; the target waits for the drafter no longer than this
 
 
 def load_model(config: WorkerConfig):
@@ -124,6 +131,9 @@ class WorkerLoop:
         self.stopping = False
         self.cancelled: set[str] = set()
         self.governors = None
+        self.engine = None
+        self.last_beat = 0.0
+        self.current = ""  # the request being served
 
     def send(self, msg) -> None:
         self.sock.send_multipart(encode(msg))
@@ -131,6 +141,7 @@ class WorkerLoop:
     def run(self) -> None:
         try:
             engine, info = self._load()
+            self.engine = engine
         except Exception as exc:
             self.send(Error.of(self.config.role, ErrorCode.NOT_READY, f"could not load the model: {exc}"))
             return
@@ -228,14 +239,18 @@ class WorkerLoop:
         if kind == "model":
             from .drafter_client import ModelDrafterClient
 
-            return ModelDrafterClient(self.sock.context, self.config.draft_endpoint)
+            client = ModelDrafterClient(self.sock.context, self.config.draft_endpoint, timeout=self.config.worker_timeout)
+            client.on_wait = lambda: self._poll_cancel(self.current)  # heartbeats while it waits for the drafter
+            # a drafter that does not answer: the daemon kills and restarts it
+            client.on_timeout = lambda why: self.send(Error.of("drafter", ErrorCode.DRAFTER_DIED, why))
+            return client
         return None
 
     def _serve_one(self, engine, frames) -> None:
         from .engine import RequestError
 
         try:
-            msg = decode(frames)
+            msg = decode(frames, table=WORKER_REQUESTS)
         except ProtocolError as exc:  # the daemon validated it; this is a bug
             log.error("undecodable message from the daemon: %s", exc.message)
             return
@@ -244,6 +259,9 @@ class WorkerLoop:
             return
         if isinstance(msg, Cancel):
             return  # nothing running: it finished before the cancel arrived
+        if isinstance(msg, DrafterState):
+            self._drafter_state(msg)
+            return
         if isinstance(msg, CacheClear):
             self._clear_cache(engine, msg)
             return
@@ -251,6 +269,8 @@ class WorkerLoop:
             log.error("unexpected %s message from the daemon", msg.op.value)
             return
         self.cancelled.clear()
+        self.current = msg.id
+        self.last_beat = time.monotonic()
         try:
             done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
             if engine.cache is not None:
@@ -288,13 +308,30 @@ class WorkerLoop:
             log.warning("could not save the prefix-cache index (a restarted worker would start empty): %s", exc)
 
     def _poll_cancel(self, request_id: str) -> bool:
+        """Between steps of a request: read what the daemon sent, and say we are alive."""
+        now = time.monotonic()
+        if now - self.last_beat >= HEARTBEAT_SECONDS:
+            self.last_beat = now
+            self.send(Progress(id=request_id))
         while self.sock.poll(0, zmq.POLLIN):
             try:
-                msg = decode(self.sock.recv_multipart())
+                msg = decode(self.sock.recv_multipart(), table=WORKER_REQUESTS)
             except ProtocolError:
                 continue
             if isinstance(msg, Cancel):
                 self.cancelled.add(msg.request_id)
             elif isinstance(msg, Shutdown):
                 self.stopping = True
+            elif isinstance(msg, DrafterState):
+                self._drafter_state(msg)
         return self.stopping or request_id in self.cancelled
+
+    def _drafter_state(self, msg: DrafterState) -> None:
+        drafter = self.engine.drafter if self.engine is not None else None
+        if drafter is None or not hasattr(drafter, "reset"):
+            return
+        if msg.available:
+            log.info("the drafter worker is back; drafting again")
+            drafter.reset()
+        else:
+            drafter.broken = True  # until it is back: plain decoding

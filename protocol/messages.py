@@ -51,6 +51,8 @@ class Op(str, enum.Enum):
     ERROR = "error"
     BUSY = "busy"
     READY = "ready"  # internal: worker -> daemon
+    PROGRESS = "progress"  # internal: target worker -> daemon, at least every second of a request's work
+    DRAFTER_STATE = "drafter_state"  # internal: daemon -> target worker, the drafter went away or came back
     DRAFT = "draft"  # internal: target worker -> drafter worker
     DRAFTED = "drafted"  # internal: drafter worker -> target worker
 
@@ -78,6 +80,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 202  # the daemon is stopping
     CLIENT_TOO_SLOW = 203  # the client stopped reading and its send queue overflowed
     NOT_READY = 204  # the model is not loaded (yet, or it failed to load)
+    DRAFTER_DIED = 205  # the drafter worker died or hung during the request; it is restarted (or drafting is switched off)
 
 
 class Message:
@@ -416,6 +419,27 @@ class Ready(Message):
 
 
 @dataclass
+class Progress(Message):
+    """Internal: the target worker is working on request ``id`` (a heartbeat, sent at
+    most once a second from its decoding loop; a worker that sends none within the
+    daemon's worker_timeout is treated as hung)."""
+
+    op: ClassVar[Op] = Op.PROGRESS
+    id: str
+    prompt_tokens_done: int = 0  # prompt tokens read so far (prefill); -1 once generating
+
+
+@dataclass
+class DrafterState(Message):
+    """Internal: the daemon tells the target worker its drafter worker died
+    (``available`` false: decode plainly) or was restarted (true: start afresh with it)."""
+
+    op: ClassVar[Op] = Op.DRAFTER_STATE
+    id: str
+    available: bool
+
+
+@dataclass
 class DraftRequest(Message):
     """Internal: the target worker asks the drafter worker for k tokens.
 
@@ -456,8 +480,9 @@ class Drafted(Message):
 REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Cancel, Status, Shutdown, CacheClear)}
 REPLIES: dict[Op, type] = {
     m.op: m
-    for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared, Ready)
+    for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared, Ready, Progress)
 }
+WORKER_REQUESTS: dict[Op, type] = {**REQUESTS, Op.DRAFTER_STATE: DrafterState}  # daemon -> target worker
 DRAFTER_REQUESTS: dict[Op, type] = {m.op: m for m in (DraftRequest, Shutdown)}
 DRAFTER_REPLIES: dict[Op, type] = {m.op: m for m in (Drafted, Error)}
 TERMINAL_OPS = frozenset({Op.DONE, Op.ERROR, Op.BUSY})

@@ -88,6 +88,7 @@ REPLIES = [
     ),
     P.CacheCleared(id="k2", pages=0, bytes=0, cache=None),
     P.Ready(id="target", model=MODEL, pid=43),
+    P.Progress(id="g1", prompt_tokens_done=512),
 ]
 
 
@@ -131,9 +132,20 @@ def test_drafter_messages_round_trip_with_raw_arrays():
     assert info.value.code == ErrorCode.UNKNOWN_OP
 
 
+def test_worker_messages_round_trip_and_clients_cannot_send_them():
+    msg = P.DrafterState(id="daemon", available=False)
+    assert decode(encode(msg), table=P.WORKER_REQUESTS) == msg
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(msg))  # the daemon's client-facing table has no drafter_state
+    assert info.value.code == ErrorCode.UNKNOWN_OP
+
+
 def test_every_message_type_is_covered():
-    covered = {type(m) for m in REQUESTS + REPLIES + DRAFTER} | {P.Drafted}
-    assert covered == set(P.REQUESTS.values()) | set(P.REPLIES.values()) | set(P.DRAFTER_REQUESTS.values()) | set(P.DRAFTER_REPLIES.values())
+    covered = {type(m) for m in REQUESTS + REPLIES + DRAFTER} | {P.Drafted, P.DrafterState}
+    assert covered == (
+        set(P.REQUESTS.values()) | set(P.REPLIES.values()) | set(P.DRAFTER_REQUESTS.values())
+        | set(P.DRAFTER_REPLIES.values()) | set(P.WORKER_REQUESTS.values())
+    )  # fmt: skip
 
 
 def test_ndarray_round_trip_without_pickle():
@@ -215,7 +227,7 @@ def test_protocol_md_documents_every_op_field_and_error_code():
         assert f"`{op.value}`" in doc, op
     for code in ErrorCode:
         assert re.search(rf"\b{int(code)}\b.*`{code.name}`", doc), code
-    for cls in [*P.REQUESTS.values(), *P.REPLIES.values(), *P.DRAFTER_REQUESTS.values(), *P.DRAFTER_REPLIES.values(), P.DraftStats, P.GovernorInfo, P.CacheInfo]:
+    for cls in [*P.REQUESTS.values(), *P.REPLIES.values(), *P.DRAFTER_REQUESTS.values(), *P.DRAFTER_REPLIES.values(), *P.WORKER_REQUESTS.values(), P.DraftStats, P.GovernorInfo, P.CacheInfo]:
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name}"
     assert f"{P.PROTOCOL_VERSION[0]}.{P.PROTOCOL_VERSION[1]}" in doc

@@ -126,6 +126,9 @@ OPTIONS: tuple[Option, ...] = (
            "request (it sends one every second while it works, also while it waits for the drafter) before it "
            "is treated as hung: killed, restarted, and the request answered with an error", minimum=1.0,
            maximum=86400.0, metavar="SECONDS"),  # fmt: skip
+    Option("client_queue", "int", 10_000, "replies queued for a client that does not read them (a stalled "
+           "editor) before it counts as gone: its running request is cancelled and further replies to it are "
+           "dropped; other clients are never held up by it", minimum=16, maximum=10_000_000, metavar="N"),  # fmt: skip
     Option("flash_attn", "bool", False, "llama.cpp flash attention"),
     Option("extra_buffers", "choice", "auto", "llama.cpp weight repacking/AMX buffers; auto = off on CPUs with "
            "AMX, where they crash", choices=("auto", "on", "off")),  # fmt: skip

@@ -54,6 +54,7 @@ class ModelDrafterClient:
     def __init__(self, zctx: zmq.Context, endpoint: str, timeout: float = 120.0):
         self.zctx, self.endpoint = zctx, endpoint
         self.prefill_timeout_ms = int(timeout * 1000)  # the drafter reads a whole prompt
+        self.draft_timeout_ms = min(DRAFT_TIMEOUT_MS, self.prefill_timeout_ms)
         self.on_wait: Optional[Callable[[], object]] = None
         self.on_timeout: Optional[Callable[[str], object]] = None
         self.sock = None
@@ -115,7 +116,7 @@ class ModelDrafterClient:
         self._send(context, k, p_min)
         reply = None
         while self.awaiting:
-            reply = self._recv(self.prefill_timeout_ms if self.awaiting > 1 else DRAFT_TIMEOUT_MS)
+            reply = self._recv(self.prefill_timeout_ms if self.awaiting > 1 else self.draft_timeout_ms)
             if reply is None:
                 return [], None
         assert reply is not None
@@ -176,7 +177,7 @@ class ModelDrafterClient:
         nodes = [node for _, node in planned]
         store = [[start, node.pages["drafter"].offset] for start, node in planned]
         self._post(len(self.mirror), [], 0, 0.0, store=store)
-        if self._recv(DRAFT_TIMEOUT_MS) is None:
+        if self._recv(self.draft_timeout_ms) is None:
             self.pages.unplan(nodes, "drafter")
         else:
             self.pages.seal(nodes, "drafter")

@@ -64,6 +64,7 @@ def serve(
                 metrics_addr=s.metrics_addr,
                 metrics_addr_explicit=s.sources["metrics_addr"] != "default",
                 worker_timeout=s.worker_timeout,
+                client_queue=s.client_queue,
                 log_level=s.log_level,
             ),
             notifier=notifier,

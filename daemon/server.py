@@ -16,7 +16,9 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 import stat
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +76,6 @@ from .worker_handle import WorkerHandle
 log = logging.getLogger("tandem.daemon")
 
 POLL_MS = 200
-SEND_HWM = 10_000  # messages queued per client before it counts as too slow
 RESTART_BACKOFF_SECONDS = (1, 2, 4, 8, 16, 30)
 TARGET_MAX_FAILED_STARTS = 5  # the target died this often in a row without getting ready: the daemon fails
 DRAFTER_MAX_DEATHS = 3  # the drafter died this often within DRAFTER_DEATH_WINDOW: drafting is switched off
@@ -163,6 +164,7 @@ class ServeConfig:
     metrics_addr: str = "off"  # HOST:PORT of the Prometheus endpoint (config.check keeps it loopback) or "off"
     metrics_addr_explicit: bool = True  # False: the default address, which falls back to a free port if taken
     worker_timeout: float = 120.0  # a worker silent this long during a request is treated as hung
+    client_queue: int = 10_000  # replies queued for a client that does not read before it counts as gone
     log_level: str = "info"
 
 
@@ -177,6 +179,7 @@ class Job:
     completion_tokens: int = 0
     last_tokens_at: Optional[float] = None  # when the latest chunk with tokens was relayed
     answered: bool = False  # its terminal message went out early (a worker died): the worker's own is dropped
+    serial: int = 0  # arrival order among queued requests
     client_gone: bool = False
 
 
@@ -208,8 +211,15 @@ def prepare_socket(path: Path) -> Path:
     st = directory.stat()
     if st.st_uid != os.getuid():
         raise ServeError(f"socket directory {directory} belongs to another user (uid {st.st_uid}); pick another path")
-    if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
-        log.warning("socket directory %s is writable by others; the socket itself is 0600", directory)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise ServeError(
+            f"socket directory {directory} is writable by other users (mode {mode:04o}): one of them could put "
+            f"their own socket in its place. Run `chmod 700 {directory}`, or choose a socket in a directory of "
+            "your own (--socket or TANDEM_SOCKET)"
+        )
+    if mode & 0o055:
+        log.warning("socket directory %s is readable by others (mode %04o); 0700 is better", directory, mode)
     return directory
 
 
@@ -278,6 +288,7 @@ class Daemon:
         self.queue: collections.deque[Job] = collections.deque()
         self.active: Optional[Job] = None
         self.jobs: dict[str, Job] = {}
+        self.serial = 0
         self.counters = Counters()
         self.governor: Optional[GovernorInfo] = None  # the target worker's latest report
         self.cache: Optional[CacheInfo] = None  # likewise
@@ -338,7 +349,7 @@ class Daemon:
         self.zctx = zmq.Context()
         self.front = self.zctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.front.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.front.setsockopt(zmq.SNDHWM, self.config.client_queue)
         # bodies over MAX_MESSAGE_BYTES get an error reply; ZeroMQ drops a peer that
         # sends a frame over this hard cap (no reply is possible: nothing was read)
         self.front.setsockopt(zmq.MAXMSGSIZE, HARD_MESSAGE_CAP_BYTES)
@@ -351,8 +362,9 @@ class Daemon:
         os.chmod(path, 0o600)
         # Client disconnects: the monitor reports the connection's fd; each request
         # frame carries its source fd, which maps the fd to the client's identity.
-        self.monitor = self.front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.front.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.peer_fds: dict[int, bytes] = {}
+        self.foreign_fds: set[int] = set()  # connections of another user, refused
 
     def _release_socket(self) -> None:
         """Undo _setup_socket (a later setup step failed)."""
@@ -565,16 +577,38 @@ class Daemon:
             # this fd, so a late disconnect of a previous client can never cancel
             # this one's request (the fd is reused at once)
             self._drain_monitor()
-            self.peer_fds[frames[0].get(zmq.SRCFD)] = identity
+            fd = frames[0].get(zmq.SRCFD)
+            if fd in self.foreign_fds:
+                continue  # another user's connection, being closed: no reply
+            self.peer_fds[fd] = identity
             self.dispatch(identity, [f.bytes for f in frames[1:]])
 
     def _drain_monitor(self) -> None:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                identity = self.peer_fds.pop(event["value"], None)
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._check_peer(fd)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.foreign_fds.discard(fd)
+                identity = self.peer_fds.pop(fd, None)
                 if identity is not None:
                     self._on_client_gone(identity)
+
+    def _check_peer(self, fd: int) -> None:
+        """A new connection: refuse it unless it is this user's. ZeroMQ does not
+        expose SO_PEERCRED, but its monitor gives the accepted socket's fd; a dup
+        of it answers getsockopt, and shutting the dup down closes the connection."""
+        try:
+            with socket.fromfd(fd, socket.AF_UNIX, socket.SOCK_STREAM) as dup:
+                pid, uid, _gid = struct.unpack("3i", dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+                if uid == os.getuid():
+                    return
+                self.foreign_fds.add(fd)
+                log.warning("refused a connection from uid %d (pid %d): this daemon serves uid %d only", uid, pid, os.getuid())
+                dup.shutdown(socket.SHUT_RDWR)
+        except OSError as exc:  # gone already, or not a Unix socket
+            log.debug("could not check a new connection's user: %s", exc)
 
     def _drain_worker(self, worker: WorkerHandle, limit: int = 1024) -> None:
         for _ in range(limit):
@@ -676,7 +710,8 @@ class Daemon:
                 ),
             )
             return
-        job = Job(identity=identity, request=msg, enqueued_at=time.monotonic())
+        self.serial += 1
+        job = Job(identity=identity, request=msg, enqueued_at=time.monotonic(), serial=self.serial)
         self.jobs[msg.id] = job
         self.queue.append(job)
 
@@ -813,6 +848,7 @@ class Daemon:
             return
         if isinstance(msg, Done):
             self.target_failed_starts = 0
+            msg.serial = job.serial
             msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
             if msg.governor is not None:
                 self.governor = msg.governor

@@ -1,7 +1,7 @@
 """The model worker process: a thin shell of sockets around ``Engine``.
 
-The daemon spawns ``run_worker_process`` (multiprocessing, spawn start method)
-and talks to it over a ZeroMQ PAIR socket on a private ipc path, using the
+The daemon starts ``python -m tandem.daemon.worker`` (configuration as JSON on
+stdin; see worker_handle.py) and talks to it over a ZeroMQ PAIR socket on a private ipc path, using the
 same codec as clients. The worker loads the model, says ``ready``, then serves
 one ``generate`` at a time, streaming ``chunk`` messages and ending each with
 exactly one ``done`` or ``error``. Between decode steps it drains its socket for
@@ -97,6 +97,19 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m tandem.daemon.worker --sentinel-fd N`` with a WorkerConfig as JSON on stdin."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="tandem.daemon.worker", description="a tandem model worker (started by the daemon)")
+    ap.add_argument("--sentinel-fd", type=int, required=True, help="a pipe's write end, held open while we live")
+    args = ap.parse_args(argv)
+    os.set_inheritable(args.sentinel_fd, False)  # held by this process only, never by anything it starts
+    config = WorkerConfig(**json.loads(sys.stdin.read()))
+    run_worker_process(config)
 
 
 def run_worker_process(config: WorkerConfig) -> None:
@@ -335,3 +348,7 @@ class WorkerLoop:
             drafter.reset()
         else:
             drafter.broken = True  # until it is back: plain decoding
+
+
+if __name__ == "__main__":
+    main()

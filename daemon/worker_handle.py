@@ -2,12 +2,21 @@
 
 Each start gets a fresh PAIR socket on a fresh ipc path, so nothing a dead
 worker left queued can reach its successor.
+
+A worker is a plain ``python -m tandem.daemon.worker`` subprocess that reads its
+configuration as JSON on stdin: no multiprocessing, so nothing is pickled, not
+even on the way into a child. Its death is noticed through a pipe whose write
+end only the worker holds: the read end (the "sentinel") becomes readable, at
+EOF, the moment the worker exits, however it dies.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import dataclasses
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -16,9 +25,60 @@ import zmq
 
 from tandem.protocol import ModelInfo, encode, endpoint
 
-from .worker import WorkerConfig, run_worker_process
+from .worker import WorkerConfig
 
-_spawn = multiprocessing.get_context("spawn")
+
+class WorkerProcess:
+    """A started worker: the subset of multiprocessing.Process the daemon uses."""
+
+    def __init__(self, config: WorkerConfig):
+        read_end, write_end = os.pipe()
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "tandem.daemon.worker", "--sentinel-fd", str(write_end)],
+                stdin=subprocess.PIPE,
+                pass_fds=(write_end,),
+                close_fds=True,
+            )
+        finally:
+            os.close(write_end)
+        self.sentinel = read_end
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.write(json.dumps(dataclasses.asdict(config)).encode())
+            self.popen.stdin.close()
+        except BrokenPipeError:  # it died at once; the sentinel says so
+            pass
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.popen.returncode  # negative: killed by that signal
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
 
 
 class WorkerHandle:
@@ -28,7 +88,7 @@ class WorkerHandle:
         self.ipc_dir = ipc_dir
         self.generation = 0
         self.restarts = 0
-        self.process: Optional[multiprocessing.process.BaseProcess] = None
+        self.process: Optional[WorkerProcess] = None
         self.sock: Optional[zmq.Socket] = None
         self.ipc_path: Optional[Path] = None
         self.info: Optional[ModelInfo] = None
@@ -52,7 +112,9 @@ class WorkerHandle:
 
     @property
     def sentinel(self) -> Optional[int]:
-        return self.process.sentinel if self.process is not None else None
+        if self.process is None or self.process.sentinel < 0:
+            return None
+        return self.process.sentinel
 
     def start(self) -> None:
         self.generation += 1
@@ -63,8 +125,9 @@ class WorkerHandle:
         self.sock.bind(endpoint(self.ipc_path))
         os.chmod(self.ipc_path, 0o600)
         config = WorkerConfig(**{**self.base_config.__dict__, "endpoint": endpoint(self.ipc_path)})
-        self.process = _spawn.Process(target=run_worker_process, args=(config,), name=f"tandem-{self.role}", daemon=True)
-        self.process.start()
+        if self.process is not None:
+            self.process.close()
+        self.process = WorkerProcess(config)
         self.started_at = time.monotonic()
 
     def send(self, msg) -> bool:
@@ -95,6 +158,7 @@ class WorkerHandle:
         if self.process is not None:
             self.process.join(timeout=1)
             code = self.process.exitcode
+            self.process.close()
         self.close_channel()
         self.info = None
         return code
@@ -109,4 +173,5 @@ class WorkerHandle:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(2)
+            self.process.close()
         self.close_channel()

@@ -310,6 +310,7 @@ class Done(Message):
     draft: Optional[DraftStats] = None  # None when the request was decoded without drafting
     governor: Optional[GovernorInfo] = None  # its task's governor after this request; None if not governed
     cache: Optional[CacheInfo] = None  # the prefix cache after this request; None without one
+    serial: int = 0  # the request's place in the daemon's arrival order (1, 2, ...): it serves them in this order
 
 
 @dataclass

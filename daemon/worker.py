@@ -283,7 +283,7 @@ class WorkerLoop:
             return
         self.cancelled.clear()
         self.current = msg.id
-        self.last_beat = time.monotonic()
+        self.last_beat = 0.0  # the first step beats at once
         try:
             done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
             if engine.cache is not None:
@@ -323,7 +323,7 @@ class WorkerLoop:
     def _poll_cancel(self, request_id: str) -> bool:
         """Between steps of a request: read what the daemon sent, and say we are alive."""
         now = time.monotonic()
-        if now - self.last_beat >= HEARTBEAT_SECONDS:
+        if now - self.last_beat >= min(HEARTBEAT_SECONDS, self.config.worker_timeout / 4):
             self.last_beat = now
             self.send(Progress(id=request_id))
         while self.sock.poll(0, zmq.POLLIN):

@@ -183,7 +183,7 @@ def _from_map(cls: type, body: dict, prefix: str = "") -> Any:
 def _readable_id(body: Any) -> Optional[str]:
     if isinstance(body, dict):
         rid = body.get("id")
-        if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS:
+        if isinstance(rid, str) and 1 <= len(rid) <= MAX_ID_CHARS:  # else the error reply could not carry it
             return rid
     return None
 

@@ -29,7 +29,7 @@ from .worker import WorkerConfig
 
 
 class WorkerProcess:
-    """A started worker: the subset of multiprocessing.Process the daemon uses."""
+    """A started worker: pid, sentinel, liveness, exit code, join, terminate, kill."""
 
     def __init__(self, config: WorkerConfig):
         read_end, write_end = os.pipe()

@@ -427,7 +427,6 @@ class Progress(Message):
 
     op: ClassVar[Op] = Op.PROGRESS
     id: str
-    prompt_tokens_done: int = 0  # prompt tokens read so far (prefill); -1 once generating
 
 
 @dataclass

@@ -88,7 +88,7 @@ REPLIES = [
     ),
     P.CacheCleared(id="k2", pages=0, bytes=0, cache=None),
     P.Ready(id="target", model=MODEL, pid=43),
-    P.Progress(id="g1", prompt_tokens_done=512),
+    P.Progress(id="g1"),
 ]
 
 

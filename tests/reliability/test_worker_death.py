@@ -187,3 +187,17 @@ def test_a_target_that_cannot_come_back_fails_the_daemon_clearly(start_daemon, s
         assert info.value.code == ErrorCode.NOT_READY and "failed" in info.value.message
         assert metric(st.metrics_addr, "tandem_ready") == 0
     shutil.rmtree(work, ignore_errors=True)
+
+
+def test_ten_target_deaths_in_a_row_each_survived(start_daemon):
+    d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M")
+    prompt = PREAMBLE + "Again?"
+    with d.client() as c:
+        first = c.complete(prompt=prompt, max_tokens=4, temperature=0.0)
+        for n in range(1, 11):
+            os.kill(c.status().worker_pids["target"], signal.SIGKILL)
+            wait_for(lambda: (s := c.status()).worker_restarts == n and s.state == "ready", what=f"restart {n}")
+            done = c.complete(prompt=prompt, max_tokens=4, temperature=0.0)
+            assert done.text == first.text and done.usage.cached_tokens > 0  # the same answer, from kept pages
+        st = c.status()
+        assert st.worker_restarts == 10 and st.requests.get("error", 0) == 0

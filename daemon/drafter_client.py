@@ -8,11 +8,15 @@ survives between requests, so a drafter re-reads only what changed.
 
 If the drafter stops answering, drafting is switched off (plain decoding goes
 on) rather than stalling the request, and the daemon is told (``on_timeout``),
-which kills and restarts the drafter; ``reset`` starts afresh with the new
-one. Every draft request's id carries a nonce of this client, so a reply that a
-drafter computed for an earlier target worker is never taken for ours. While
-waiting it calls ``on_wait`` about once a second (the worker's heartbeat and
-its check for the daemon's messages).
+which kills and restarts the drafter. ``go_down`` (the daemon says the drafter
+died) closes the socket at once, so the drafter's single PAIR slot is free for
+the next one; ``revive`` (it is back) starts afresh with a new socket and an
+empty mirror at the next request's start, never under a request that waits on
+it. Every draft request's id carries a nonce of this client, so a reply (or an
+error) that a drafter computed for an earlier target worker is never taken for
+ours. While waiting it calls ``on_wait`` about once a second (the worker's
+heartbeat and its check for the daemon's messages); if that says the request was
+cancelled, the wait ends.
 
 With a prefix cache (``pages``: the target's PageStore, whose tree also holds
 the drafter's pages), the drafter restores a cached prefix instead of reading
@@ -55,9 +59,11 @@ class ModelDrafterClient:
         self.zctx, self.endpoint = zctx, endpoint
         self.prefill_timeout_ms = int(timeout * 1000)  # the drafter reads a whole prompt
         self.draft_timeout_ms = min(DRAFT_TIMEOUT_MS, self.prefill_timeout_ms)
-        self.on_wait: Optional[Callable[[], object]] = None
+        self.on_wait: Optional[Callable[[], bool]] = None  # True: stop waiting (the request was cancelled)
         self.on_timeout: Optional[Callable[[str], object]] = None
         self.sock = None
+        self.revive_pending = False
+        self.last_append = 0
         self.reset()
         self.request_id = ""
         self.sampler: Optional[Sampler] = None
@@ -65,8 +71,21 @@ class ModelDrafterClient:
         self.new_request = False
         self.pages = None  # the target's PageStore, when the daemon has a prefix cache
 
+    def go_down(self) -> None:
+        """The drafter died: decode plainly, and let go of its endpoint now."""
+        self.broken = True
+        self.revive_pending = False
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+    def revive(self) -> None:
+        """A new drafter is up: use it from the next request on."""
+        self.revive_pending = True
+
     def reset(self) -> None:
         """Start afresh with a (new) drafter worker on the endpoint: a new socket, an empty mirror."""
+        self.revive_pending = False
         if self.sock is not None:
             self.sock.close(linger=0)
         self.sock = self.zctx.socket(zmq.PAIR)
@@ -83,6 +102,8 @@ class ModelDrafterClient:
         self.sampler = sampler
         self.seed = (sampler.seed + 0x9E3779B97F4A7C15) % 2**64  # the drafter's own stream
         self.new_request = True
+        if self.revive_pending:
+            self.reset()
         if self.broken or not prefill:
             return
         # start the drafter's prefill now, in parallel with the target's own
@@ -116,7 +137,8 @@ class ModelDrafterClient:
         self._send(context, k, p_min)
         reply = None
         while self.awaiting:
-            reply = self._recv(self.prefill_timeout_ms if self.awaiting > 1 else self.draft_timeout_ms)
+            reading = self.awaiting > 1 or self.last_append > 4 * k + 16  # it reads much more than it drafts
+            reply = self._recv(self.prefill_timeout_ms if reading else self.draft_timeout_ms)
             if reply is None:
                 return [], None
         assert reply is not None
@@ -135,6 +157,7 @@ class ModelDrafterClient:
         if keep == len(context):
             keep -= 1  # the drafter needs logits after the last token: read it again
         restore, keep = self._restore_plan(context, max(keep, 0))
+        self.last_append = len(context) - keep
         self._post(keep, list(context[keep:]), k, p_min, new_request=self.new_request, restore=restore)
         self.new_request = False
         self.mirror = list(context)  # what it will hold before drafting
@@ -191,13 +214,13 @@ class ModelDrafterClient:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if self.sock.poll(min(left_ms, WAIT_SLICE_MS), zmq.POLLIN):
                 msg = decode(self.sock.recv_multipart(), table=DRAFTER_REPLIES)
+                if msg.id is not None and not msg.id.startswith(self.nonce + ":"):
+                    continue  # computed for an earlier target worker (or before a reset)
                 if isinstance(msg, Error):
                     self.awaiting -= 1
                     log.warning("the drafter failed (%s); drafting is off", msg.message)
                     self.broken = True
                     return None
-                if not msg.id.startswith(self.nonce + ":"):
-                    continue  # computed for an earlier target worker (or before a reset)
                 self.awaiting -= 1
                 self.page_bytes = msg.page_bytes
                 return msg
@@ -210,6 +233,6 @@ class ModelDrafterClient:
                 if self.on_timeout is not None:
                     self.on_timeout(why)
                 return None
-            if self.on_wait is not None:
-                self.on_wait()
+            if self.on_wait is not None and self.on_wait():
+                return None  # cancelled: the reply, when it comes, is still awaited (and skipped)
         return None

@@ -122,6 +122,7 @@ class DrafterLoop:
         )
 
     def _serve(self, frames) -> None:
+        req = None
         try:
             req = decode(frames, table=DRAFTER_REQUESTS)
             if not isinstance(req, DraftRequest):
@@ -131,7 +132,7 @@ class DrafterLoop:
             reply = Error.of(exc.request_id, exc.code, exc.message)
         except Exception as exc:  # a llama.cpp failure: tell the target, keep serving
             log.exception("drafting failed")
-            reply = Error.of(None, ErrorCode.INTERNAL, f"the drafter failed: {type(exc).__name__}: {exc}")
+            reply = Error.of(req.id if req is not None else None, ErrorCode.INTERNAL, f"the drafter failed: {type(exc).__name__}: {exc}")
         self.drafts.send_multipart(encode(reply))
 
     def draft(self, req: DraftRequest) -> Drafted:

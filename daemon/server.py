@@ -40,6 +40,7 @@ from tandem.protocol import (
     CancelReply,
     Chunk,
     Done,
+    DrafterHung,
     DrafterState,
     DraftStats,
     Error,
@@ -77,7 +78,8 @@ log = logging.getLogger("tandem.daemon")
 
 POLL_MS = 200
 RESTART_BACKOFF_SECONDS = (1, 2, 4, 8, 16, 30)
-TARGET_MAX_FAILED_STARTS = 5  # the target died this often in a row without getting ready: the daemon fails
+TARGET_MAX_DEATHS = 5  # the target died this often within TARGET_DEATH_WINDOW, no request finished: the daemon fails
+TARGET_DEATH_WINDOW = 600.0
 DRAFTER_MAX_DEATHS = 3  # the drafter died this often within DRAFTER_DEATH_WINDOW: drafting is switched off
 DRAFTER_DEATH_WINDOW = 600.0
 HARD_MESSAGE_CAP_BYTES = 64 * 1024 * 1024
@@ -296,7 +298,7 @@ class Daemon:
         self.drafter_restart_due: Optional[float] = None
         self.drafter_deaths: list[float] = []  # when, within DRAFTER_DEATH_WINDOW
         self.drafter_off = ""  # why drafting was switched off for good ("" while it is not)
-        self.target_failed_starts = 0  # deaths since the target was last ready
+        self.target_deaths: list[float] = []  # when, since the last finished request, within TARGET_DEATH_WINDOW
         self.target_heard = time.monotonic()  # the target's last message (for the hung-worker deadline)
         self.hung: dict[str, str] = {}  # role -> why it was killed as hung
         self.clears: collections.deque[tuple[bytes, CacheClear]] = collections.deque()  # waiting for the worker
@@ -535,10 +537,12 @@ class Daemon:
         now = time.monotonic()
         if self.restart_due is not None and now >= self.restart_due:
             self.restart_due = None
-            self.target.start()
+            if not self._restart(self.target):
+                self.restart_due = now + RESTART_BACKOFF_SECONDS[-1]
         if self.drafter_restart_due is not None and now >= self.drafter_restart_due and self.drafter is not None:
             self.drafter_restart_due = None
-            self.drafter.start()
+            if not self._restart(self.drafter):
+                self.drafter_restart_due = now + RESTART_BACKOFF_SECONDS[-1]
         self._check_hung(now)
         self._start_next()
 
@@ -557,12 +561,20 @@ class Daemon:
             self._kill(self.target)
 
     @staticmethod
-    def _kill(worker: WorkerHandle) -> None:
+    def _restart(worker: WorkerHandle) -> bool:
+        """Start a worker again; False (logged) when no process can be started now (out of memory, pids)."""
         try:
-            if worker.pid:
-                os.kill(worker.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            worker.start()
+            return True
+        except OSError as exc:
+            worker.close_channel()
+            log.error("could not start the %s worker (%s); trying again in %d s", worker.role, exc, RESTART_BACKOFF_SECONDS[-1])
+            return False
+
+    @staticmethod
+    def _kill(worker: WorkerHandle) -> None:
+        if worker.process is not None:
+            worker.process.kill()
 
     def _drain_front(self, limit: int = 256) -> None:
         for _ in range(limit):
@@ -588,6 +600,7 @@ class Daemon:
             event = recv_monitor_message(self.monitor)
             fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
+                self.foreign_fds.discard(fd)  # a new connection on this fd: judge it afresh
                 self._check_peer(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.foreign_fds.discard(fd)
@@ -601,14 +614,19 @@ class Daemon:
         of it answers getsockopt, and shutting the dup down closes the connection."""
         try:
             with socket.fromfd(fd, socket.AF_UNIX, socket.SOCK_STREAM) as dup:
+                if dup.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN) != socket.AF_UNIX:
+                    return  # the fd was closed and reused meanwhile (e.g. a metrics scrape): not ours to judge
                 pid, uid, _gid = struct.unpack("3i", dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
                 if uid == os.getuid():
                     return
                 self.foreign_fds.add(fd)
                 log.warning("refused a connection from uid %d (pid %d): this daemon serves uid %d only", uid, pid, os.getuid())
                 dup.shutdown(socket.SHUT_RDWR)
-        except OSError as exc:  # gone already, or not a Unix socket
-            log.debug("could not check a new connection's user: %s", exc)
+        except OSError as exc:
+            # Gone already (ZeroMQ closed the fd): its messages are served like any client's that
+            # left. The socket file's 0600 mode is what keeps other users out; this check is the
+            # second line, for a socket whose mode someone loosened.
+            log.debug("could not check a new connection's user (it is gone): %s", exc)
 
     def _drain_worker(self, worker: WorkerHandle, limit: int = 1024) -> None:
         for _ in range(limit):
@@ -628,7 +646,10 @@ class Daemon:
             elif worker is self.target:
                 self.on_target_message(msg, frames)
             elif isinstance(msg, Error):  # the drafter says only ready or why it could not load
-                self._on_load_failure(msg.message)
+                if self.ever_ready:  # a restarted drafter that cannot load: draft no more, serve on
+                    self._drafter_switched_off(msg.message)
+                else:
+                    self._on_load_failure(msg.message)
 
     # ------------------------------------------------------------------ client side
 
@@ -761,6 +782,7 @@ class Daemon:
             finish_reason=FinishReason.CANCELLED,
             usage=Usage(prompt_tokens=0, completion_tokens=0),
             timings=Timings(0.0, 0.0, 0.0, 0.0, waited),
+            serial=job.serial,
         )
 
     def _finish(self, job: Job, terminal) -> None:
@@ -812,7 +834,7 @@ class Daemon:
         self.target_heard = time.monotonic()
         if isinstance(msg, Progress):
             return  # a heartbeat
-        if isinstance(msg, Error) and msg.id == "drafter":  # the target found the drafter hung
+        if isinstance(msg, DrafterHung):  # the target found the drafter hung
             if self.drafter is not None and self.drafter.alive:
                 log.error("the drafter worker (pid %s): %s; killing it", self.drafter.pid, msg.message)
                 self.hung["drafter"] = msg.message.removeprefix("the drafter ") + " and was killed"
@@ -847,7 +869,7 @@ class Daemon:
                 self._cancel(job)
             return
         if isinstance(msg, Done):
-            self.target_failed_starts = 0
+            self.target_deaths.clear()
             msg.serial = job.serial
             msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
             if msg.governor is not None:
@@ -866,7 +888,7 @@ class Daemon:
         worker = self.drafter if msg.id == "drafter" else self.target
         assert worker is not None
         worker.info = msg.model
-        if worker is self.target and self.drafter is not None and (self.drafter_dead or not self.drafter.alive):
+        if worker is self.target and self.drafter is not None and (self.drafter_dead or not self.drafter.ready):
             self.target.send(DrafterState(id="daemon", available=False))  # a new target: the drafter is down
         if worker is self.drafter and self.ever_ready and self.target.alive:
             self.target.send(DrafterState(id="daemon", available=True))  # a restarted drafter: draft again
@@ -931,18 +953,28 @@ class Daemon:
                 ),
             )
         if give_up:
-            self.drafter_dead = True
-            self.drafter_off = f"it died {len(self.drafter_deaths)} times within {DRAFTER_DEATH_WINDOW / 60:.0f} minutes"
-            log.warning(
-                "the drafter worker %s; %s, so drafting is switched off and plain decoding goes on "
-                "(restart the daemon to draft again)", how, self.drafter_off,
-            )  # fmt: skip
+            self._drafter_switched_off(
+                f"it died {len(self.drafter_deaths)} times within {DRAFTER_DEATH_WINDOW / 60:.0f} minutes", how
+            )
             return
         delay = RESTART_BACKOFF_SECONDS[min(len(self.drafter_deaths) - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
         log.warning("the drafter worker %s; restarting it in %d s (plain decoding meanwhile)", how, delay)
         self.drafter.restarts += 1
         self.metrics.worker_restarted("drafter")
         self.drafter_restart_due = now + delay
+
+    def _drafter_switched_off(self, why: str, how: str = "cannot be used") -> None:
+        self.drafter_dead = True
+        self.drafter_off = why
+        self.drafter_restart_due = None
+        if self.drafter is not None and self.drafter.alive:
+            self.drafter.send(Shutdown(id="daemon"))
+        if self.target.alive and self.target.sock is not None:
+            self.target.send(DrafterState(id="daemon", available=False))
+        log.warning(
+            "the drafter worker %s; %s, so drafting is switched off and plain decoding goes on "
+            "(restart the daemon to draft again)", how, why,
+        )  # fmt: skip
 
     def _ready_status(self) -> str:
         drafter = f" + drafter {self.config.drafter}" if self.config.drafter != "none" else ""
@@ -961,10 +993,16 @@ class Daemon:
 
     def _on_worker_death(self) -> None:
         code = self.target.reap()
-        if self.stopping or self.state == "failed":
+        if self.stopping:
             return
         how = self.hung.pop("target", None) or f"died (exit code {code})"
         log.error("the model worker %s", how)
+        if self.state == "failed":  # no restart; still, what it was doing gets its answer
+            self._clear_failed(f"the model worker {how}")
+            if self.active is not None:
+                self._finish(self.active, Error.of(self.active.request.id, ErrorCode.NOT_READY, f"the daemon has failed: {self.failure}"))
+                self.active = None
+            return
         if not self.ever_ready:
             self._on_load_failure(f"the model worker {how} while loading {self.config.model_path}")
             return
@@ -981,17 +1019,18 @@ class Daemon:
                 ),
             )
             self.active = None
-        self.target_failed_starts += 1
-        if self.target_failed_starts > TARGET_MAX_FAILED_STARTS:
+        now = time.monotonic()
+        self.target_deaths = [t for t in self.target_deaths if now - t < TARGET_DEATH_WINDOW] + [now]
+        if len(self.target_deaths) >= TARGET_MAX_DEATHS:
             self._on_load_failure(
-                f"the model worker died {self.target_failed_starts} times without finishing a request in between "
-                f"(last: it {how}); the daemon gave up restarting it. See the log above, fix the cause, and "
-                "restart the daemon"
+                f"the model worker died {len(self.target_deaths)} times within {TARGET_DEATH_WINDOW / 60:.0f} "
+                f"minutes without finishing a request in between (last: it {how}); the daemon gave up restarting "
+                "it. See the log above, fix the cause, and restart the daemon"
             )
             return
         self.state = "loading"
         self.notifier.status(f"restarting the model worker (it {how})")
-        delay = RESTART_BACKOFF_SECONDS[min(self.target_failed_starts - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
+        delay = RESTART_BACKOFF_SECONDS[min(len(self.target_deaths) - 1, len(RESTART_BACKOFF_SECONDS) - 1)]
         self.target.restarts += 1
         self.metrics.worker_restarted("target")
         self.restart_due = time.monotonic() + delay

@@ -26,6 +26,7 @@ from tandem.protocol import (
     CacheCleared,
     CacheClear,
     Cancel,
+    DrafterHung,
     DrafterState,
     Error,
     ErrorCode,
@@ -106,8 +107,12 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     ap = argparse.ArgumentParser(prog="tandem.daemon.worker", description="a tandem model worker (started by the daemon)")
     ap.add_argument("--sentinel-fd", type=int, required=True, help="a pipe's write end, held open while we live")
+    ap.add_argument("--parent-pid", type=int, required=True, help="the daemon: we exit if it is gone")
     args = ap.parse_args(argv)
     os.set_inheritable(args.sentinel_fd, False)  # held by this process only, never by anything it starts
+    _die_with_parent()
+    if os.getppid() != args.parent_pid:  # it died before PR_SET_PDEATHSIG was in place
+        sys.exit(1)
     config = WorkerConfig(**json.loads(sys.stdin.read()))
     run_worker_process(config)
 
@@ -253,9 +258,9 @@ class WorkerLoop:
             from .drafter_client import ModelDrafterClient
 
             client = ModelDrafterClient(self.sock.context, self.config.draft_endpoint, timeout=self.config.worker_timeout)
-            client.on_wait = lambda: self._poll_cancel(self.current)  # heartbeats while it waits for the drafter
+            client.on_wait = lambda: self._poll_cancel(self.current)  # heartbeats, and cancels, while it waits
             # a drafter that does not answer: the daemon kills and restarts it
-            client.on_timeout = lambda why: self.send(Error.of("drafter", ErrorCode.DRAFTER_DIED, why))
+            client.on_timeout = lambda why: self.send(DrafterHung(id=self.current, message=why))
             return client
         return None
 
@@ -283,7 +288,8 @@ class WorkerLoop:
             return
         self.cancelled.clear()
         self.current = msg.id
-        self.last_beat = 0.0  # the first step beats at once
+        self.last_beat = time.monotonic()
+        self.send(Progress(id=msg.id))  # at once: the first prefill batch may take a while
         try:
             done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
             if engine.cache is not None:
@@ -344,10 +350,10 @@ class WorkerLoop:
         if drafter is None or not hasattr(drafter, "reset"):
             return
         if msg.available:
-            log.info("the drafter worker is back; drafting again")
-            drafter.reset()
+            log.info("the drafter worker is back; drafting again from the next request")
+            drafter.revive()  # at the next request's start: never under a request that is waiting on it
         else:
-            drafter.broken = True  # until it is back: plain decoding
+            drafter.go_down()  # until it is back: plain decoding
 
 
 if __name__ == "__main__":

@@ -35,20 +35,28 @@ class WorkerProcess:
         read_end, write_end = os.pipe()
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "tandem.daemon.worker", "--sentinel-fd", str(write_end)],
+                [sys.executable, "-m", "tandem.daemon.worker", "--sentinel-fd", str(write_end),
+                 "--parent-pid", str(os.getpid())],
                 stdin=subprocess.PIPE,
                 pass_fds=(write_end,),
                 close_fds=True,
-            )
+            )  # fmt: skip
+        except BaseException:
+            os.close(read_end)
+            raise
         finally:
             os.close(write_end)
         self.sentinel = read_end
         assert self.popen.stdin is not None
         try:
             self.popen.stdin.write(json.dumps(dataclasses.asdict(config)).encode())
-            self.popen.stdin.close()
         except BrokenPipeError:  # it died at once; the sentinel says so
             pass
+        finally:
+            try:
+                self.popen.stdin.close()
+            except BrokenPipeError:
+                pass
 
     @property
     def pid(self) -> int:

@@ -53,6 +53,7 @@ class Op(str, enum.Enum):
     READY = "ready"  # internal: worker -> daemon
     PROGRESS = "progress"  # internal: target worker -> daemon, at least every second of a request's work
     DRAFTER_STATE = "drafter_state"  # internal: daemon -> target worker, the drafter went away or came back
+    DRAFTER_HUNG = "drafter_hung"  # internal: target worker -> daemon, the drafter stopped answering
     DRAFT = "draft"  # internal: target worker -> drafter worker
     DRAFTED = "drafted"  # internal: drafter worker -> target worker
 
@@ -440,6 +441,15 @@ class DrafterState(Message):
 
 
 @dataclass
+class DrafterHung(Message):
+    """Internal: the target worker's drafter did not answer in time (the daemon kills and restarts it)."""
+
+    op: ClassVar[Op] = Op.DRAFTER_HUNG
+    id: str  # the request being decoded
+    message: str
+
+
+@dataclass
 class DraftRequest(Message):
     """Internal: the target worker asks the drafter worker for k tokens.
 
@@ -480,7 +490,7 @@ class Drafted(Message):
 REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Cancel, Status, Shutdown, CacheClear)}
 REPLIES: dict[Op, type] = {
     m.op: m
-    for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared, Ready, Progress)
+    for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared, Ready, Progress, DrafterHung)
 }
 WORKER_REQUESTS: dict[Op, type] = {**REQUESTS, Op.DRAFTER_STATE: DrafterState}  # daemon -> target worker
 DRAFTER_REQUESTS: dict[Op, type] = {m.op: m for m in (DraftRequest, Shutdown)}

@@ -89,6 +89,7 @@ REPLIES = [
     P.CacheCleared(id="k2", pages=0, bytes=0, cache=None),
     P.Ready(id="target", model=MODEL, pid=43),
     P.Progress(id="g1"),
+    P.DrafterHung(id="g1", message="the drafter did not answer within 10 s"),
 ]
 
 

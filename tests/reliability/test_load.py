@@ -145,15 +145,15 @@ def test_a_client_that_stops_reading_is_dropped_and_holds_nobody_up(start_daemon
 
 def test_fifty_clients_vanishing_mid_stream_cancel_their_requests(start_daemon):
     d = start_daemon("--ctx-size", "256", "--max-queue", "64")
-    for i in range(50):
-        sock = raw_client(d.socket)
-        sock.setsockopt(zmq.LINGER, 5000)  # what it sent still goes out after close()
-        sock.send_multipart(encode(Generate(id=f"v{i}", prompt="Stream:", max_tokens=2000, ignore_eos=True)))
-        if i % 2 == 0:
-            msg = decode(sock.recv_multipart(), replies=True)  # the stream started (or it is queued: no chunk yet)
-            assert isinstance(msg, Chunk)
-        sock.close()  # gone, mid-stream or while queued
     with d.client() as c:
+        for i in range(50):
+            sock = raw_client(d.socket)
+            sock.setsockopt(zmq.LINGER, 5000)  # what it sent still goes out after close()
+            sock.send_multipart(encode(Generate(id=f"v{i}", prompt="Stream:", max_tokens=2000, ignore_eos=True)))
+            if i % 2 == 0:
+                msg = decode(sock.recv_multipart(), replies=True)  # its stream started: it runs
+                assert isinstance(msg, Chunk)
+            sock.close()  # gone, mid-stream or before its request was even read
         deadline = time.monotonic() + 60
         while (st := c.status()).active is not None or st.queue_length:
             assert time.monotonic() < deadline, st

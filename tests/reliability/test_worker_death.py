@@ -201,3 +201,33 @@ def test_ten_target_deaths_in_a_row_each_survived(start_daemon):
             assert done.text == first.text and done.usage.cached_tokens > 0  # the same answer, from kept pages
         st = c.status()
         assert st.worker_restarts == 10 and st.requests.get("error", 0) == 0
+
+
+def test_a_restarted_drafter_that_cannot_load_switches_drafting_off_not_the_daemon(start_daemon, pair):
+    target, drafter = pair
+    work = short_tmpdir()
+    copy = work / "drafter.gguf"
+    shutil.copy(drafter, copy)
+    d = start_daemon("--drafter", str(copy), "--ctx-size", "512", "--governor", "off", model=target)
+    with d.client() as c:
+        pid = c.status().worker_pids["drafter"]
+        copy.unlink()
+        os.kill(pid, signal.SIGKILL)
+        st = wait_for(lambda: (s := c.status()) and "(off" in s.drafter and s, what="drafting off")
+        assert "could not load the drafter" in st.drafter and st.state == "ready"
+        done = c.complete(prompt="Plainly:", max_tokens=5, ignore_eos=True, draft="on")
+        assert done.usage.completion_tokens == 5
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_request_whose_id_is_drafter_is_just_a_request(start_daemon, pair):
+    target, drafter = pair
+    d = start_daemon("--drafter", str(drafter), "--ctx-size", "256", "--governor", "off", model=target)
+    with d.client() as c:
+        before = c.status().worker_pids
+        with pytest.raises(RequestFailed) as info:
+            c.complete(prompt="word " * 400, max_tokens=2, request_id="drafter")
+        assert info.value.code == ErrorCode.PROMPT_TOO_LONG and info.value.request_id == "drafter"
+        done = c.complete(prompt="Fine:", max_tokens=3, ignore_eos=True, request_id="drafter")
+        assert done.usage.completion_tokens == 3
+        assert c.status().worker_pids == before and c.status().worker_restarts == 0

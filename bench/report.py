@@ -1,0 +1,580 @@
+"""One benchmark run, one report: tandem against plain decoding, its own drafters,
+llama-cpp-python in-process and llama.cpp's llama-server, on this machine.
+
+    python -m bench --quick            # a few minutes (SmolLM2 F16 target, Q4_1 drafter); CI runs it
+    python -m bench --full             # Qwen2.5-Coder 1.5B target, 0.5B drafter, 3 runs: about 40 minutes here
+    python -m bench --full --llama-server PATH   # include llama-server (bench/build_llama_server.sh builds it)
+
+Every system runs in one process tree at once and idles while another works; in
+each run the order of systems rotates per task, so drift on a shared machine
+hits all of them alike. Conclusions use ratios taken side by side; absolute
+times are this machine's. The report goes to bench/results/<date>-<machine>/:
+REPORT.md, results.json and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import http.client
+import json
+import os
+import platform
+import socket as socketlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from common import model_path, start_daemon, temp_socket  # noqa: E402
+from governor import load_all_kinds  # noqa: E402
+from prefix_cache import Ideal, LlamaServer, agent_loop, interleaved  # noqa: E402
+from speculative import pass_costs_ms  # noqa: E402
+
+import psutil  # noqa: E402
+
+from tandem.client import Client  # noqa: E402
+
+PRESETS = {
+    "quick": dict(
+        target="smollm2-135m-f16", drafter="smollm2-135m", prompts=1, tokens=24, runs=1, ks=[1, 4], turns=3,
+        sessions=2, system_chars=1500, tool_chars=500, ctx=4096,
+    ),
+    "full": dict(
+        target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", prompts=1, tokens=48, runs=3, ks=[1, 2, 4, 6],
+        turns=4, sessions=3, system_chars=8000, tool_chars=2500, ctx=16384,
+    ),
+}  # fmt: skip
+DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama-server" / "b11434" / "bin" / "llama-server"
+
+
+def resolve_model(name: str) -> Path:
+    if name == "smollm2-135m-f16":
+        from tandem.daemon import models
+
+        return models.derive_f16(model_path("smollm2-135m"))
+    return model_path(name)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
+
+
+def med(values: list[float]) -> str:
+    """median (min–max), or the single value"""
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+# --------------------------------------------------------------------------- what one request gives
+
+
+@dataclass
+class Sample:
+    tokens: int
+    seconds: float
+    ttft: float
+    gaps: list[float] = field(default_factory=list)  # per token after the first, as the client saw them
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+
+def tandem_request(client: Client, messages, tokens: int, **params) -> Sample:
+    started = time.perf_counter()
+    last, ttft, gaps, ids = None, None, [], []
+    stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, **params)
+    for chunk in stream:
+        if not chunk.token_ids:
+            continue
+        now = time.perf_counter()
+        if last is None:
+            ttft = now - started
+        else:
+            gaps += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
+        last = now
+        ids += chunk.token_ids
+    done = stream.done
+    d = done.draft
+    return Sample(
+        tokens=done.usage.completion_tokens, seconds=time.perf_counter() - started, ttft=ttft or 0.0, gaps=gaps,
+        text=done.text, ids=ids, drafted=d.drafted if d else 0, accepted=d.accepted if d else 0,
+        rounds=d.rounds if d else 0,
+    )  # fmt: skip
+
+
+class InProcess:
+    """llama-cpp-python in this process: what a user would otherwise write."""
+
+    def __init__(self, path: Path, n_ctx: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, verbose=False)
+
+    def request(self, messages, tokens: int) -> Sample:
+        started = time.perf_counter()
+        last, ttft, gaps, text, n = None, None, [], "", 0
+        for part in self.llm.create_chat_completion(messages=messages, max_tokens=tokens, temperature=0.0, stream=True):
+            piece = part["choices"][0]["delta"].get("content")
+            if not piece:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                ttft = now - started
+            else:
+                gaps.append(now - last)
+            last, text, n = now, text + piece, n + 1
+        return Sample(tokens=n, seconds=time.perf_counter() - started, ttft=ttft or 0.0, gaps=gaps, text=text)
+
+
+class ServerChat:
+    """llama-server's OpenAI chat endpoint, streamed."""
+
+    def __init__(self, server: LlamaServer):
+        self.server = server
+
+    def request(self, messages, tokens: int) -> Sample:
+        body = json.dumps({"messages": messages, "max_tokens": tokens, "temperature": 0.0, "stream": True})
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=600)
+        started = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        last, ttft, gaps, text, n = None, None, [], "", 0
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+            if not piece:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                ttft = now - started
+            else:
+                gaps.append(now - last)
+            last, text, n = now, text + piece, n + 1
+        conn.close()
+        return Sample(tokens=n, seconds=time.perf_counter() - started, ttft=ttft or 0.0, gaps=gaps, text=text)
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def machine() -> dict:
+    import llama_cpp
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from tandem.daemon.version import __version__
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "llama_system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "tandem": __version__,
+        "llama_cpp_python": llama_cpp.__version__,
+    }
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class RssSampler:
+    """Peak resident memory of given processes (by label), sampled every 0.25 s."""
+
+    def __init__(self):
+        self.pids: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.25):
+            for label, pid in list(self.pids.items()):
+                try:
+                    rss = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    continue
+                self.peak[label] = max(self.peak.get(label, 0), rss)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional[int]) -> Path:
+    p = dict(PRESETS[preset])
+    if runs:
+        p["runs"] = runs
+    target, drafter = resolve_model(p["target"]), resolve_model(p["drafter"])
+    corpus = {kind: prompts[: p["prompts"]] for kind, prompts in load_all_kinds().items()}
+    ks = p["ks"]
+    results: dict = {"preset": preset, "params": p, "machine": machine(), "started": datetime.datetime.now().isoformat()}
+    results["models"] = {
+        "target": {"name": p["target"], "file": target.name, "bytes": target.stat().st_size, "sha256": sha256(target)},
+        "drafter": {"name": p["drafter"], "file": drafter.name, "bytes": drafter.stat().st_size, "sha256": sha256(drafter)},
+    }
+    say(f"bench {preset}: target {target.name}, drafter {drafter.name}, {p['runs']} run(s), "
+        f"{sum(map(len, corpus.values()))} prompts in {len(corpus)} tasks")  # fmt: skip
+
+    # one pass over 1 and k+1 tokens; one drafter step (the lab's cost model)
+    widths = sorted({1, *[k + 1 for k in ks]})
+    target_ms = pass_costs_ms(target, widths)
+    draft_ms = pass_costs_ms(drafter, [1])[1]
+    results["pass_ms"] = {"target": target_ms, "drafter_step": draft_ms}
+    say("pass costs: " + ", ".join(f"{w} tok {ms:.1f} ms" for w, ms in target_ms.items()) + f"; drafter step {draft_ms:.1f} ms")
+
+    rss = RssSampler()
+    procs, servers, commands = [], [], {}
+    ctx = str(p["ctx"])
+    try:
+        sockets = {name: temp_socket(f"tdm-b{name}-") for name in ("plain", "model", "ngram")}
+        base = ("--model", str(target), "--ctx-size", ctx)
+        procs.append(start_daemon(sockets["plain"], *base))
+        procs.append(start_daemon(sockets["model"], *base, "--drafter", str(drafter), "--cache-bytes", "0"))
+        procs.append(start_daemon(sockets["ngram"], *base, "--drafter", "ngram", "--cache-bytes", "0"))
+        clients = {name: Client(s) for name, s in sockets.items()}
+        for name, c in clients.items():
+            st = c.status()
+            rss.pids[f"{name} daemon"] = st.pid
+            for role, pid in st.worker_pids.items():
+                rss.pids[f"{name} {role}"] = pid
+            commands[f"tandem ({name})"] = " ".join(
+                ["tandem serve", *base, *(["--drafter", str(drafter)] if name == "model" else []),
+                 *(["--drafter", "ngram"] if name == "ngram" else [])]
+            )  # fmt: skip
+        systems: dict[str, callable] = {"plain": lambda m, n: tandem_request(clients["plain"], m, n)}
+        for k in ks:
+            systems[f"model k={k}"] = lambda m, n, k=k: tandem_request(clients["model"], m, n, draft="on", draft_tokens=k)
+        systems["model governed"] = lambda m, n: tandem_request(clients["model"], m, n, draft="auto")
+        systems["ngram k=4"] = lambda m, n: tandem_request(clients["ngram"], m, n, draft="on", draft_tokens=4)
+        systems["ngram governed"] = lambda m, n: tandem_request(clients["ngram"], m, n, draft="auto")
+        inproc = InProcess(target, int(ctx))
+        systems["llama-cpp-python"] = inproc.request
+        commands["llama-cpp-python"] = f"llama_cpp.Llama({target.name!r}, n_ctx={ctx}).create_chat_completion(stream=True)"
+        if llama_server is not None:
+            threads = os.cpu_count() or 2
+            plain_server = LlamaServer(llama_server, target, int(ctx), threads, flash_attn=False)
+            servers.append(plain_server)
+            commands["llama-server"] = " ".join(plain_server.command)
+            systems["llama-server"] = ServerChat(plain_server).request
+            spec_cmd = plain_server.command + [
+                "-md", str(drafter), "--spec-type", "draft-simple", "--spec-draft-n-max", str(max(ks)),
+                "--spec-draft-n-min", "1",
+            ]  # fmt: skip
+            spec = _server_with(spec_cmd, llama_server)
+            servers.append(spec)
+            commands["llama-server (speculative)"] = " ".join(spec.command)
+            systems["llama-server spec"] = ServerChat(spec).request
+            rss.pids["llama-server"] = plain_server.proc.pid
+
+        for name, fn in systems.items():  # warm up every system once
+            fn([{"role": "user", "content": "Say hi."}], 4)
+
+        decoding: dict = {kind: {name: [] for name in systems} for kind in corpus}
+        for r in range(p["runs"]):
+            for t, (kind, prompts) in enumerate(corpus.items()):
+                names = list(systems)
+                shift = (r + t) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    samples = [systems[name](messages, p["tokens"]) for messages in prompts]
+                    decoding[kind][name].append([s.__dict__ for s in samples])
+            say(f"decoding run {r + 1}/{p['runs']} done")
+        results["decoding"] = decoding
+
+        # prefix cache: an agent re-sending a growing prompt, and interleaved sessions
+        args = argparse.Namespace(turns=p["turns"], sessions=p["sessions"], system_chars=p["system_chars"], tool_chars=p["tool_chars"])
+        ideal = Ideal(target, int(ctx), flash_attn=False)
+        agent_rows, inter_rows = [], []
+        for r in range(p["runs"]):
+            agent_loop(r, args, clients["plain"], ideal, servers[0] if servers else None, agent_rows)
+            interleaved(r, args, clients["plain"], servers[0] if servers else None, inter_rows)
+        results["prefix_cache"] = {"agent": agent_rows, "interleaved": inter_rows}
+        st = clients["plain"].status()
+        results["cache"] = {"bytes_used": st.cache.bytes_used, "pages": st.cache.pages, "budget": st.cache.bytes_budget} if st.cache else None
+        for c in clients.values():
+            c.close()
+    finally:
+        rss.close()
+        for s in servers:
+            s.stop()
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+    results["peak_rss"] = rss.peak
+    results["commands"] = commands
+    results["finished"] = datetime.datetime.now().isoformat()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    write_report(results, out_dir)
+    return out_dir / "REPORT.md"
+
+
+def _server_with(command: list[str], binary: Path) -> LlamaServer:
+    """A LlamaServer started with ``command`` (its own port) instead of the default one."""
+    server = LlamaServer.__new__(LlamaServer)
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        server.port = s.getsockname()[1]
+    i = command.index("--port")
+    server.command = command[: i + 1] + [str(server.port)] + command[i + 2 :]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+    server.log = open(Path("/tmp") / f"llama-server-{server.port}.log", "wb")
+    server.proc = subprocess.Popen(server.command, stdout=server.log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise SystemExit(f"llama-server exited with {server.proc.returncode}; see {server.log.name}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("llama-server did not become ready")
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def summarize(results: dict) -> dict:
+    """Per task and system: tok/s per run, speedup vs plain per run, alpha, tokens per round, identical outputs."""
+    out: dict = {}
+    t_ms = {int(k): v for k, v in results["pass_ms"]["target"].items()}
+    d_ms = results["pass_ms"]["drafter_step"]
+    for kind, systems in results["decoding"].items():
+        plain_runs = systems["plain"]
+        plain_rate = [sum(s["tokens"] for s in run) / sum(s["seconds"] for s in run) for run in plain_runs]
+        row = {}
+        for name, runs in systems.items():
+            rates = [sum(s["tokens"] for s in run) / sum(s["seconds"] for s in run) for run in runs]
+            drafted = sum(s["drafted"] for run in runs for s in run)
+            accepted = sum(s["accepted"] for run in runs for s in run)
+            rounds = sum(s["rounds"] for run in runs for s in run)
+            same = sum(
+                (s["ids"] == b["ids"]) if s["ids"] else (s["text"] == b["text"])
+                for run, prun in zip(runs, plain_runs) for s, b in zip(run, prun)
+            )  # fmt: skip
+            per_round = (accepted + rounds) / rounds if rounds else None
+            k = int(name.split("k=")[1]) if "k=" in name else None
+            model = None
+            if per_round and k and name.startswith("model"):
+                model = {"lab": per_round / (1 + k * d_ms / t_ms[1]), "passes": per_round * t_ms[1] / (t_ms[k + 1] + k * d_ms)}
+            row[name] = {
+                "tok_s": rates, "speedup": [a / b for a, b in zip(rates, plain_rate)],
+                "alpha": accepted / drafted if drafted else None, "tokens_per_round": per_round,
+                "identical": same, "outputs": sum(len(run) for run in runs), "predicted": model, "k": k,
+            }  # fmt: skip
+        out[kind] = row
+    return out
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m, p = results["machine"], results["params"]
+    summary = summarize(results)
+    systems = list(next(iter(results["decoding"].values())))
+    lines = [
+        f"# tandem benchmark report: {results['preset']} preset",
+        "",
+        f"Run {results['started'][:16]} → {results['finished'][:16]} with `python -m bench --{results['preset']}`. "
+        f"Absolute times are this machine's; conclusions use ratios taken side by side in the same run "
+        f"(median and min–max over {p['runs']} run(s); systems alternate per task and run).",
+        "",
+        "## Machine and versions",
+        "",
+        f"- CPU: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB",
+        f"- llama.cpp system info: `{m['llama_system_info']}`",
+        f"- tandem {m['tandem']}, llama-cpp-python {m['llama_cpp_python']}, Python {m['python']}, {m['platform']}",
+    ]
+    for role, model in results["models"].items():
+        lines.append(f"- {role}: `{model['name']}` ({model['file']}, {model['bytes']:,} bytes, sha256 `{model['sha256']}`)")
+    lines += ["", "Systems and their exact commands:", ""]
+    lines += [f"- **{name}**: `{cmd}`" for name, cmd in results["commands"].items()]
+    tm = results["pass_ms"]
+    lines += [
+        "",
+        "## Decoding",
+        "",
+        f"Greedy, {p['tokens']} tokens per prompt, {p['prompts']} prompt(s) per task, streamed. One target pass: "
+        + ", ".join(f"{w} token(s) {ms:.1f} ms" for w, ms in tm["target"].items())
+        + f"; one drafter step {tm['drafter_step']:.1f} ms (c = {tm['drafter_step'] / tm['target'][min(tm['target'], key=int)]:.3f}).",
+        "Speedup is tok/s over `plain` (tandem without a drafter) in the same run. Predicted: the lab's cost model "
+        "(tokens per round / (1 + k·c)) and the same with the measured pass over k+1 tokens.",
+        "",
+        "| task | system | tok/s | speedup | α | tokens/round | identical to plain | predicted (lab / passes) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, rows in summary.items():
+        for name in systems:
+            r = rows[name]
+            pred = f"{r['predicted']['lab']:.2f} / {r['predicted']['passes']:.2f}" if r["predicted"] else "–"
+            alpha = f"{r['alpha']:.2f}" if r["alpha"] is not None else "–"
+            tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "–"
+            lines.append(
+                f"| {kind} | {name} | {med(r['tok_s'])} | {med(r['speedup'])} | {alpha} | {tpr} | "
+                f"{r['identical']}/{r['outputs']} | {pred} |"
+            )
+    # latency
+    lines += ["", "## Latency as a streaming client sees it", "",
+              "| system | TTFT P50 s | per-token P50 ms | P90 ms | P99 ms |", "|---|---|---|---|---|"]  # fmt: skip
+    gaps_by_system = {}
+    for name in systems:
+        ttfts = [s["ttft"] for kind in results["decoding"].values() for run in kind[name] for s in run]
+        gaps = [g * 1000 for kind in results["decoding"].values() for run in kind[name] for s in run for g in s["gaps"]]
+        gaps_by_system[name] = gaps
+        if gaps:
+            lines.append(
+                f"| {name} | {statistics.median(ttfts):.3f} | {statistics.median(gaps):.1f} | {pct(gaps, 0.9):.1f} | {pct(gaps, 0.99):.1f} |"
+            )
+    lines += ["", "Per-token latency of a drafting system is bursty: a round's accepted tokens arrive together.", ""]
+    # prefix cache
+    agent = results["prefix_cache"]["agent"]
+    cols = [c for c in ("tandem", "no_cache", "ideal", "llama_server") if agent and c in agent[0]]
+    lines += ["## Prefix cache", "", f"Agent loop: a {p['system_chars']:,}-character system prompt, then {p['turns']} turns each "
+              f"adding a {p['tool_chars']:,}-character tool output; TTFT per turn (s), median (min–max) over runs.", "",
+              "| turn | prompt tokens | " + " | ".join(cols) + " | no cache / tandem | tandem / ideal |",
+              "|---|---|" + "---|" * (len(cols) + 2)]  # fmt: skip
+    turns = sorted({row["turn"] for row in agent})
+    per_turn = {}
+    for turn in turns:
+        rows = [row for row in agent if row["turn"] == turn]
+        per_turn[turn] = {c: [row[c] for row in rows] for c in cols}
+        ratio_nc = [row["no_cache"] / row["tandem"] for row in rows]
+        ratio_id = [row["tandem"] / row["ideal"] for row in rows]
+        lines.append(
+            f"| {turn} | {rows[0]['prompt_tokens']:,} | " + " | ".join(med(per_turn[turn][c]) for c in cols)
+            + f" | {med(ratio_nc)} | {med(ratio_id)} |"
+        )
+    inter = results["prefix_cache"]["interleaved"]
+    if inter:
+        icols = [c for c in ("tandem", "llama_server") if c in inter[0]]
+        lines += ["", f"Interleaved: {p['sessions']} sessions taking turns; TTFT (s) per turn over sessions and runs.", "",
+                  "| turn | " + " | ".join(icols) + " |", "|---|" + "---|" * len(icols)]  # fmt: skip
+        for turn in sorted({row["turn"] for row in inter}):
+            rows = [row for row in inter if row["turn"] == turn]
+            lines.append(f"| {turn} | " + " | ".join(med([row[c] for row in rows]) for c in icols) + " |")
+    # memory
+    lines += ["", "## Memory", "", "Peak resident memory during the run:", "", "| process | peak RSS MiB |", "|---|---|"]
+    lines += [f"| {label} | {rss / 2**20:,.0f} |" for label, rss in sorted(results["peak_rss"].items())]
+    if results.get("cache"):
+        c = results["cache"]
+        lines += ["", f"Prefix cache at the end: {c['pages']:,} pages, {c['bytes_used'] / 2**20:,.0f} MiB of a "
+                  f"{c['budget'] / 2**20:,.0f} MiB budget."]  # fmt: skip
+
+    # plots
+    kinds = list(summary)
+    fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds), 3.2), sharey=True)
+    for ax, kind in zip(axes if len(kinds) > 1 else [axes], kinds):
+        rows = [(r["k"], r) for name, r in summary[kind].items() if name.startswith("model k=")]
+        ks = [k for k, _ in rows]
+        meds = [statistics.median(r["speedup"]) for _, r in rows]
+        lo = [statistics.median(r["speedup"]) - min(r["speedup"]) for _, r in rows]
+        hi = [max(r["speedup"]) - statistics.median(r["speedup"]) for _, r in rows]
+        ax.errorbar(ks, meds, yerr=[lo, hi], marker="o", label="measured")
+        ax.plot(ks, [r["predicted"]["passes"] if r["predicted"] else float("nan") for _, r in rows], "--", label="cost model (passes)")
+        ax.plot(ks, [r["predicted"]["lab"] if r["predicted"] else float("nan") for _, r in rows], ":", label="cost model (lab)")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(kind)
+        ax.set_xlabel("k")
+    (axes[0] if len(kinds) > 1 else axes).set_ylabel("speedup over plain")
+    (axes[0] if len(kinds) > 1 else axes).legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup_vs_k.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for c in cols:
+        ax.plot(turns, [statistics.median(per_turn[t][c]) for t in turns], marker="o", label=c.replace("_", " "))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT, s (this machine)")
+    ax.set_title("Agent loop: time to first token per turn")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft_per_turn.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, gaps in gaps_by_system.items():
+        if gaps and (name in ("plain", "model governed", "llama-cpp-python", "llama-server") or name == f"model k={max(p['ks'])}"):
+            s = sorted(gaps)
+            ax.plot(s, [i / len(s) for i in range(1, len(s) + 1)], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("per-token latency, ms (this machine)")
+    ax.set_ylabel("fraction of tokens")
+    ax.set_title("Per-token latency, streamed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "token_latency.png", dpi=110)
+    plt.close(fig)
+    lines += ["", "## Plots", "", "![speedup vs k](speedup_vs_k.png)", "", "![TTFT per turn](ttft_per_turn.png)", "",
+              "![per-token latency](token_latency.png)", ""]  # fmt: skip
+    (out_dir / "REPORT.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="a few minutes, small models (the CI smoke run)")
+    g.add_argument("--full", action="store_true", help="the real pair, 3 runs (the committed report)")
+    ap.add_argument("--runs", type=int, default=None, help="override the preset's number of runs")
+    ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
+                    help=f"include llama-server (default with --full: {DEFAULT_LLAMA_SERVER} if it exists)")  # fmt: skip
+    ap.add_argument("--no-peers", action="store_true", help="leave llama-server out even if it is there")
+    ap.add_argument("--out", type=Path, default=None, help="report directory (default bench/results/<date>-<machine>)")
+    args = ap.parse_args(argv)
+    preset = "full" if args.full else "quick"
+    server = args.llama_server
+    if server is None and preset == "full" and DEFAULT_LLAMA_SERVER.exists():
+        server = DEFAULT_LLAMA_SERVER
+    if args.no_peers:
+        server = None
+    if server is not None and not server.exists():
+        raise SystemExit(f"no llama-server at {server}; build it with bench/build_llama_server.sh or leave --llama-server out")
+    out = args.out or BENCH / "results" / f"{datetime.date.today().isoformat()}-{socketlib.gethostname()}-{preset}"
+    report = run(preset, out, server, args.runs)
+    print(report)
+    return 0

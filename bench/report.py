@@ -121,9 +121,10 @@ class InProcess:
     """llama-cpp-python in this process: what a user would otherwise write."""
 
     def __init__(self, path: Path, n_ctx: int):
-        import llama_cpp
+        from tandem.daemon.llama_model import reference_llama
 
-        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, verbose=False)
+        # the worker's threads and extra-buffer setting: llama.cpp's AMX repacking crashes on AMX CPUs
+        self.llm = reference_llama(path, n_ctx)
 
     def request(self, messages, tokens: int) -> Sample:
         started = time.perf_counter()
@@ -284,7 +285,10 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
         systems["ngram governed"] = lambda m, n: tandem_request(clients["ngram"], m, n, draft="auto")
         inproc = InProcess(target, int(ctx))
         systems["llama-cpp-python"] = inproc.request
-        commands["llama-cpp-python"] = f"llama_cpp.Llama({target.name!r}, n_ctx={ctx}).create_chat_completion(stream=True)"
+        commands["llama-cpp-python"] = (
+            f"llama_cpp.Llama({target.name!r}, n_ctx={ctx}, n_threads=<all cores>, use_extra_bufts=<off on AMX>)"
+            ".create_chat_completion(stream=True)"
+        )
         if llama_server is not None:
             threads = os.cpu_count() or 2
             plain_server = LlamaServer(llama_server, target, int(ctx), threads, flash_attn=False)

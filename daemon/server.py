@@ -930,8 +930,8 @@ class Daemon:
     def _on_drafter_death(self) -> None:
         assert self.drafter is not None
         code = self.drafter.reap()
-        if self.stopping or self.state == "failed":
-            return
+        if self.stopping or self.state == "failed" or self.drafter_off:
+            return  # (switched off: it was told to exit)
         how = self.hung.pop("drafter", None) or f"died (exit code {code})"
         if not self.ever_ready:
             self._on_load_failure(f"the drafter worker {how} while loading {self.config.drafter_path}")

@@ -201,7 +201,7 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    def __init__(self, binary: Path, model: Path, n_ctx: int, threads: int, flash_attn: bool):
+    def __init__(self, binary: Path, model: Path, n_ctx: int, threads: int, flash_attn: bool, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.command = [
             str(binary), "-m", str(model), "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads),
@@ -209,6 +209,7 @@ class LlamaServer:
         ]  # fmt: skip
         if cpu_has_amx():
             self.command.append("--no-repack")  # like tandem's --extra-buffers auto: AMX repacking crashes
+        self.command += extra
         env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
         self.log = open(Path("/tmp") / f"llama-server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env)

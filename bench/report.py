@@ -23,7 +23,6 @@ import os
 import platform
 import socket as socketlib
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -117,6 +116,21 @@ def tandem_request(client: Client, messages, tokens: int, **params) -> Sample:
     )  # fmt: skip
 
 
+def streamed_sample(started: float, pieces) -> Sample:
+    """A Sample from text pieces as a streaming peer delivers them (no token ids: one piece, one token)."""
+    last, ttft, gaps, text, n = None, None, [], "", 0
+    for piece in pieces:
+        if not piece:
+            continue
+        now = time.perf_counter()
+        if last is None:
+            ttft = now - started
+        else:
+            gaps.append(now - last)
+        last, text, n = now, text + piece, n + 1
+    return Sample(tokens=n, seconds=time.perf_counter() - started, ttft=ttft or 0.0, gaps=gaps, text=text)
+
+
 class InProcess:
     """llama-cpp-python in this process: what a user would otherwise write."""
 
@@ -128,18 +142,8 @@ class InProcess:
 
     def request(self, messages, tokens: int) -> Sample:
         started = time.perf_counter()
-        last, ttft, gaps, text, n = None, None, [], "", 0
-        for part in self.llm.create_chat_completion(messages=messages, max_tokens=tokens, temperature=0.0, stream=True):
-            piece = part["choices"][0]["delta"].get("content")
-            if not piece:
-                continue
-            now = time.perf_counter()
-            if last is None:
-                ttft = now - started
-            else:
-                gaps.append(now - last)
-            last, text, n = now, text + piece, n + 1
-        return Sample(tokens=n, seconds=time.perf_counter() - started, ttft=ttft or 0.0, gaps=gaps, text=text)
+        parts = self.llm.create_chat_completion(messages=messages, max_tokens=tokens, temperature=0.0, stream=True)
+        return streamed_sample(started, (part["choices"][0]["delta"].get("content") for part in parts))
 
 
 class ServerChat:
@@ -154,23 +158,16 @@ class ServerChat:
         started = time.perf_counter()
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        last, ttft, gaps, text, n = None, None, [], "", 0
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
-            if not piece:
-                continue
-            now = time.perf_counter()
-            if last is None:
-                ttft = now - started
-            else:
-                gaps.append(now - last)
-            last, text, n = now, text + piece, n + 1
+
+        def pieces():
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    yield (json.loads(line[5:]).get("choices") or [{}])[0].get("delta", {}).get("content")
+
+        sample = streamed_sample(started, pieces())
         conn.close()
-        return Sample(tokens=n, seconds=time.perf_counter() - started, ttft=ttft or 0.0, gaps=gaps, text=text)
+        return sample
 
 
 # --------------------------------------------------------------------------- the machine
@@ -295,11 +292,11 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             servers.append(plain_server)
             commands["llama-server"] = " ".join(plain_server.command)
             systems["llama-server"] = ServerChat(plain_server).request
-            spec_cmd = plain_server.command + [
-                "-md", str(drafter), "--spec-type", "draft-simple", "--spec-draft-n-max", str(max(ks)),
-                "--spec-draft-n-min", "1",
-            ]  # fmt: skip
-            spec = _server_with(spec_cmd, llama_server)
+            spec = LlamaServer(
+                llama_server, target, int(ctx), threads, flash_attn=False,
+                extra=("-md", str(drafter), "--spec-type", "draft-simple", "--spec-draft-n-max", str(max(ks)),
+                       "--spec-draft-n-min", "1"),
+            )  # fmt: skip
             servers.append(spec)
             commands["llama-server (speculative)"] = " ".join(spec.command)
             systems["llama-server spec"] = ServerChat(spec).request
@@ -345,32 +342,6 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, out_dir)
     return out_dir / "REPORT.md"
-
-
-def _server_with(command: list[str], binary: Path) -> LlamaServer:
-    """A LlamaServer started with ``command`` (its own port) instead of the default one."""
-    server = LlamaServer.__new__(LlamaServer)
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        server.port = s.getsockname()[1]
-    i = command.index("--port")
-    server.command = command[: i + 1] + [str(server.port)] + command[i + 2 :]
-    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
-    server.log = open(Path("/tmp") / f"llama-server-{server.port}.log", "wb")
-    server.proc = subprocess.Popen(server.command, stdout=server.log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise SystemExit(f"llama-server exited with {server.proc.returncode}; see {server.log.name}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return server
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("llama-server did not become ready")
 
 
 def say(line: str) -> None:

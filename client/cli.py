@@ -439,15 +439,10 @@ def cmd_service(args) -> int:
 
 def _pull_configured(settings) -> None:
     """The service may not reach the network: pull its models now."""
-    from tandem.daemon import models
+    from .autostart import ensure_pulled
 
     for name in (settings.model, settings.drafter):
-        if name in models.PRESETS and not models.is_pulled(name):
-            _say(f"tandem: pulling '{name}' first (the service is sandboxed to loopback and cannot)")
-            try:
-                models.pull(name, progress=_say, show_pip_progress=sys.stderr.isatty())
-            except models.ModelError as exc:
-                raise TandemError(str(exc)) from None
+        ensure_pulled(name, _say, f"tandem: pulling '{name}' first (the service is sandboxed to loopback and cannot)")
 
 
 def cmd_models(args) -> int:

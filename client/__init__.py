@@ -2,7 +2,7 @@
 
 from .aio import AsyncClient, AsyncStream
 from .client import Client, Stream
-from .errors import DaemonNotRunning, DaemonTimeout, QueueFull, RequestFailed, TandemError
+from .errors import DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
 
 __all__ = [
     "AsyncClient",
@@ -11,6 +11,7 @@ __all__ = [
     "Stream",
     "DaemonNotRunning",
     "DaemonTimeout",
+    "InvalidRequest",
     "QueueFull",
     "RequestFailed",
     "TandemError",

@@ -42,6 +42,7 @@ from .core import (
     ReplyRouter,
     StreamState,
     check_socket_exists,
+    complete_request,
     generate_request,
     hello_request,
     new_id,
@@ -144,11 +145,14 @@ class AsyncClient:
     async def complete(
         self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params
     ) -> Done:
-        stream = await self.generate(prompt, messages, stream=False, **params)
-        async for _ in stream:
-            pass
-        assert stream.done is not None
-        return stream.done
+        return await (await self.generate(prompt, messages, stream=False, **params)).wait()
+
+    async def infill(self, prefix: str, suffix: str = "", **params) -> "AsyncStream":
+        """As Client.infill: fill in the middle between ``prefix`` and ``suffix``."""
+        await self.connect()
+        req = complete_request(prefix, suffix, **params)
+        await self._send(req)
+        return AsyncStream(self, req.id)
 
     async def status(self) -> StatusReply:
         await self.connect()
@@ -189,6 +193,12 @@ class AsyncStream(StreamState):
         if chunk is None:
             raise StopAsyncIteration
         return chunk
+
+    async def wait(self) -> Done:
+        async for _ in self:
+            pass
+        assert self.done is not None
+        return self.done
 
     async def cancel(self) -> Optional[Done]:
         if self._finished:

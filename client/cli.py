@@ -25,6 +25,7 @@ Unix socket; nothing leaves this machine.
   tandem chat                             talk, multi-turn
   tandem serve --model qwen2.5-coder-1.5b run the daemon in the foreground
   tandem status | tandem stop             inspect / stop the daemon
+  tandem openai                           an OpenAI-compatible API on 127.0.0.1 for editors
   tandem models pull NAME | list          fetch / list models
   tandem config show                      the effective settings and their sources
   tandem service install                  run the daemon as a systemd user service
@@ -113,6 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=argparse.SUPPRESS, help="model for a daemon started by this command (default: the configured model)")
     p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
     _sampling_args(p)
+
+    p = sub.add_parser(
+        "openai",
+        help="serve an OpenAI-compatible HTTP API on loopback, for editor plugins and agents",
+        description="Translate the OpenAI HTTP API to the daemon: GET /v1/models, POST /v1/completions "
+        "(with 'suffix': fill in the middle, for inline completion), POST /v1/chat/completions, and "
+        "'stream': true as server-sent events. Loopback only; every HTTP request is one daemon request, "
+        "cancelled if the HTTP client disconnects. Starts a daemon if none runs. Ctrl-C stops the bridge "
+        "(not the daemon).",
+    )
+    p.add_argument(
+        "--listen", default=None, metavar="HOST:PORT",
+        help="loopback address to listen on; port 0 picks a free one (default $TANDEM_OPENAI_LISTEN, else 127.0.0.1:8642)",
+    )  # fmt: skip
+    p.add_argument("--model", default=argparse.SUPPRESS, help="model for a daemon started by this command (default: the configured model)")
+    p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
+    p.add_argument("--verbose", action="store_true", help="log every HTTP request to stderr")
 
     p = sub.add_parser("status", help="show the daemon's model, queue, uptime and memory")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -285,6 +303,39 @@ def cmd_chat(args) -> int:
             history.append({"role": "assistant", "content": stream.done.text})
 
 
+def cmd_openai(args) -> int:
+    import signal
+
+    from . import openai_bridge
+
+    listen = args.listen or os.environ.get("TANDEM_OPENAI_LISTEN") or openai_bridge.DEFAULT_LISTEN
+    try:
+        openai_bridge.parse_listen(listen)
+    except ValueError as exc:
+        _say(f"tandem: {exc}")
+        return 2
+    with _connect(args.socket, args.model, args.no_start, args.config) as client:
+        model = client.server.model
+    try:
+        server = openai_bridge.make_server(listen, args.socket, model, verbose=args.verbose)
+    except OSError as exc:
+        _say(f"tandem: cannot listen on {listen}: {exc.strerror or exc}. Pick another port: --listen 127.0.0.1:PORT (0 = any free one)")
+        return 2
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    _say(f"tandem openai: {openai_bridge.url_of(server)} serves {model} from {args.socket} (Ctrl-C stops the bridge)")
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
@@ -301,7 +352,8 @@ def cmd_status(args) -> int:
     print(f"socket:    {st.socket_path}")
     if st.model:
         m = st.model
-        print(f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, vocab {m.n_vocab:,})")
+        fim = "fill-in-the-middle" if m.fim else "no fill-in-the-middle tokens"
+        print(f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, vocab {m.n_vocab:,}, {fim})")
     if st.drafter != "none":
         line = f"drafter:   {st.drafter}, {st.draft_tokens} tokens per draft"
         if st.model and st.model.exact_steps:
@@ -471,6 +523,7 @@ COMMANDS = {
     "run": cmd_run,
     "chat": cmd_chat,
     "status": cmd_status,
+    "openai": cmd_openai,
     "stop": cmd_stop,
     "models": cmd_models,
     "cache": cmd_cache,

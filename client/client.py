@@ -41,6 +41,7 @@ from .core import (
     ReplyRouter,
     StreamState,
     check_socket_exists,
+    complete_request,
     generate_request,
     hello_request,
     new_id,
@@ -146,11 +147,17 @@ class Client:
 
     def complete(self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params) -> Done:
         """Generate without streaming; returns the ``done`` message (``.text`` has the answer)."""
-        stream = self.generate(prompt, messages, stream=False, **params)
-        for _ in stream:
-            pass
-        assert stream.done is not None
-        return stream.done
+        return self.generate(prompt, messages, stream=False, **params).wait()
+
+    def infill(self, prefix: str, suffix: str = "", **params) -> "Stream":
+        """Fill in the middle (the ``complete`` op): the code between ``prefix`` (before
+        the cursor) and ``suffix`` (after it). Needs a model with FIM tokens. Params as
+        for generate, plus max_lines and stop_at_blank_line; greedy, 128 tokens and
+        a stop at the first blank line by default. ``.wait()`` gives the ``done``."""
+        self.connect()
+        req = complete_request(prefix, suffix, **params)
+        self._send(req)
+        return Stream(self, req.id)
 
     def status(self) -> StatusReply:
         self.connect()
@@ -201,6 +208,20 @@ class Stream(StreamState):
         if chunk is None:
             raise StopIteration
         return chunk
+
+    def next_chunk(self, timeout: float) -> Optional[Chunk]:
+        """The next chunk, waiting at most ``timeout`` seconds (DaemonTimeout if
+        none came; the stream goes on). None: the stream ended, ``done`` is set."""
+        if self._finished:
+            return None
+        return self._take(self.client._recv(self.request_id, timeout))
+
+    def wait(self) -> Done:
+        """Read the stream to its end; the ``done``."""
+        for _ in self:
+            pass
+        assert self.done is not None
+        return self.done
 
     def cancel(self) -> Optional[Done]:
         """Cancel the request and read the stream to its end. Returns the ``done``."""

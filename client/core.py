@@ -15,6 +15,8 @@ from tandem.protocol import (
     Cancel,
     ChatMessage,
     Chunk,
+    Complete,
+    Decoding,
     Done,
     Error,
     Generate,
@@ -26,7 +28,7 @@ from tandem.protocol import (
     encode,
 )
 
-from .errors import DaemonNotRunning, QueueFull, RequestFailed, TandemError
+from .errors import DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError
 
 MessageLike = Union[ChatMessage, dict]
 
@@ -59,11 +61,19 @@ def generate_request(
     if messages is not None:
         chat = [m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"]) for m in messages]
     request_id = params.pop("request_id", None) or new_id()
-    req = Generate(id=request_id, prompt=prompt, messages=chat, **params)
+    return _checked(Generate(id=request_id, prompt=prompt, messages=chat, **params))
+
+
+def complete_request(prefix: str, suffix: str = "", **params: Any) -> Complete:
+    request_id = params.pop("request_id", None) or new_id()
+    return _checked(Complete(id=request_id, prefix=prefix, suffix=suffix, **params))
+
+
+def _checked(req: Decoding) -> Any:
     try:
         req.check()
     except ValueError as exc:
-        raise TandemError(f"invalid request: {exc}") from None
+        raise InvalidRequest(f"invalid request: {exc}") from None
     return req
 
 

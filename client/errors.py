@@ -9,6 +9,10 @@ class TandemError(Exception):
     """Base class of every error the client raises."""
 
 
+class InvalidRequest(TandemError):
+    """The request was refused before it was sent: a parameter is out of range."""
+
+
 class DaemonNotRunning(TandemError):
     """No daemon listens on the socket. The message says how to start one."""
 

@@ -1,6 +1,6 @@
 """Plain decoding of one request: the model-facing logic, free of sockets.
 
-``Engine.run`` takes a validated ``Generate`` request and a model (anything
+``Engine.run`` takes a validated ``Generate`` or ``Complete`` request and a model (anything
 with the ``LlamaModel`` methods used here), and reports through two callbacks:
 ``emit(chunk)`` for each round of streamed output and ``should_cancel()`` asked
 before every decode step, so a cancel ends the request within one step. It
@@ -14,7 +14,18 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from tandem.protocol import Chunk, Done, DraftStats, ErrorCode, FinishReason, Generate, Timings, Usage
+from tandem.protocol import (
+    FIM_FIX,
+    Chunk,
+    Complete,
+    Decoding,
+    Done,
+    DraftStats,
+    ErrorCode,
+    FinishReason,
+    Timings,
+    Usage,
+)
 
 from .chat import ChatTemplate, ChatTemplateError
 from .governor import PLAIN, Governor, GovernorBank, task_key
@@ -35,6 +46,7 @@ class Model(Protocol):
     def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]: ...
     def piece(self, token: int) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
+    def fim_tokens(self) -> Optional[tuple[int, int, int]]: ...
     def clear(self) -> None: ...
     def truncate(self, n_keep: int) -> None: ...
     def decode(
@@ -95,8 +107,10 @@ class Engine:
         self.governors = governors  # None: draft every round
         self.cache = cache  # the prefix cache's pages of this model; None: no prefix cache
 
-    def prompt_tokens(self, req: Generate) -> list[int]:
-        if req.messages is not None:
+    def prompt_tokens(self, req: Decoding) -> list[int]:
+        if isinstance(req, Complete):
+            tokens = self.fim_prompt(req)
+        elif req.messages is not None:
             if self.chat_template is None:
                 raise RequestError(
                     ErrorCode.CHAT_TEMPLATE,
@@ -121,9 +135,34 @@ class Engine:
             )
         return tokens
 
+    def fim_prompt(self, req: Complete) -> list[int]:
+        """``<prefix token> prefix <suffix token> suffix <middle token>`` (the model
+        writes the middle), from the model's own FIM tokens. The two texts are
+        tokenized as plain text, so a file that contains the FIM tokens' spelling
+        cannot inject them. A file too long for the context keeps the prefix's end
+        (the code right before the cursor) and the suffix's start, leaving room to
+        answer: an editor should not have to know the context size."""
+        model = self.model
+        fim = model.fim_tokens()
+        if fim is None:
+            raise RequestError(
+                ErrorCode.FIM_UNSUPPORTED,
+                f"this model has no fill-in-the-middle tokens in its vocabulary, so 'complete' cannot prompt it. {FIM_FIX}",
+            )
+        pre, suf, mid = fim
+        head = model.tokenize("", add_special=True, parse_special=False)  # BOS, for models that want one
+        prefix = model.tokenize(req.prefix, add_special=False, parse_special=False)
+        suffix = model.tokenize(req.suffix, add_special=False, parse_special=False)
+        room = max(0, model.n_ctx - len(head) - 3 - min(req.max_tokens, model.n_ctx // 4))
+        if len(prefix) + len(suffix) > room:
+            keep_suffix = min(len(suffix), max(room // 4, room - len(prefix)))
+            suffix = suffix[:keep_suffix]
+            prefix = prefix[len(prefix) - (room - keep_suffix) :] if room > keep_suffix else []
+        return [*head, pre, *prefix, suf, *suffix, mid]
+
     def run(
         self,
-        req: Generate,
+        req: Decoding,
         emit: Callable[[Chunk], None],
         should_cancel: Callable[[], bool],
     ) -> Done:
@@ -139,7 +178,10 @@ class Engine:
         drafter = self.drafter if k > 0 and req.draft != "off" else None
         governor = self._governor(req, tokens, k) if drafter is not None else None
         stats = DraftStats() if drafter is not None else None
-        stream = TextStream(req.stop)
+        if isinstance(req, Complete):
+            stream = TextStream(req.stop, req.stop_at_blank_line, req.max_lines)
+        else:
+            stream = TextStream(req.stop)
         model = self.model
         cache = self.cache if req.cache else None
         cached = cache.restore(tokens) if cache is not None else 0  # else the model is cleared
@@ -224,7 +266,7 @@ class Engine:
             cache=self.cache.info() if self.cache is not None else None,
         )
 
-    def _governor(self, req: Generate, tokens: list[int], k: int) -> Optional[Governor]:
+    def _governor(self, req: Decoding, tokens: list[int], k: int) -> Optional[Governor]:
         """The governor of this request's task, or None when every round drafts:
         no governor, ``draft: on``, or seeded sampling (so that equal requests
         reproduce equal tokens, whatever the governor has learned meanwhile)."""
@@ -240,7 +282,7 @@ class Engine:
         drafted_last: bool,
         context: list[int],
         generated: int,
-        req: Generate,
+        req: Decoding,
         sampler: Sampler,
         k: int,
         p_min: float,
@@ -272,7 +314,7 @@ class Engine:
         self,
         context: list[int],
         generated: int,
-        req: Generate,
+        req: Decoding,
         sampler: Sampler,
         k: int,
         p_min: float,
@@ -307,7 +349,7 @@ class Engine:
             stats.add_round(len(drafts), n_accepted)
         return [*drafts[:n_accepted], own], timed
 
-    def _cancelled_in_prefill(self, req: Generate, prompt_tokens: int, started: float) -> Done:
+    def _cancelled_in_prefill(self, req: Decoding, prompt_tokens: int, started: float) -> Done:
         elapsed = self.clock() - started
         return Done(
             id=req.id,

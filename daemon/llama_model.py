@@ -191,6 +191,18 @@ class LlamaModel:
         finally:
             self.clear()
 
+    def fim_tokens(self) -> Optional[tuple[int, int, int]]:
+        """The (prefix, suffix, middle) fill-in-the-middle tokens, or None when the
+        vocabulary lacks one. llama.cpp finds them at load, from the GGUF's
+        metadata or by their spellings in the vocabulary (<|fim_prefix|>,
+        <fim_prefix>, <PRE>, ...)."""
+        ids = (
+            int(llama.llama_vocab_fim_pre(self.vocab)),
+            int(llama.llama_vocab_fim_suf(self.vocab)),
+            int(llama.llama_vocab_fim_mid(self.vocab)),
+        )
+        return ids if all(i >= 0 for i in ids) else None
+
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self.vocab, token))
 

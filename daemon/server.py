@@ -46,6 +46,9 @@ from tandem.protocol import (
     Error,
     ErrorCode,
     FinishReason,
+    FIM_FIX,
+    Complete,
+    Decoding,
     Generate,
     Hello,
     HelloReply,
@@ -172,10 +175,10 @@ class ServeConfig:
 
 @dataclass
 class Job:
-    """A generate request, queued or running."""
+    """A generate or complete request, queued or running."""
 
     identity: bytes
-    request: Generate
+    request: Decoding
     enqueued_at: float
     started_at: Optional[float] = None
     completion_tokens: int = 0
@@ -447,6 +450,7 @@ class Daemon:
         self.handlers: dict[type, Callable] = {
             Hello: self.handle_hello,
             Generate: self.handle_generate,
+            Complete: self.handle_generate,
             Cancel: self.handle_cancel,
             Status: self.handle_status,
             Shutdown: self.handle_shutdown,
@@ -708,9 +712,21 @@ class Daemon:
             ),
         )
 
-    def handle_generate(self, identity: bytes, msg: Generate) -> None:
+    def handle_generate(self, identity: bytes, msg: Decoding) -> None:
         if self.state == "failed":
             self.send(identity, Error.of(msg.id, ErrorCode.NOT_READY, f"the daemon has failed: {self.failure}"))
+            return
+        info = self.target.info
+        if isinstance(msg, Complete) and info is not None and not info.fim:
+            self.send(
+                identity,
+                Error.of(
+                    msg.id,
+                    ErrorCode.FIM_UNSUPPORTED,
+                    f"{self.config.model_name} has no fill-in-the-middle tokens in its vocabulary, so 'complete' "
+                    f"cannot prompt it. {FIM_FIX}",
+                ),
+            )
             return
         if msg.id in self.jobs:
             self.send(

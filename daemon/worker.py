@@ -26,6 +26,7 @@ from tandem.protocol import (
     CacheCleared,
     CacheClear,
     Cancel,
+    Complete,
     DrafterHung,
     DrafterState,
     Error,
@@ -201,6 +202,7 @@ class WorkerLoop:
             size_bytes=model.size_bytes,
             has_chat_template=template is not None,
             vocab_digests=model.vocab_digests() if c.drafter == "model" else [],
+            fim=model.fim_tokens() is not None,
         )
         min_batch = 1
         if c.drafter != "none":
@@ -283,7 +285,7 @@ class WorkerLoop:
         if isinstance(msg, CacheClear):
             self._clear_cache(engine, msg)
             return
-        if not isinstance(msg, Generate):
+        if not isinstance(msg, (Generate, Complete)):
             log.error("unexpected %s message from the daemon", msg.op.value)
             return
         self.cancelled.clear()

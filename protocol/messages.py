@@ -5,8 +5,8 @@ first frame's bytes), the finish-reason enum, the numbered error codes, and one
 typed dataclass per message. ``codec.py`` turns them into frames and back.
 PROTOCOL.md documents the same shapes for client authors in other languages.
 
-Direction matters: a client sends requests (hello, generate, cancel, status,
-shutdown); the daemon answers with replies. A reply to hello/status/cancel/
+Direction matters: a client sends requests (hello, generate, complete, cancel,
+status, shutdown, cache_clear); the daemon answers with replies. A reply to hello/status/cancel/
 shutdown carries the same op name as the request. ``ready`` is internal: a
 worker process sends it to the daemon when its model is loaded.
 """
@@ -34,7 +34,12 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_DRAFT_TOKENS = 16
+MAX_LINES = 10_000
 DRAFT_MODES = ("auto", "on", "off")
+FIM_FIX = (
+    "Serve a code model that has them (tandem serve --model qwen2.5-coder-1.5b), "
+    "or send 'generate' with the text before the cursor as 'prompt'."
+)
 
 
 class Op(str, enum.Enum):
@@ -42,6 +47,7 @@ class Op(str, enum.Enum):
 
     HELLO = "hello"
     GENERATE = "generate"
+    COMPLETE = "complete"  # fill in the middle: code between a prefix and a suffix
     CANCEL = "cancel"
     STATUS = "status"
     SHUTDOWN = "shutdown"
@@ -76,6 +82,7 @@ class ErrorCode(enum.IntEnum):
     PROMPT_TOO_LONG = 105  # prompt tokens do not fit the context (--ctx-size)
     MESSAGE_TOO_LARGE = 106  # body over MAX_MESSAGE_BYTES
     CHAT_TEMPLATE = 107  # messages given but the model has no usable chat template
+    FIM_UNSUPPORTED = 108  # complete sent but the model has no fill-in-the-middle tokens
     INTERNAL = 200  # a bug: the message says what failed
     WORKER_DIED = 201  # the model worker process died during the request; it is restarted
     SHUTTING_DOWN = 202  # the daemon is stopping
@@ -129,11 +136,10 @@ class Hello(Message):
 
 
 @dataclass
-class Generate(Message):
-    op: ClassVar[Op] = Op.GENERATE
+class Decoding(Message):
+    """What ``generate`` and ``complete`` share: how to sample, when to stop, drafting and caching."""
+
     id: str
-    prompt: Optional[str] = None  # plain completion prompt (no chat template)
-    messages: Optional[list[ChatMessage]] = None  # chat, rendered with the GGUF's template
     max_tokens: int = 256
     temperature: float = 0.8  # 0 = greedy
     top_k: int = 40  # 0 = off
@@ -148,12 +154,6 @@ class Generate(Message):
     cache: bool = True  # use the prefix cache (if the daemon has one) for this request
 
     def check(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' (plain text) or 'messages' (chat)")
-        if self.messages is not None and not self.messages:
-            raise ValueError("'messages' is empty: give at least one {role, content}")
-        if self.messages is not None and len(self.messages) > MAX_MESSAGES:
-            raise ValueError(f"'messages' has {len(self.messages)} entries; the limit is {MAX_MESSAGES}")
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise ValueError(f"'max_tokens' must be between 1 and {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
@@ -175,6 +175,43 @@ class Generate(Message):
             raise ValueError(f"'draft_p_min' must be between 0 and 1, got {self.draft_p_min}")
         if self.draft not in DRAFT_MODES:
             raise ValueError(f"'draft' must be one of {', '.join(DRAFT_MODES)}, got {self.draft!r}")
+
+
+@dataclass
+class Generate(Decoding):
+    op: ClassVar[Op] = Op.GENERATE
+    prompt: Optional[str] = None  # plain completion prompt (no chat template)
+    messages: Optional[list[ChatMessage]] = None  # chat, rendered with the GGUF's template
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (plain text) or 'messages' (chat)")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' is empty: give at least one {role, content}")
+        if self.messages is not None and len(self.messages) > MAX_MESSAGES:
+            raise ValueError(f"'messages' has {len(self.messages)} entries; the limit is {MAX_MESSAGES}")
+        super().check()
+
+
+@dataclass
+class Complete(Decoding):
+    """Fill in the middle: the code that belongs between ``prefix`` (the text
+    before the cursor) and ``suffix`` (the text after it), prompted with the
+    model's own FIM tokens. Defaults suit inline completion: greedy, short,
+    ending at the first blank line."""
+
+    op: ClassVar[Op] = Op.COMPLETE
+    max_tokens: int = 128
+    temperature: float = 0.0
+    prefix: str = field(kw_only=True)  # required; "" at the start of a file
+    suffix: str = ""
+    max_lines: int = 0  # stop before the (max_lines+1)-th line of the completion; 0 = no limit
+    stop_at_blank_line: bool = True  # stop before a line that is empty or only spaces and tabs
+
+    def check(self) -> None:
+        if not 0 <= self.max_lines <= MAX_LINES:
+            raise ValueError(f"'max_lines' must be between 0 (no limit) and {MAX_LINES}, got {self.max_lines}")
+        super().check()
 
 
 @dataclass
@@ -356,6 +393,7 @@ class ModelInfo:
     vocab_digests: list[str] = field(default_factory=list)  # sha256 (16 hex) of each 4,096-id block of token texts
     batch_invariant: Optional[bool] = None  # one-token and batched decodes agree bit for bit (probed with a drafter)
     exact_steps: bool = False  # every step reads >= 2 positions so drafting never changes greedy output
+    fim: bool = False  # the vocabulary has fill-in-the-middle tokens: ``complete`` works
 
 
 @dataclass
@@ -487,7 +525,7 @@ class Drafted(Message):
     page_bytes: int = 0  # bytes of one prefix-cache page of the drafter's KV (0: no prefix cache)
 
 
-REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Cancel, Status, Shutdown, CacheClear)}
+REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Complete, Cancel, Status, Shutdown, CacheClear)}
 REPLIES: dict[Op, type] = {
     m.op: m
     for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared, Ready, Progress, DrafterHung)

@@ -32,6 +32,14 @@ def smollm2_path() -> Path:
     return models.pull("smollm2-135m", progress=lambda line: print(line, file=sys.stderr))
 
 
+@pytest.fixture(scope="session")
+def coder_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct: the smallest preset with fill-in-the-middle tokens."""
+    from tandem.daemon import models
+
+    return models.pull("qwen2.5-coder-0.5b", progress=lambda line: print(line, file=sys.stderr))
+
+
 def short_tmpdir(prefix: str = "tdm-") -> Path:
     # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
@@ -133,3 +141,54 @@ def daemon(smollm2_path):
 def client(daemon):
     with daemon.client() as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def coder_daemon(coder_path):
+    """A daemon on Qwen2.5-Coder-0.5B (fill-in-the-middle tokens) with a 2,048-token context, per module."""
+    d = DaemonProcess(coder_path, "--ctx-size", "2048")
+    d.wait_ready(120)
+    yield d
+    code = d.stop()
+    assert code == 0, d.log()
+    d.cleanup()
+
+
+class BridgeProcess:
+    """`tandem openai` as a user runs it, on a free loopback port, in front of ``daemon``."""
+
+    def __init__(self, daemon: DaemonProcess, *args: str):
+        import re
+        import threading
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.client.cli", "--socket", str(daemon.socket), "openai",
+             "--listen", "127.0.0.1:0", "--no-start", "--verbose", *args],
+            stderr=subprocess.PIPE, text=True, env=daemon.env,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        first = self.proc.stderr.readline()
+        self.lines.append(first)
+        m = re.search(r"(http://127\.0\.0\.1:\d+/v1)", first)
+        if m is None:
+            self.proc.kill()
+            raise RuntimeError(f"the bridge did not start: {first}{self.proc.stderr.read()}")
+        self.url = m.group(1)
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self._reader.start()
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kw)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode

@@ -8,7 +8,7 @@ import pytest
 
 from tandem.daemon.engine import Engine, RequestError
 from tandem.daemon.llama_model import DecodeAborted
-from tandem.protocol import ChatMessage, ErrorCode, FinishReason, Generate
+from tandem.protocol import ChatMessage, Complete, ErrorCode, FinishReason, Generate
 
 EOS = 0
 
@@ -35,6 +35,9 @@ class ScriptedModel:
 
     def is_eog(self, token):
         return token == EOS
+
+    def fim_tokens(self):
+        return None
 
     def clear(self):
         self.n_past = 0
@@ -132,3 +135,42 @@ def test_cancel_during_a_long_prefill():
     assert done.finish_reason == FinishReason.CANCELLED and chunks == []
     assert done.usage.prompt_tokens == 13 and done.usage.completion_tokens == 0
     assert model.decoded == []
+
+
+class FimModel(ScriptedModel):
+    """With fill-in-the-middle tokens: bytes 1, 2, 3 (never text here)."""
+
+    def fim_tokens(self):
+        return (1, 2, 3)
+
+
+def test_fim_prompt_is_prefix_suffix_middle_in_the_models_tokens():
+    engine = Engine(FimModel(b""), None)
+    assert engine.fim_prompt(Complete(id="r", prefix="ab", suffix="cd")) == [1, 97, 98, 2, 99, 100, 3]
+
+
+@pytest.mark.parametrize(
+    "prefix, suffix, kept_prefix, kept_suffix",
+    [
+        (100, 100, 40, 13),  # both long: the suffix gets a quarter of the room, the prefix the rest
+        (10, 100, 10, 43),  # a short prefix leaves the rest to the suffix
+        (100, 5, 48, 5),
+        (20, 20, 20, 20),  # fits: untouched
+    ],
+)
+def test_fim_prompt_cuts_a_file_too_long_for_the_context_around_the_cursor(prefix, suffix, kept_prefix, kept_suffix):
+    # room = 64 context - 3 FIM tokens - 8 for the answer = 53
+    tokens = Engine(FimModel(b"", n_ctx=64), None).fim_prompt(Complete(id="r", prefix="a" * prefix, suffix="b" * suffix, max_tokens=8))
+    middle = tokens.index(2)
+    assert tokens[0] == 1 and tokens[-1] == 3
+    assert tokens[1:middle] == [97] * kept_prefix  # the end of the prefix (all "a" here)
+    assert tokens[middle + 1 : -1] == [98] * kept_suffix
+
+
+def test_complete_stops_at_a_blank_line_and_a_model_without_fim_tokens_is_refused():
+    req = Complete(id="r", prefix="x = ", suffix="\n")
+    done = Engine(FimModel(b"1\n\ny = 2"), None).run(req, lambda chunk: None, lambda: False)
+    assert done.text == "1" and done.finish_reason == FinishReason.STOP
+    with pytest.raises(RequestError) as err:
+        Engine(ScriptedModel(b"1"), None).run(req, lambda chunk: None, lambda: False)
+    assert err.value.code == ErrorCode.FIM_UNSUPPORTED and "qwen2.5-coder" in err.value.message

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.daemon.textstream import TextStream
+from tandem.daemon.textstream import BLANK_LINE, LINE_LIMIT, TextStream
 
 
 def feed(stream: TextStream, pieces):
@@ -60,3 +60,47 @@ def test_nothing_is_emitted_after_a_stop():
     assert stream.push(b"ax") == "a"
     assert stream.push(b"more") == ""
     assert stream.flush() == ""
+
+
+def _run(pieces, **rules):
+    stream = TextStream(**rules)
+    emitted = ""
+    for piece in pieces:
+        emitted += stream.push(piece.encode())
+        if stream.stopped_by is not None:
+            break
+    emitted += stream.flush()
+    assert emitted == stream.text
+    return stream.text, stream.stopped_by
+
+
+@pytest.mark.parametrize(
+    "pieces, rules, text, stopped_by",
+    [
+        # a blank line ends a completion; the newline before it is dropped
+        (["x = 1", "\n", "    ", "y", "\n", "  ", "\n", "z"], dict(stop_at_blank_line=True), "x = 1\n    y", BLANK_LINE),
+        (["a\n\nb"], dict(stop_at_blank_line=True), "a", BLANK_LINE),
+        (["a\n\t \n"], dict(stop_at_blank_line=True), "a", BLANK_LINE),
+        # an indented line is not blank; a trailing newline is released at the end
+        (["a\n", "  b\n"], dict(stop_at_blank_line=True), "a\n  b\n", None),
+        (["a\n\nb"], dict(), "a\n\nb", None),
+        # max_lines counts lines across pieces
+        (["a\nb\nc\nd"], dict(max_lines=2), "a\nb", LINE_LIMIT),
+        (["a\n", "b\n", "c\n"], dict(max_lines=2), "a\nb", LINE_LIMIT),
+        (["a", "b\n", "c"], dict(max_lines=1), "ab", LINE_LIMIT),
+        (["a\nb"], dict(max_lines=5), "a\nb", None),
+        # the earliest rule wins
+        (["ab", "c END\n\n"], dict(stop=["END"], stop_at_blank_line=True), "abc ", "END"),
+        (["a\n\nEND"], dict(stop=["END"], stop_at_blank_line=True), "a", BLANK_LINE),
+        (["a\nb\n\n"], dict(stop_at_blank_line=True, max_lines=1), "a", LINE_LIMIT),
+    ],
+)
+def test_line_rules_of_inline_completion(pieces, rules, text, stopped_by):
+    assert _run(pieces, **rules) == (text, stopped_by)
+
+
+def test_a_line_that_may_turn_blank_is_held_back_until_decided():
+    stream = TextStream(stop_at_blank_line=True)
+    assert stream.push(b"a\n") == "a"
+    assert stream.push(b"  ") == ""  # "\n  " could still become a blank line
+    assert stream.push(b"b") == "\n  b"

@@ -1,0 +1,525 @@
+"""``tandem openai``: an OpenAI-compatible HTTP API on loopback, translated to the daemon's protocol.
+
+Editor plugins and agents that speak the OpenAI API (``/v1/models``,
+``/v1/completions`` with ``suffix`` for fill-in-the-middle,
+``/v1/chat/completions``, ``stream: true`` as server-sent events) reach tandem
+through this bridge. It is a translator, not a second server: every HTTP
+request becomes one daemon request on its own connection, so the daemon's
+queue, drafter, governor and prefix cache serve it, and an HTTP client that
+goes away cancels its daemon request.
+
+The HTTP side is the standard library's ``ThreadingHTTPServer``: no new
+dependency for a few routes and one local user; a thread per connection suits
+the blocking ``Client``; and the handler owns the raw socket, which is what
+noticing a vanished client needs (a peek that reads end-of-file). It listens
+on loopback only, refuses a Host header that is not loopback (a web page
+cannot reach it by DNS rebinding) and a body that is not JSON (a web page
+cannot post one without a CORS preflight, which it never answers).
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from tandem.protocol import MAX_MESSAGE_BYTES, MAX_TOKENS_LIMIT, ErrorCode, FinishReason
+
+from .client import Client, Stream
+from .errors import DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
+
+DEFAULT_LISTEN = "127.0.0.1:8642"
+POLL_SECONDS = 0.1  # how often a waiting handler looks whether its HTTP client is still there
+OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the API's default for /v1/completions
+
+# The daemon's 1xx codes are the request's fault: 400. The others are ours.
+_STATUS_OF_CODE = {
+    ErrorCode.NOT_READY: HTTPStatus.SERVICE_UNAVAILABLE,
+    ErrorCode.SHUTTING_DOWN: HTTPStatus.SERVICE_UNAVAILABLE,
+    ErrorCode.WORKER_DIED: HTTPStatus.SERVICE_UNAVAILABLE,
+    ErrorCode.DRAFTER_DIED: HTTPStatus.SERVICE_UNAVAILABLE,
+}
+_OPENAI_CODE = {  # where the API has a name for it
+    ErrorCode.PROMPT_TOO_LONG: "context_length_exceeded",
+}
+
+
+class ApiError(Exception):
+    """Answered as OpenAI's error shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        if self.status == HTTPStatus.TOO_MANY_REQUESTS:
+            return "rate_limit_error"
+        if self.status >= 500:
+            return "server_error"
+        if self.status == HTTPStatus.NOT_FOUND:
+            return "not_found_error"
+        return "invalid_request_error"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def of(cls, exc: TandemError) -> "ApiError":
+        if isinstance(exc, QueueFull):
+            return cls(HTTPStatus.TOO_MANY_REQUESTS, f"the daemon's queue is full: {exc}", code="queue_full")
+        if isinstance(exc, RequestFailed):
+            try:
+                code = ErrorCode(exc.code)
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            status = HTTPStatus.BAD_REQUEST if code < 200 else _STATUS_OF_CODE.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
+            return cls(status, exc.message, code=_OPENAI_CODE.get(code, exc.name.lower()))
+        if isinstance(exc, InvalidRequest):
+            return cls(HTTPStatus.BAD_REQUEST, str(exc))
+        if isinstance(exc, DaemonNotRunning):
+            return cls(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="daemon_not_running")
+        return cls(HTTPStatus.BAD_GATEWAY, str(exc), code="daemon_error")
+
+
+# --------------------------------------------------------------------------- request translation
+
+
+def _get(body: dict, key: str, kinds: tuple, default: Any = None) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = "/".join({int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}[k] for k in kinds)
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"'{key}' must be {names}, got {json.dumps(value)[:80]}", param=key)
+    return value
+
+
+def _refuse(body: dict, key: str, why: str, allowed: Callable[[Any], bool] = lambda v: v in (None, False, 0, [], {})) -> None:
+    if key in body and not allowed(body[key]):
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"'{key}' is not supported by tandem: {why}", param=key)
+
+
+def _sampling(body: dict, default_max_tokens: int) -> dict:
+    """The parameters /v1/completions and /v1/chat/completions share, as daemon request fields."""
+    if _get(body, "n", (int,), 1) != 1:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'n' must be 1: tandem generates one choice per request", param="n")
+    _refuse(body, "logprobs", "no log-probabilities are returned")
+    _refuse(body, "top_logprobs", "no log-probabilities are returned")
+    _refuse(body, "logit_bias", "sampling cannot be biased per token")
+    _refuse(body, "presence_penalty", "sampling has no penalties")
+    _refuse(body, "frequency_penalty", "sampling has no penalties")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    elif stop is None:
+        stop = []
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'stop' must be a string or an array of strings", param="stop")
+    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,), default_max_tokens)
+    params = dict(
+        max_tokens=max_tokens,
+        temperature=float(_get(body, "temperature", (int, float), 1.0)),
+        top_p=float(_get(body, "top_p", (int, float), 1.0)),
+        seed=_get(body, "seed", (int,)),
+        stop=stop,
+    )
+    # tandem's own knobs, for clients that can add fields (openai: extra_body=...)
+    for key, kinds in (("top_k", (int,)), ("draft", (str,)), ("draft_tokens", (int,)), ("cache", (bool,)), ("ignore_eos", (bool,))):
+        if body.get(key) is not None:
+            params[key] = _get(body, key, kinds)
+    if params["top_p"] == 0.0:  # the API allows 0; the daemon's nucleus must hold a token
+        params["top_p"] = 1.0
+        params["temperature"] = 0.0
+    return params
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    messages = _get(body, "messages", (list,))
+    if not messages:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'messages' is required: an array of {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"messages[{i}] has role {m['role']!r}; tandem takes system, developer, user and assistant "
+                "(no tool or function calls)",
+                param=f"messages[{i}].role",
+            )
+        content = m.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ApiError(
+                        HTTPStatus.BAD_REQUEST,
+                        f"messages[{i}].content has a part that is not text; tandem's models read text only",
+                        param=f"messages[{i}].content",
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content must be a string or an array of text parts", param=f"messages[{i}].content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+@dataclass
+class Call:
+    """One translated request: what to start on the daemon and how to shape the answer."""
+
+    kind: str  # "text_completion" or "chat.completion"
+    start: Callable[[Client], Stream]
+    stream: bool
+    include_usage: bool
+
+
+def completions_call(body: dict) -> Call:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST, "'prompt' must be a string (one prompt; token arrays are not supported)", param="prompt"
+        )
+    _refuse(body, "echo", "the prompt is not echoed back")
+    _refuse(body, "best_of", "one choice is generated", allowed=lambda v: v in (None, 1))
+    params = _sampling(body, OPENAI_COMPLETIONS_MAX_TOKENS)
+    suffix = _get(body, "suffix", (str,))
+    if suffix is not None:  # fill in the middle: the daemon's ``complete`` op
+        for key, kinds in (("max_lines", (int,)), ("stop_at_blank_line", (bool,))):
+            if body.get(key) is not None:
+                params[key] = _get(body, key, kinds)
+        start = lambda c: c.infill(prompt, suffix, **params)  # noqa: E731
+    else:
+        start = lambda c: c.generate(prompt=prompt, **params)  # noqa: E731
+    return Call("text_completion", start, bool(_get(body, "stream", (bool,), False)), _include_usage(body))
+
+
+def chat_call(body: dict) -> Call:
+    messages = _chat_messages(body)
+    _refuse(body, "tools", "no tool calls")
+    _refuse(body, "functions", "no function calls")
+    _refuse(body, "tool_choice", "no tool calls", allowed=lambda v: v in (None, "none", "auto"))
+    _refuse(
+        body, "response_format", "output is plain text",
+        allowed=lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    )  # fmt: skip
+    params = _sampling(body, MAX_TOKENS_LIMIT)  # the API's default: until the model stops or the context is full
+    start = lambda c: c.generate(messages=messages, **params)  # noqa: E731
+    return Call("chat.completion", start, bool(_get(body, "stream", (bool,), False)), _include_usage(body))
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _finish(reason: FinishReason) -> str:
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+def _usage(done) -> dict:
+    u = done.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection."""
+
+
+class BridgeServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], socket_path: Path, model: str):
+        self.socket_path = socket_path
+        self.model = model  # the daemon's model when the bridge started (refreshed by /v1/models)
+        self.requests_served = 0
+        self.verbose = False
+        self.lock = threading.Lock()
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.address_family = family
+        super().__init__(address, Handler)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: BridgeServer
+    server_version = "tandem-openai"
+
+    # ------------------------------------------------------------------ routes
+
+    def do_GET(self) -> None:
+        self._serve(self._get)
+
+    def do_POST(self) -> None:
+        self._serve(self._post)
+
+    def _get(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/v1/models":
+            model = self._model()
+            self._json(HTTPStatus.OK, {"object": "list", "data": [model]})
+        elif path.startswith("/v1/models/"):
+            model = self._model()
+            if path[len("/v1/models/") :] != model["id"]:
+                raise ApiError(HTTPStatus.NOT_FOUND, f"no model {path[len('/v1/models/'):]!r}; this daemon serves {model['id']!r}", param="model")
+            self._json(HTTPStatus.OK, model)
+        elif path in ("", "/health"):
+            self._json(HTTPStatus.OK, {"status": "ok", "model": self.server.model})
+        else:
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no route GET {path}; try GET /v1/models")
+
+    def _post(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        routes = {"/v1/completions": completions_call, "/v1/chat/completions": chat_call}
+        if path not in routes:
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no route POST {path}; tandem serves /v1/completions and /v1/chat/completions")
+        call = routes[path](self._body())
+        with Client(self.server.socket_path, timeout=None) as client:
+            try:
+                stream = call.start(client)
+            except TandemError as exc:
+                raise ApiError.of(exc) from None
+            with stream:
+                if call.stream:
+                    self._sse(call, stream, client)
+                else:
+                    done = self._wait(stream)
+                    self._json(HTTPStatus.OK, self._answer(call, stream.request_id, done))
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _serve(self, route: Callable[[], None]) -> None:
+        self._body_read = False
+        try:
+            self._check_origin()
+            route()
+        except ApiError as exc:
+            if not self._body_read and self.headers.get("Content-Length", "0") != "0":
+                self.close_connection = True  # its body is still unread: the connection cannot go on
+            self._json(exc.status, exc.body())
+        except ClientGone:
+            self.close_connection = True
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        with self.server.lock:
+            self.server.requests_served += 1
+
+    def _check_origin(self) -> None:
+        host = (self.headers.get("Host") or "").strip().lower()
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        if name not in ("127.0.0.1", "localhost", "[::1]", "::1") and not name.startswith("127."):
+            raise ApiError(HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine")
+
+    def _body(self) -> dict:
+        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise ApiError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"send the body as Content-Type: application/json (got {ctype or 'none'!r})")
+        try:
+            length = int(self.headers.get("Content-Length") or "")
+        except ValueError:
+            raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required") from None
+        if length > MAX_MESSAGE_BYTES:
+            self.close_connection = True
+            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length:,} bytes; the limit is {MAX_MESSAGE_BYTES:,}")
+        raw = self.rfile.read(length)
+        self._body_read = True
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
+        return body
+
+    def _model(self) -> dict:
+        try:
+            with Client(self.server.socket_path) as client:
+                hello = client.connect()
+        except TandemError as exc:
+            raise ApiError.of(exc) from None
+        self.server.model = hello.model
+        return {"id": hello.model, "object": "model", "created": 0, "owned_by": "tandem", "context_length": hello.n_ctx}
+
+    def _gone(self) -> bool:
+        """Has the HTTP client closed its end? (Readable with nothing to read.)"""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _chunks(self, stream: Stream) -> Iterator:
+        """The stream's chunks; the daemon request is cancelled if the HTTP client leaves meanwhile."""
+        while True:
+            try:
+                chunk = stream.next_chunk(POLL_SECONDS)
+            except DaemonTimeout:
+                if self._gone():
+                    stream.client.cancel(stream.request_id)
+                    raise ClientGone() from None
+                continue
+            except TandemError as exc:
+                raise ApiError.of(exc) from None
+            if chunk is None:
+                return
+            yield chunk
+
+    def _wait(self, stream: Stream):
+        for _ in self._chunks(stream):
+            pass
+        return stream.done
+
+    def _answer(self, call: Call, request_id: str, done) -> dict:
+        reply = self._envelope(call, request_id)
+        if call.kind == "chat.completion":
+            choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": done.text, "logprobs": None}
+        choice["finish_reason"] = _finish(done.finish_reason)
+        reply["choices"] = [choice]
+        reply["usage"] = _usage(done)
+        return reply
+
+    def _envelope(self, call: Call, request_id: str, chunk: bool = False) -> dict:
+        prefix = "chatcmpl-" if call.kind == "chat.completion" else "cmpl-"
+        obj = call.kind + (".chunk" if chunk and call.kind == "chat.completion" else "")
+        return {"id": prefix + request_id, "object": obj, "created": int(time.time()), "model": self.server.model}
+
+    def _sse(self, call: Call, stream: Stream, client: Client) -> None:
+        chat = call.kind == "chat.completion"
+
+        def event(delta: Optional[str], finish: Optional[str] = None, role: bool = False) -> dict:
+            e = self._envelope(call, stream.request_id, chunk=True)
+            if chat:
+                d: dict = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+                e["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
+            else:
+                e["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+            return e
+
+        first = True
+        try:
+            for chunk in self._chunks(stream):
+                if first:  # headers only once the daemon accepted the request: errors before it are plain HTTP errors
+                    self._start_sse()
+                    if chat:
+                        self._send_event(event(None, role=True))
+                    first = False
+                if chunk.text:
+                    self._send_event(event(chunk.text))
+        except ApiError as exc:
+            if first:
+                raise
+            self._send_event(exc.body())
+            self._end_sse()
+            return
+        except (BrokenPipeError, ConnectionResetError):
+            client.cancel(stream.request_id)
+            raise ClientGone() from None
+        if first:
+            self._start_sse()
+            if chat:
+                self._send_event(event(None, role=True))
+        done = stream.done
+        self._send_event(event(None, finish=_finish(done.finish_reason)))
+        if call.include_usage:
+            e = self._envelope(call, stream.request_id, chunk=True)
+            e["choices"] = []
+            e["usage"] = _usage(done)
+            self._send_event(e)
+        self._end_sse()
+
+    def _start_sse(self) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _send_event(self, data: Any) -> None:
+        self._write_chunk(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+
+    def _write_chunk(self, payload: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+        self.wfile.flush()
+
+    def _end_sse(self) -> None:
+        self._send_event("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def _json(self, status: int, body: dict) -> None:
+        payload = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        if status == HTTPStatus.TOO_MANY_REQUESTS:
+            self.send_header("Retry-After", "1")
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(payload)
+        self.wfile.flush()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        if self.server.verbose:
+            sys.stderr.write(f"tandem openai: {self.address_string()} {format % args}\n")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """HOST:PORT (loopback only) -> (host, port). Raises ValueError naming the fix."""
+    from tandem.daemon.config import is_loopback
+
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--listen must be HOST:PORT, e.g. {DEFAULT_LISTEN}; got {listen!r}")
+    if not is_loopback(listen):
+        raise ValueError(
+            f"--listen {listen} is not a loopback address; the bridge serves this machine only "
+            f"(use 127.0.0.1:{port}; to reach it from elsewhere, tunnel: ssh -L {port}:127.0.0.1:{port} ...)"
+        )
+    return host, int(port)
+
+
+def make_server(listen: str, socket_path: Path, model: str, verbose: bool = False) -> BridgeServer:
+    host, port = parse_listen(listen)
+    server = BridgeServer((host, port), socket_path, model)
+    server.verbose = verbose
+    return server
+
+
+def url_of(server: BridgeServer) -> str:
+    host, port = server.server_address[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"

@@ -377,20 +377,27 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _chunks(self, stream: Stream) -> Iterator:
-        """The stream's chunks; the daemon request is cancelled if the HTTP client leaves meanwhile."""
+        """The stream's chunks (the daemon streams even when the HTTP client does
+        not: the chunks pace the checks); the daemon request is cancelled if the
+        HTTP client leaves meanwhile, noticed within POLL_SECONDS."""
+        checked = time.monotonic()
         while True:
             try:
                 chunk = stream.next_chunk(POLL_SECONDS)
             except DaemonTimeout:
-                if self._gone():
-                    stream.client.cancel(stream.request_id)
-                    raise ClientGone() from None
-                continue
+                chunk = False
             except TandemError as exc:
                 raise ApiError.of(exc) from None
             if chunk is None:
                 return
-            yield chunk
+            now = time.monotonic()
+            if now - checked >= POLL_SECONDS:
+                checked = now
+                if self._gone():
+                    stream.client.cancel(stream.request_id)
+                    raise ClientGone()
+            if chunk is not False:
+                yield chunk
 
     def _wait(self, stream: Stream):
         for _ in self._chunks(stream):

@@ -57,11 +57,11 @@ def test_insert_mode_key_inserts_the_completion_into_the_buffer(bridge, coder_da
     )
     assert r.returncode == 0, r.stderr
     # what the plugin sends: the buffer's text before and after the cursor
-    prefix, suffix = "def add(a, b):\n    return ", "\n\n\ndef test_add():\n    assert add(2, 3) == 5"
+    prefix, suffix = "def add(a, b):\n    return ", "\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
     with coder_daemon.client() as c:
         expected = c.infill(prefix, suffix, max_tokens=128).wait().text
     assert "a + b" in expected
-    assert path.read_text() == prefix + expected + suffix + "\n"
+    assert path.read_text() == prefix + expected + suffix
     shutil.rmtree(d)
 
 

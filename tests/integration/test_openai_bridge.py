@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 from urllib.parse import urlparse
 
@@ -64,7 +65,7 @@ def test_completions_with_suffix_fill_in_the_middle_as_the_daemon_does(api, code
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.prompt_tokens == done.usage.prompt_tokens
     assert r.usage.completion_tokens == done.usage.completion_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens > 0  # the same file twice: the bridge's request was cached
+    assert done.usage.cached_tokens > 0  # the daemon's request reused the pages the bridge's request cached
 
 
 def test_completions_without_suffix_and_streamed(api, coder_daemon):
@@ -147,9 +148,10 @@ def _cancelled(daemon) -> int:
 
 
 def _running(daemon):
+    """A request has been running for a while (past its prompt: these prompts are short)."""
     with daemon.client() as c:
         active = c.status().active
-    return active is not None and active.completion_tokens > 0
+    return active is not None and active.elapsed_seconds > 0.5
 
 
 def test_a_client_that_disconnects_cancels_its_daemon_request(bridge, coder_daemon):
@@ -178,7 +180,7 @@ def test_a_client_that_disconnects_cancels_its_daemon_request(bridge, coder_daem
 
 
 def test_busy_fim_unsupported_and_daemon_gone(start_daemon):
-    d = start_daemon("--max-queue", "0")  # SmolLM2: no FIM tokens
+    d = start_daemon("--max-queue", "1")  # SmolLM2: no FIM tokens
     b = BridgeProcess(d)
     try:
         api = b.openai()
@@ -188,9 +190,12 @@ def test_busy_fim_unsupported_and_daemon_gone(start_daemon):
         with d.client() as c:
             running = c.generate(prompt=COUNTING, max_tokens=2000, temperature=0)
             wait_for(lambda: _running(d))
+            queued = c.generate(prompt=COUNTING, max_tokens=2000, temperature=0)
+            wait_for(lambda: c.status().queue_length == 1)
             with pytest.raises(openai.RateLimitError) as err:
                 api.completions.create(model="any", prompt="x", max_tokens=2)
-            assert err.value.response.headers["retry-after"] == "1"
+            assert err.value.response.headers["retry-after"] == "1" and err.value.body["code"] == "queue_full"
+            queued.cancel()
             running.cancel()
         d.stop()
         with pytest.raises(openai.InternalServerError) as err:
@@ -202,7 +207,7 @@ def test_busy_fim_unsupported_and_daemon_gone(start_daemon):
 
 def test_the_bridge_listens_on_loopback_only(coder_daemon):
     r = subprocess.run(
-        ["python", "-m", "tandem.client.cli", "--socket", str(coder_daemon.socket), "openai", "--listen", "0.0.0.0:8642"],
+        [sys.executable, "-m", "tandem.client.cli", "--socket", str(coder_daemon.socket), "openai", "--listen", "0.0.0.0:8642"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "not a loopback address" in r.stderr and "ssh -L" in r.stderr

@@ -93,7 +93,8 @@ local function post(path, body, on_event, on_exit)
   return job
 end
 
--- The buffer's text before and after the cursor.
+-- The file's text before and after the cursor (with the newline that ends the
+-- file when it is written, as the model saw files in training).
 local function around_cursor(buf, row, col)
   local lines = vim.api.nvim_buf_get_lines(buf, 0, -1, false)
   local current = lines[row] or ""
@@ -101,6 +102,7 @@ local function around_cursor(buf, row, col)
   local after = table.concat(vim.list_slice(lines, row + 1), "\n")
   local prefix = (row > 1 and before .. "\n" or "") .. current:sub(1, col)
   local suffix = current:sub(col + 1) .. (row < #lines and "\n" .. after or "")
+  if vim.bo[buf].eol or vim.bo[buf].fixeol then suffix = suffix .. "\n" end
   return prefix, suffix
 end
 

@@ -310,14 +310,14 @@ def cmd_openai(args) -> int:
 
     listen = args.listen or os.environ.get("TANDEM_OPENAI_LISTEN") or openai_bridge.DEFAULT_LISTEN
     try:
-        openai_bridge.parse_listen(listen)
+        address = openai_bridge.parse_listen(listen)  # before a daemon is started for nothing
     except ValueError as exc:
         _say(f"tandem: {exc}")
         return 2
     with _connect(args.socket, args.model, args.no_start, args.config) as client:
         model = client.server.model
     try:
-        server = openai_bridge.make_server(listen, args.socket, model, verbose=args.verbose)
+        server = openai_bridge.BridgeServer(address, args.socket, model, verbose=args.verbose)
     except OSError as exc:
         _say(f"tandem: cannot listen on {listen}: {exc.strerror or exc}. Pick another port: --listen 127.0.0.1:PORT (0 = any free one)")
         return 2

@@ -23,7 +23,6 @@ import json
 import select
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -257,14 +256,12 @@ class BridgeServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], socket_path: Path, model: str):
+    def __init__(self, address: tuple[str, int], socket_path: Path, model: str, verbose: bool = False):
+        """``address``: from parse_listen (loopback)."""
         self.socket_path = socket_path
         self.model = model  # the daemon's model when the bridge started (refreshed by /v1/models)
-        self.requests_served = 0
-        self.verbose = False
-        self.lock = threading.Lock()
-        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.address_family = family
+        self.verbose = verbose  # log every HTTP request
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
 
 
@@ -308,11 +305,15 @@ class Handler(BaseHTTPRequestHandler):
             except TandemError as exc:
                 raise ApiError.of(exc) from None
             with stream:
-                if call.stream:
-                    self._sse(call, stream, client)
-                else:
-                    done = self._wait(stream)
-                    self._json(HTTPStatus.OK, self._answer(call, stream.request_id, done))
+                try:
+                    if call.stream:
+                        self._sse(call, stream)
+                    else:
+                        done = self._wait(stream)
+                        self._json(HTTPStatus.OK, self._answer(call, stream.request_id, done))
+                except (ClientGone, BrokenPipeError, ConnectionResetError):
+                    client.cancel(stream.request_id)  # the HTTP client left: so does its daemon request
+                    self.close_connection = True
 
     # ------------------------------------------------------------------ plumbing
 
@@ -325,12 +326,8 @@ class Handler(BaseHTTPRequestHandler):
             if not self._body_read and self.headers.get("Content-Length", "0") != "0":
                 self.close_connection = True  # its body is still unread: the connection cannot go on
             self._json(exc.status, exc.body())
-        except ClientGone:
-            self.close_connection = True
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
-        with self.server.lock:
-            self.server.requests_served += 1
 
     def _check_origin(self) -> None:
         host = (self.headers.get("Host") or "").strip().lower()
@@ -378,8 +375,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _chunks(self, stream: Stream) -> Iterator:
         """The stream's chunks (the daemon streams even when the HTTP client does
-        not: the chunks pace the checks); the daemon request is cancelled if the
-        HTTP client leaves meanwhile, noticed within POLL_SECONDS."""
+        not: the chunks pace the checks); ClientGone if the HTTP client leaves
+        meanwhile, noticed within POLL_SECONDS."""
         checked = time.monotonic()
         while True:
             try:
@@ -394,7 +391,6 @@ class Handler(BaseHTTPRequestHandler):
             if now - checked >= POLL_SECONDS:
                 checked = now
                 if self._gone():
-                    stream.client.cancel(stream.request_id)
                     raise ClientGone()
             if chunk is not False:
                 yield chunk
@@ -420,7 +416,7 @@ class Handler(BaseHTTPRequestHandler):
         obj = call.kind + (".chunk" if chunk and call.kind == "chat.completion" else "")
         return {"id": prefix + request_id, "object": obj, "created": int(time.time()), "model": self.server.model}
 
-    def _sse(self, call: Call, stream: Stream, client: Client) -> None:
+    def _sse(self, call: Call, stream: Stream) -> None:
         chat = call.kind == "chat.completion"
 
         def event(delta: Optional[str], finish: Optional[str] = None, role: bool = False) -> dict:
@@ -432,29 +428,29 @@ class Handler(BaseHTTPRequestHandler):
                 e["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
             return e
 
-        first = True
+        started = False
+
+        def start() -> None:
+            # headers only once the daemon accepted the request: errors before it are plain HTTP errors
+            nonlocal started
+            if not started:
+                self._start_sse()
+                if chat:
+                    self._send_event(event(None, role=True))
+                started = True
+
         try:
             for chunk in self._chunks(stream):
-                if first:  # headers only once the daemon accepted the request: errors before it are plain HTTP errors
-                    self._start_sse()
-                    if chat:
-                        self._send_event(event(None, role=True))
-                    first = False
+                start()
                 if chunk.text:
                     self._send_event(event(chunk.text))
         except ApiError as exc:
-            if first:
+            if not started:
                 raise
             self._send_event(exc.body())
             self._end_sse()
             return
-        except (BrokenPipeError, ConnectionResetError):
-            client.cancel(stream.request_id)
-            raise ClientGone() from None
-        if first:
-            self._start_sse()
-            if chat:
-                self._send_event(event(None, role=True))
+        start()
         done = stream.done
         self._send_event(event(None, finish=_finish(done.finish_reason)))
         if call.include_usage:
@@ -518,13 +514,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
             f"(use 127.0.0.1:{port}; to reach it from elsewhere, tunnel: ssh -L {port}:127.0.0.1:{port} ...)"
         )
     return host, int(port)
-
-
-def make_server(listen: str, socket_path: Path, model: str, verbose: bool = False) -> BridgeServer:
-    host, port = parse_listen(listen)
-    server = BridgeServer((host, port), socket_path, model)
-    server.verbose = verbose
-    return server
 
 
 def url_of(server: BridgeServer) -> str:

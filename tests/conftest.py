@@ -45,6 +45,18 @@ def short_tmpdir(prefix: str = "tdm-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
+def terminate(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; the exit code (-9 if killed)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class DaemonProcess:
     """`tandem serve` as a user runs it, in a subprocess, on a private socket."""
 
@@ -93,15 +105,9 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = terminate(self.proc, 30)
         self._log.close()
-        return self.proc.returncode
+        return code
 
     def cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -183,12 +189,6 @@ class BridgeProcess:
         return openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, **kw)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = terminate(self.proc, 10)
         self._reader.join(5)
-        return self.proc.returncode
+        return code

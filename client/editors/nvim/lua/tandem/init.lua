@@ -150,20 +150,17 @@ function M.complete(opts)
 end
 
 local function chat_buffer()
-  if state.chat_buf and vim.api.nvim_buf_is_valid(state.chat_buf) then
-    if vim.fn.bufwinid(state.chat_buf) == -1 then
-      vim.cmd("botright split")
-      vim.api.nvim_win_set_buf(0, state.chat_buf)
-    end
-    return state.chat_buf
+  if not (state.chat_buf and vim.api.nvim_buf_is_valid(state.chat_buf)) then
+    local buf = vim.api.nvim_create_buf(false, true)
+    vim.api.nvim_buf_set_name(buf, "tandem://chat")
+    vim.api.nvim_buf_set_option(buf, "filetype", "markdown")
+    state.chat_buf = buf
   end
-  local buf = vim.api.nvim_create_buf(false, true)
-  vim.api.nvim_buf_set_name(buf, "tandem://chat")
-  vim.api.nvim_buf_set_option(buf, "filetype", "markdown")
-  vim.cmd("botright split")
-  vim.api.nvim_win_set_buf(0, buf)
-  state.chat_buf = buf
-  return buf
+  if vim.fn.bufwinid(state.chat_buf) == -1 then
+    vim.cmd("botright split")
+    vim.api.nvim_win_set_buf(0, state.chat_buf)
+  end
+  return state.chat_buf
 end
 
 local function append(buf, text)

@@ -354,6 +354,13 @@ def cmd_status(args) -> int:
         m = st.model
         fim = "fill-in-the-middle" if m.fim else "no fill-in-the-middle tokens"
         print(f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, vocab {m.n_vocab:,}, {fim})")
+    if st.model and st.model.batch_invariant is not None:
+        m = st.model
+        settings = f"{m.kernels or '?'} kernels, flash attention {'on' if m.flash_attn else 'off'}"
+        if m.batch_invariant:
+            print(f"exact:     yes, batch-invariant ({settings}): output does not depend on the cache or drafting")
+        else:
+            print(f"exact:     no, logits differ on {', '.join(m.batch_variant_paths)} ({settings}); see the daemon log")
     if st.drafter != "none":
         line = f"drafter:   {st.drafter}, {st.draft_tokens} tokens per draft"
         if st.model and st.model.exact_steps:

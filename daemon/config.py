@@ -112,7 +112,8 @@ OPTIONS: tuple[Option, ...] = (
            "with the same 16 tokens), so alternating tasks each keep their own mode; off = one state for all"),  # fmt: skip
     Option("exact", "choice", "auto", "with a drafter: decode every step as a batch of >= 2 tokens, so drafting "
            "never changes greedy output on a target whose one-token and batched kernels round differently "
-           "(probed at load); costs 25-30%% on steps without drafts. auto = on only with governor off",
+           "(probed at load); costs 25-45%% on steps without drafts. auto = on only where the probe finds the "
+           "target not batch-invariant",
            choices=("auto", "on", "off")),  # fmt: skip
     Option("cache_bytes", "size", AUTO, "prefix cache: keep the KV state of recent prompts, in pages, in this "
            "much shared memory and restore it instead of prefilling a prompt's start again; both models' pages "
@@ -129,9 +130,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("client_queue", "int", 10_000, "replies queued for a client that does not read them (a stalled "
            "editor) before it counts as gone: its running request is cancelled and further replies to it are "
            "dropped; other clients are never held up by it", minimum=16, maximum=10_000_000, metavar="N"),  # fmt: skip
-    Option("flash_attn", "bool", False, "llama.cpp flash attention"),
-    Option("extra_buffers", "choice", "auto", "llama.cpp weight repacking/AMX buffers; auto = off on CPUs with "
-           "AMX, where they crash", choices=("auto", "on", "off")),  # fmt: skip
+    Option("flash_attn", "bool", True, "llama.cpp flash attention (with reference kernels, the batch-invariant "
+           "way to compute attention on a CPU; off = separate matmuls, whose rows differ with the batch)"),
+    Option("kernels", "choice", "reference", "llama.cpp CPU kernels: reference = ggml's row-by-row kernels, so a "
+           "token's logits do not depend on how many tokens were decoded with it (output never depends on the "
+           "prefix cache, the batch split or drafting); fast = its shape-specialised tiled kernels (faster long "
+           "prefills, but output can change with caching and drafting at near-ties)",
+           choices=("reference", "fast")),  # fmt: skip
+    Option("extra_buffers", "choice", "auto", "llama.cpp weight repacking/AMX buffers; auto = off with reference "
+           "kernels (repacked weights round one row differently from several) and on CPUs with AMX (they crash "
+           "there), else on", choices=("auto", "on", "off")),  # fmt: skip
     Option("metrics_addr", "addr", LOOPBACK_METRICS, "Prometheus metrics endpoint (HTTP, GET /metrics); "
            "loopback only unless metrics_allow_remote; port 0 picks a free port; off = no endpoint",
            metavar="HOST:PORT|off"),  # fmt: skip

@@ -106,6 +106,7 @@ class Engine:
         self.clock = clock
         self.governors = governors  # None: draft every round
         self.cache = cache  # the prefix cache's pages of this model; None: no prefix cache
+        self.batch_invariant: Optional[bool] = None  # the model's load probe (LlamaModel.batch_invariance)
 
     def prompt_tokens(self, req: Decoding) -> list[int]:
         if isinstance(req, Complete):
@@ -264,6 +265,7 @@ class Engine:
             draft=stats if stats is not None and stats.rounds else None,
             governor=self.governors.info() if governor is not None and self.governors is not None else None,
             cache=self.cache.info() if self.cache is not None else None,
+            batch_invariant=self.batch_invariant,
         )
 
     def _governor(self, req: Decoding, tokens: list[int], k: int) -> Optional[Governor]:

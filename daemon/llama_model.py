@@ -43,12 +43,71 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def default_extra_buffers() -> bool:
+def default_extra_buffers(reference_kernels: bool = True) -> bool:
     """llama.cpp's extra weight buffers (repacking, and AMX on Intel CPUs that
-    have it). On an AMX-capable Xeon VM the AMX matmul kernel segfaults on the
-    first decode (seen with llama-cpp-python 0.3.36, Q4_1), so they are off
-    where AMX is present and on elsewhere (where repacking speeds up Q4_0/Q4_K)."""
-    return not cpu_has_amx()
+    have it). Off with reference kernels: repacked Q4_0/Q4_K/Q8_0 weights use a
+    4-row gemm and a one-row gemv that round differently (measured on an AVX2
+    build: Qwen2.5-Coder 0.5B and 1.5B not batch-invariant with them, invariant
+    without). With fast kernels: off where AMX is present (the AMX matmul kernel
+    segfaults on the first decode on an AMX-capable Xeon VM, llama-cpp-python
+    0.3.36, Q4_1), on elsewhere (repacking speeds up Q4_0/Q4_K)."""
+    return not reference_kernels and not cpu_has_amx()
+
+
+_REFERENCE_KERNELS = {"on": False, "hook": None}
+
+
+def use_reference_kernels(on: bool) -> None:
+    """Make llama.cpp CPU contexts created from now on use ggml's row-by-row
+    kernels (``ggml_backend_cpu_set_use_ref``), so that a position's logits do
+    not depend on how many tokens were decoded with it.
+
+    ggml's CPU backend picks kernels by batch shape: flash attention is tiled for
+    64 or more query rows and split across threads for one row over 512 or more
+    KV cells; K-quant matmuls are tiled from 8 rows; ops are fused. Each rounds
+    differently, so a prefix-cache restore, a verify pass or a one-token step can
+    give other logits than one long prefill. ``use_ref`` turns those variants off
+    (it is what llama.cpp's test-backend-ops compares against). llama.cpp has no
+    API to set it on a context's backend, so this wraps the CPU device's
+    ``init_backend`` (``struct ggml_backend_device_i``, 6th slot, pinned to the
+    llama.cpp vendored in llama-cpp-python 0.3.36) to set it on every CPU
+    backend the device creates. Whether it took effect is not assumed: the load
+    probe (``LlamaModel.batch_invariance``) measures it."""
+    _REFERENCE_KERNELS["on"] = bool(on)
+    if _REFERENCE_KERNELS["hook"] is not None or not on:
+        return
+    libdir = Path(llama.__file__).parent / "lib"
+    # the copies libllama links against (the wheel ships them under two names each)
+    ggml = ctypes.CDLL(str(libdir / "libggml.so.0"))
+    base = ctypes.CDLL(str(libdir / "libggml-base.so.0"))
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    base.ggml_backend_dev_name.restype = ctypes.c_char_p
+    base.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not dev or base.ggml_backend_dev_name(dev) != b"CPU":
+        raise ModelLoadError("llama.cpp has no CPU device to set reference kernels on")
+    set_ref_addr = base.ggml_backend_reg_get_proc_address(base.ggml_backend_dev_backend_reg(dev), b"ggml_backend_cpu_set_use_ref")
+    if not set_ref_addr:
+        raise ModelLoadError("this llama.cpp has no ggml_backend_cpu_set_use_ref")
+    set_ref = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_bool)(set_ref_addr)
+    init_type = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+    slot = ctypes.c_void_p.from_address(dev + 5 * ctypes.sizeof(ctypes.c_void_p))  # iface.init_backend
+    original = init_type(slot.value)
+
+    @init_type
+    def init_backend(device, params):
+        backend = original(device, params)
+        if backend and _REFERENCE_KERNELS["on"]:
+            set_ref(backend, True)
+        return backend
+
+    _REFERENCE_KERNELS["hook"] = (init_backend, original)  # kept alive: llama.cpp holds the pointer
+    slot.value = ctypes.cast(init_backend, ctypes.c_void_p).value
 
 
 class LlamaModel:
@@ -61,17 +120,20 @@ class LlamaModel:
         flash_attn: bool = False,
         max_ctx: int = 8192,
         extra_buffers: Optional[bool] = None,
+        reference_kernels: bool = True,
     ):
         self.path = Path(path)
         llama_logger.set_verbose(False)
         llama.llama_backend_init()
-        self.extra_buffers = default_extra_buffers() if extra_buffers is None else extra_buffers
+        self.extra_buffers = default_extra_buffers(reference_kernels) if extra_buffers is None else extra_buffers
         self._load_model()
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self.model))
         self.n_ctx = int(n_ctx) if n_ctx else min(self.n_ctx_train, max_ctx)
         self.n_batch = min(n_batch, self.n_ctx)
         self.n_threads = n_threads or default_threads()
         self.flash_attn = flash_attn
+        self.reference_kernels = reference_kernels
+        use_reference_kernels(reference_kernels)
         self._create_context(flash_attn)
         self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
         self._pieces: dict[int, bytes] = {}
@@ -166,28 +228,48 @@ class LlamaModel:
             digests.append(h.hexdigest()[:16])
         return digests
 
-    def batch_invariant(self) -> bool:
-        """Do one-token and multi-token decodes give bit-identical logits here?
-        (Q4_K weights: yes; F16 and Q4_1 on this llama.cpp's CPU kernels: no.)
-        Probes a short text twice; leaves the cache empty."""
-        texts = (
-            "The quick brown fox jumps over the lazy dog because it was late for dinner and",
-            'def parse(line):\n    """Split a CSV line."""\n    fields = []\n    for part in line.split(","):',
+    def batch_invariance(self) -> dict[str, bool]:
+        """Does a position's logits depend on how the tokens were batched? Decodes
+        a ~70-token text (past the 64 query rows where ggml's flash attention
+        tiles, and the 8 where its K-quant matmul does) the ways tandem does and
+        compares the logits bit for bit with one prefill of the whole text:
+
+        - ``restore``: a page of 16 tokens first, then the rest (a prefix-cache hit)
+        - ``verify``: all but 5 tokens, then 5 in one pass (a verify pass, k = 4)
+        - ``one_token``: the same 5 one at a time (plain decoding), against the verify rows
+        - ``small_batches``: 7 tokens per call (a prompt longer than --batch-size)
+
+        Returns each path's verdict; all True means batch-invariant here. Leaves the cache empty."""
+        text = (
+            "The lighthouse keeper climbed the stairs every evening to light the lamp. "
+            'def parse(line):\n    """Split a CSV line."""\n    fields = []\n    for part in line.split(","):\n'
+            "        fields.append(part.strip())\n    return fields  # one per column\n"
         )
+        tokens = self.tokenize(text, add_special=True)
+        while len(tokens) < 70:
+            tokens = tokens + tokens[1:]
+        tokens = tokens[: min(72, self.n_batch, self.n_ctx - 1)]
+        n = len(tokens)
         try:
-            for text in texts:
-                tokens = self.tokenize(text, add_special=True)
-                prefix, steps = tokens[:-6], tokens[-6:]
-                self.clear()
-                self.decode(prefix)
-                singles = [self.decode([t])[0] for t in steps]
-                for width in (2, 6):
-                    self.clear()
-                    self.decode(prefix)
-                    rows = self.decode(steps[:width], logits_for=range(width))
-                    if not all(np.array_equal(rows[i], singles[i]) for i in range(width)):
-                        return False
-            return True
+            self.clear()
+            whole = self.decode(tokens)[0]
+            self.clear()
+            self.decode(tokens[:16])
+            restore = self.decode(tokens[16:])[0]
+            self.clear()
+            self.decode(tokens[: n - 5])
+            rows = self.decode(tokens[n - 5 :], logits_for=range(5))
+            self.truncate(n - 5)
+            singles = [self.decode([t])[0] for t in tokens[n - 5 :]]
+            self.clear()
+            for start in range(0, n, 7):
+                small = self.decode(tokens[start : start + 7])[0]
+            return {
+                "restore": bool(np.array_equal(restore, whole)),
+                "verify": bool(np.array_equal(rows[-1], whole)),
+                "one_token": all(np.array_equal(a, b) for a, b in zip(rows, singles)),
+                "small_batches": bool(np.array_equal(small, whole)),
+            }
         finally:
             self.clear()
 

@@ -51,6 +51,7 @@ def serve(
                 max_queue=s.max_queue,
                 extra_buffers={"auto": None, "on": True, "off": False}[s.extra_buffers],
                 flash_attn=s.flash_attn,
+                kernels=s.kernels,
                 drafter=drafter_name,
                 drafter_path=drafter_path,
                 draft_tokens=s.draft_tokens,

@@ -155,12 +155,13 @@ class ServeConfig:
     batch_size: int = 512
     max_queue: int = 16
     extra_buffers: Optional[bool] = None
-    flash_attn: bool = False
+    flash_attn: bool = True
+    kernels: str = "reference"  # "reference" (batch-invariant) or "fast"
     drafter: str = "none"  # "none", "ngram", or a model's display name
     drafter_path: Optional[Path] = None  # set for a model drafter
     draft_tokens: int = 4
     draft_p_min: float = 0.0
-    exact: str = "auto"  # "auto" (on when the target is not batch-invariant and the governor is off), "on", "off"
+    exact: str = "auto"  # "auto" (on when the target is not batch-invariant), "on", "off"
     governor: bool = True
     governor_per_task: bool = True
     cache_bytes: int = 0  # prefix cache arena (shared memory); 0 = no prefix cache (serve() defaults to 1 GiB)
@@ -397,7 +398,7 @@ class Daemon:
         identity = governor_identity(c)
         common = dict(
             n_ctx=c.ctx_size, n_threads=c.threads, n_batch=c.batch_size, extra_buffers=c.extra_buffers,
-            flash_attn=c.flash_attn, endpoint="", draft_endpoint=draft_endpoint,
+            flash_attn=c.flash_attn, kernels=c.kernels, endpoint="", draft_endpoint=draft_endpoint,
         )  # fmt: skip
         self.target = WorkerHandle(
             self.zctx,

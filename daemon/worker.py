@@ -60,7 +60,8 @@ class WorkerConfig:
     n_batch: int
     extra_buffers: Optional[bool]
     endpoint: str
-    flash_attn: bool = False
+    flash_attn: bool = True
+    kernels: str = "reference"  # "reference": ggml's batch-invariant CPU kernels; "fast": its shape-specialised ones
     spin_count: Optional[int] = 10000  # GOMP_SPINCOUNT; see FACTS.md on two llama.cpp processes
     drafter: str = "none"  # target only: "none", "ngram" or "model"
     draft_endpoint: str = ""  # the drafter worker binds it, the target worker connects to it
@@ -89,7 +90,20 @@ def load_model(config: WorkerConfig):
         n_batch=config.n_batch,
         extra_buffers=config.extra_buffers,
         flash_attn=config.flash_attn,
+        reference_kernels=config.kernels == "reference",
     )
+
+
+def invariance_fix(config: WorkerConfig, model) -> str:
+    """What to change so that the probe passes, as far as it is known."""
+    if config.kernels != "reference":
+        return "Use --kernels reference (the default)."
+    if not config.flash_attn:
+        return "Use --flash-attn on (the default)."
+    if model.extra_buffers:
+        return "Try --extra-buffers off (weight repacking uses other kernels for one row than for several)."
+    return ("No setting is known to fix it for this model file (F16 weights use llamafile's tinyBLAS, whose "
+            "rows differ from its one-row kernel); a quantized model (Q4_K, Q8_0, Q4_1) is batch-invariant here.")
 
 
 def _die_with_parent() -> None:
@@ -203,13 +217,29 @@ class WorkerLoop:
             has_chat_template=template is not None,
             vocab_digests=model.vocab_digests() if c.drafter == "model" else [],
             fim=model.fim_tokens() is not None,
+            kernels=c.kernels,
+            flash_attn=c.flash_attn,
         )
         min_batch = 1
-        if c.drafter != "none":
-            info.batch_invariant = model.batch_invariant()
-            if c.exact == "on" or (c.exact == "auto" and not c.governor and not info.batch_invariant):
-                min_batch = 2
-                info.exact_steps = True
+        started = time.perf_counter()
+        paths = model.batch_invariance()
+        info.batch_invariant = all(paths.values())
+        info.batch_variant_paths = [name for name, same in paths.items() if not same]
+        log.info(
+            "batch-invariance probe (%.2f s): %s", time.perf_counter() - started,
+            "every path gives identical logits" if info.batch_invariant
+            else "logits differ on " + ", ".join(info.batch_variant_paths),
+        )  # fmt: skip
+        if not info.batch_invariant:
+            log.warning(
+                "%s is not batch-invariant on this CPU with these settings (kernels=%s, flash_attn=%s, "
+                "extra_buffers=%s): at near-ties greedy output can depend on the prefix cache and on drafting. "
+                "%s", c.model_name, c.kernels, "on" if c.flash_attn else "off",
+                "on" if model.extra_buffers else "off", invariance_fix(c, model),
+            )  # fmt: skip
+        if c.drafter != "none" and (c.exact == "on" or (c.exact == "auto" and not info.batch_invariant)):
+            min_batch = 2
+            info.exact_steps = True
         governors = None
         if c.governor and c.drafter != "none":
             from .governor import GovernorBank
@@ -230,6 +260,7 @@ class WorkerLoop:
             governors=governors,
             cache=self._page_store(model),
         )
+        engine.batch_invariant = info.batch_invariant
         return engine, info
 
     def _page_store(self, model):

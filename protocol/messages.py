@@ -349,6 +349,7 @@ class Done(Message):
     governor: Optional[GovernorInfo] = None  # its task's governor after this request; None if not governed
     cache: Optional[CacheInfo] = None  # the prefix cache after this request; None without one
     serial: int = 0  # the request's place in the daemon's arrival order (1, 2, ...): it serves them in this order
+    batch_invariant: Optional[bool] = None  # the target's load probe: greedy output is independent of cache and drafting
 
 
 @dataclass
@@ -391,9 +392,12 @@ class ModelInfo:
     size_bytes: int
     has_chat_template: bool
     vocab_digests: list[str] = field(default_factory=list)  # sha256 (16 hex) of each 4,096-id block of token texts
-    batch_invariant: Optional[bool] = None  # one-token and batched decodes agree bit for bit (probed with a drafter)
+    batch_invariant: Optional[bool] = None  # the load probe: every decoding path gives bit-identical logits here
     exact_steps: bool = False  # every step reads >= 2 positions so drafting never changes greedy output
     fim: bool = False  # the vocabulary has fill-in-the-middle tokens: ``complete`` works
+    batch_variant_paths: list[str] = field(default_factory=list)  # the probe's paths whose logits differ
+    kernels: str = ""  # "reference" (ggml's batch-invariant CPU kernels) or "fast"
+    flash_attn: Optional[bool] = None
 
 
 @dataclass

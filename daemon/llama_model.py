@@ -117,7 +117,7 @@ class LlamaModel:
         n_ctx: Optional[int] = None,
         n_threads: Optional[int] = None,
         n_batch: int = 512,
-        flash_attn: bool = False,
+        flash_attn: bool = True,
         max_ctx: int = 8192,
         extra_buffers: Optional[bool] = None,
         reference_kernels: bool = True,
@@ -377,10 +377,10 @@ class LlamaModel:
 
 
 def reference_llama(path: Path | str, n_ctx: int, n_threads: Optional[int] = None, **kwargs) -> "llama.Llama":
-    """llama-cpp-python's own high-level ``Llama`` with the worker's settings
-    (threads, extra buffers), for comparing the daemon against it in-process.
-    ``Llama`` does not expose ``use_extra_bufts``, so its default params are
-    patched while it loads."""
+    """llama-cpp-python's own high-level ``Llama`` with the worker's default
+    settings (threads, reference kernels, flash attention, extra buffers), for
+    comparing the daemon against it in-process. ``Llama`` does not expose
+    ``use_extra_bufts``, so its default params are patched while it loads."""
     original = llama.llama_cpp.llama_model_default_params
 
     def params():
@@ -389,6 +389,8 @@ def reference_llama(path: Path | str, n_ctx: int, n_threads: Optional[int] = Non
         return p
 
     threads = n_threads or default_threads()
+    kwargs.setdefault("flash_attn", True)
+    use_reference_kernels(True)
     llama.llama_cpp.llama_model_default_params = params
     try:
         return llama.Llama(

@@ -53,8 +53,12 @@ def test_pages_put_back_give_bit_identical_logits(model, tokens):
     pages = [cut(p, i * PAGE, (i + 1) * PAGE) for i in range(3)]
     assert all(len(pg) == p.layout.page_bytes(PAGE) for pg in pages)
 
+    # the same batches without the round trip through pages: 2 pages prefilled, then 1 token
+    # (one prefill of all 33 gives the same logits only where the kernels are batch-invariant:
+    # tests/daemon/test_batch_invariance.py)
     model.clear()
-    expected = model.decode(tokens[: 2 * PAGE + 1])[0]  # a fresh prefill of 2 pages + 1 token
+    model.decode(tokens[: 2 * PAGE])
+    expected = model.decode(tokens[2 * PAGE : 2 * PAGE + 1])[0]
 
     model.set_seq_state(assemble(p.layout, pages[:2], PAGE), 2 * PAGE)
     got = model.decode(tokens[2 * PAGE : 2 * PAGE + 1])[0]

@@ -414,6 +414,7 @@ class Daemon:
                 governor_state=str(state_file(c.state_dir, identity)) if c.state_dir is not None and kind != "none" else "",
                 governor_identity=identity,
                 governor_per_task=c.governor_per_task,
+                probe_cache=str(c.state_dir / "batch-invariance.json") if c.state_dir is not None else "",
                 worker_timeout=c.worker_timeout,
                 cache_shm=self.kv_arena.name if self.kv_arena is not None else "",
                 cache_bytes=c.cache_bytes,

@@ -72,6 +72,7 @@ class WorkerConfig:
     governor_state: str = ""  # file the governor's state is kept in ("": not kept)
     governor_identity: str = ""  # target, drafter and k: the state is valid only for these
     governor_per_task: bool = True  # one governor per task (the prompt's start), or one for all
+    probe_cache: str = ""  # file keeping the batch-invariance probe's verdicts across restarts ("": not kept)
     cache_shm: str = ""  # the daemon's prefix-cache arena (a /dev/shm name); "": no prefix cache
     cache_bytes: int = 0
     page_tokens: int = 16
@@ -92,6 +93,54 @@ def load_model(config: WorkerConfig):
         flash_attn=config.flash_attn,
         reference_kernels=config.kernels == "reference",
     )
+
+
+def probe_key(model, config: WorkerConfig) -> str:
+    """What the probe's verdict depends on: the model file, the kernels and
+    their settings, the CPU's features as llama.cpp sees them, and its version."""
+    import hashlib
+
+    import llama_cpp
+
+    st = model.path.stat()
+    parts = (
+        str(model.path.resolve()), st.st_size, st.st_mtime_ns, config.kernels, model.flash_attn, model.extra_buffers,
+        model.n_batch, model.n_threads, llama_cpp.__version__, llama_cpp.llama_print_system_info().decode(),
+    )  # fmt: skip
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def probe_batch_invariance(model, config: WorkerConfig) -> dict[str, bool]:
+    """``model.batch_invariance()``, kept in ``config.probe_cache`` (a few seconds
+    for a 1.5B model on 2 cores, so not at every start). A missing, corrupt or
+    foreign file only means probing again."""
+    import json
+
+    path = Path(config.probe_cache) if config.probe_cache else None
+    key = probe_key(model, config)
+    known: dict = {}
+    if path is not None:
+        try:
+            known = json.loads(path.read_text())
+            if not isinstance(known, dict):
+                known = {}
+            cached = known.get(key)
+            if isinstance(cached, dict) and cached and all(isinstance(v, bool) for v in cached.values()):
+                return cached
+        except (OSError, ValueError):
+            known = {}
+    paths = model.batch_invariance()
+    if path is not None:
+        known = {k: v for k, v in known.items() if isinstance(v, dict)}
+        known[key] = paths
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(dict(list(known.items())[-32:])))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not keep the batch-invariance probe's verdict in %s: %s", path, exc)
+    return paths
 
 
 def invariance_fix(config: WorkerConfig, model) -> str:
@@ -222,7 +271,7 @@ class WorkerLoop:
         )
         min_batch = 1
         started = time.perf_counter()
-        paths = model.batch_invariance()
+        paths = probe_batch_invariance(model, c)
         info.batch_invariant = all(paths.values())
         info.batch_variant_paths = [name for name, same in paths.items() if not same]
         log.info(

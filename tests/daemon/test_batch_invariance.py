@@ -96,3 +96,37 @@ def test_the_default_settings_are_batch_invariant(which, smollm2_path, coder_pat
         assert really_invariant(model)
     finally:
         model.close()
+
+
+class CountingModel:
+    """Stands in for LlamaModel in the probe cache's pure logic: counts probes."""
+
+    def __init__(self, path, verdict):
+        self.path, self.verdict, self.probes = path, verdict, 0
+        self.flash_attn, self.extra_buffers, self.n_batch, self.n_threads = True, False, 512, 2
+
+    def batch_invariance(self):
+        self.probes += 1
+        return dict(self.verdict)
+
+
+def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_path):
+    from tandem.daemon.worker import WorkerConfig, probe_batch_invariance
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not really a model")
+    state = tmp_path / "state" / "batch-invariance.json"
+    config = WorkerConfig(role="target", model_name="m", model_path=str(gguf), n_ctx=None, n_threads=None, n_batch=512,
+                          extra_buffers=None, endpoint="", probe_cache=str(state))  # fmt: skip
+    verdict = {"restore": True, "verify": False, "one_token": True, "small_batches": True}
+    model = CountingModel(gguf, verdict)
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 1
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 1  # kept
+    config.kernels = "fast"  # another setting: probed again
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 2
+    for junk in ("{not json", "[1, 2]", '{"x": 3}', ""):
+        state.write_text(junk)
+        assert probe_batch_invariance(model, config) == verdict
+    assert model.probes == 6
+    gguf.write_bytes(b"another model file")  # a changed file: probed again
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 7

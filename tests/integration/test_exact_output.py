@@ -1,0 +1,62 @@
+"""Exact output through the daemon's socket with default settings: greedy text
+does not depend on the prefix cache, on drafting or on a second turn built over
+cached pages (SmolLM2 Q4_1, the n-gram drafter). bench/exactness.py runs the same
+comparison on the whole corpus and both model pairs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CORPUS = json.loads((Path(__file__).parents[2] / "bench" / "corpus.json").read_text())
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def exact_daemon(smollm2_path):
+    from conftest import DaemonProcess
+
+    d = DaemonProcess(smollm2_path, "--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M")
+    d.wait_ready(120)
+    yield d
+    d.stop()
+    d.cleanup()
+
+
+def greedy(client, messages, **params) -> list[int]:
+    stream = client.generate(messages=messages, max_tokens=TOKENS, temperature=0.0, **params)
+    return [t for chunk in stream for t in chunk.token_ids]
+
+
+def test_the_daemon_reports_its_defaults_batch_invariant(exact_daemon):
+    with exact_daemon.client() as client:
+        st = client.status()
+        done = client.complete(prompt="Hello", max_tokens=2, temperature=0.0)
+    m = st.model
+    assert (m.kernels, m.flash_attn) == ("reference", True)
+    assert m.batch_invariant is True and m.batch_variant_paths == [] and done.batch_invariant is True
+    assert not m.exact_steps  # an invariant target needs no two-token steps
+    assert "batch-invariance probe" in exact_daemon.log()
+
+
+@pytest.mark.parametrize("kind", list(CORPUS))
+def test_greedy_text_does_not_depend_on_cache_or_drafting(exact_daemon, kind):
+    messages = CORPUS[kind][0]
+    with exact_daemon.client() as client:
+        reference = greedy(client, messages, cache=False, draft="off")
+        client.cache_clear()
+        assert greedy(client, messages, draft="off") == reference  # cold: prefilled, then stored
+        assert greedy(client, messages, draft="off") == reference  # warm: restored from pages
+        assert greedy(client, messages, cache=False, draft="on") == reference  # drafting every round
+        assert greedy(client, messages, cache=False) == reference  # as the governor decides
+        text = client.complete(messages=messages, max_tokens=TOKENS, temperature=0.0, cache=False).text
+        turn2 = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "Shorter, please."}]
+        fresh = greedy(client, turn2, cache=False, draft="off")
+        client.cache_clear()
+        client.complete(messages=messages, max_tokens=TOKENS, temperature=0.0)  # turn 1 and its reply cached
+        cached = client.generate(messages=turn2, max_tokens=TOKENS, temperature=0.0, draft="off")
+        ids = [t for chunk in cached for t in chunk.token_ids]
+        assert cached.done.usage.cached_tokens > 0
+        assert ids == fresh

@@ -54,7 +54,8 @@ def run_one(model_path: str, flash: bool, extra_buffers, ubatch: int, lengths: l
 
     use_reference_kernels(ref_kernels)
 
-    model = LlamaModel(model_path, n_ctx=1024, n_batch=512, flash_attn=flash, extra_buffers=extra_buffers)
+    model = LlamaModel(model_path, n_ctx=1024, n_batch=512, flash_attn=flash, extra_buffers=extra_buffers,
+                       reference_kernels=ref_kernels)  # fmt: skip
     if ubatch != 512:  # a context with a smaller micro-batch
         import llama_cpp as llama
 

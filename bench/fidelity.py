@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 6])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--flash-attn", choices=["on", "off"], default="off")
+    ap.add_argument("--flash-attn", choices=["on", "off"], default="on")
     ap.add_argument("--exact", choices=["auto", "off"], default="auto")
     ap.add_argument("--kinds", nargs="*", default=None)
     args = ap.parse_args()

@@ -364,7 +364,7 @@ def cmd_status(args) -> int:
     if st.drafter != "none":
         line = f"drafter:   {st.drafter}, {st.draft_tokens} tokens per draft"
         if st.model and st.model.exact_steps:
-            line += ", exact steps (target is not batch-invariant)"
+            line += ", exact steps" + ("" if st.model.batch_invariant else " (target is not batch-invariant)")
         if st.draft:
             d = st.draft
             line += (

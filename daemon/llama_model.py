@@ -76,7 +76,7 @@ def use_reference_kernels(on: bool) -> None:
     _REFERENCE_KERNELS["on"] = bool(on)
     if _REFERENCE_KERNELS["hook"] is not None or not on:
         return
-    libdir = Path(llama.__file__).parent / "lib"
+    libdir = Path(getattr(llama.llama_cpp, "_base_path", Path(llama.__file__).parent / "lib"))
     # the copies libllama links against (the wheel ships them under two names each)
     ggml = ctypes.CDLL(str(libdir / "libggml.so.0"))
     base = ctypes.CDLL(str(libdir / "libggml-base.so.0"))
@@ -248,8 +248,10 @@ class LlamaModel:
         tokens = self.tokenize(text, add_special=True)
         while len(tokens) < 70:
             tokens = tokens + tokens[1:]
-        tokens = tokens[: min(72, self.n_batch, self.n_ctx - 1)]
+        tokens = tokens[: min(72, self.n_ctx - 1)]  # decode() splits by n_batch itself
         n = len(tokens)
+        if n < 24:
+            return {}  # a context too small to probe in: unknown
         try:
             self.clear()
             whole = self.decode(tokens)[0]

@@ -257,7 +257,8 @@ class InstanceLock:
 
 def governor_identity(c: ServeConfig) -> str:
     """What the governor's learned state is valid for: the target and drafter
-    files (name and size) and the draft length."""
+    files (name and size), the draft length and the kernels (which change the
+    speed of both kinds of round)."""
 
     def describe(path: Optional[Path]) -> str:
         if path is None:
@@ -268,7 +269,8 @@ def governor_identity(c: ServeConfig) -> str:
             return path.name
 
     drafter = describe(c.drafter_path) if c.drafter_path is not None else c.drafter
-    return f"target={describe(c.model_path)} drafter={drafter} k={c.draft_tokens}"
+    kernels = f" kernels={c.kernels} flash={'on' if c.flash_attn else 'off'}"
+    return f"target={describe(c.model_path)} drafter={drafter} k={c.draft_tokens}{kernels}"
 
 
 # --------------------------------------------------------------------------- the daemon

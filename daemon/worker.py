@@ -95,6 +95,9 @@ def load_model(config: WorkerConfig):
     )
 
 
+PROBE_PATHS = {"restore", "verify", "one_token", "small_batches"}  # LlamaModel.batch_invariance's keys
+
+
 def probe_key(model, config: WorkerConfig) -> str:
     """What the probe's verdict depends on: the model file, the kernels and
     their settings, the CPU's features as llama.cpp sees them, and its version."""
@@ -121,24 +124,25 @@ def probe_batch_invariance(model, config: WorkerConfig) -> dict[str, bool]:
     known: dict = {}
     if path is not None:
         try:
-            known = json.loads(path.read_text())
-            if not isinstance(known, dict):
-                known = {}
-            cached = known.get(key)
-            if isinstance(cached, dict) and cached and all(isinstance(v, bool) for v in cached.values()):
-                return cached
-        except (OSError, ValueError):
+            if path.is_file() and path.stat().st_size < 1 << 20:  # never a FIFO or a huge file
+                known = json.loads(path.read_text())
+            known = known if isinstance(known, dict) else {}
+        except Exception:  # unreadable, not JSON, nested too deep: probe again
             known = {}
+        cached = known.get(key)
+        if isinstance(cached, dict) and set(cached) == PROBE_PATHS and all(isinstance(v, bool) for v in cached.values()):
+            return cached
     paths = model.batch_invariance()
-    if path is not None:
+    if path is not None and paths:
         known = {k: v for k, v in known.items() if isinstance(v, dict)}
         known[key] = paths
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(json.dumps(dict(list(known.items())[-32:])))
             os.replace(tmp, path)
         except OSError as exc:
+            tmp.unlink(missing_ok=True)
             log.warning("could not keep the batch-invariance probe's verdict in %s: %s", path, exc)
     return paths
 
@@ -271,22 +275,27 @@ class WorkerLoop:
         )
         min_batch = 1
         started = time.perf_counter()
-        paths = probe_batch_invariance(model, c)
-        info.batch_invariant = all(paths.values())
+        try:
+            paths = probe_batch_invariance(model, c)
+        except Exception as exc:  # a failed probe must not stop the daemon: the verdict is unknown
+            log.warning("the batch-invariance probe failed (%s: %s); exactness unknown", type(exc).__name__, exc)
+            paths = {}
+        info.batch_invariant = all(paths.values()) if paths else None
         info.batch_variant_paths = [name for name, same in paths.items() if not same]
         log.info(
             "batch-invariance probe (%.2f s): %s", time.perf_counter() - started,
             "every path gives identical logits" if info.batch_invariant
+            else "not probed (context too small)" if info.batch_invariant is None
             else "logits differ on " + ", ".join(info.batch_variant_paths),
         )  # fmt: skip
-        if not info.batch_invariant:
+        if info.batch_invariant is False:
             log.warning(
                 "%s is not batch-invariant on this CPU with these settings (kernels=%s, flash_attn=%s, "
                 "extra_buffers=%s): at near-ties greedy output can depend on the prefix cache and on drafting. "
                 "%s", c.model_name, c.kernels, "on" if c.flash_attn else "off",
                 "on" if model.extra_buffers else "off", invariance_fix(c, model),
             )  # fmt: skip
-        if c.drafter != "none" and (c.exact == "on" or (c.exact == "auto" and not info.batch_invariant)):
+        if c.drafter != "none" and (c.exact == "on" or (c.exact == "auto" and info.batch_invariant is not True)):
             min_batch = 2
             info.exact_steps = True
         governors = None

@@ -124,9 +124,13 @@ def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_p
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1  # kept
     config.kernels = "fast"  # another setting: probed again
     assert probe_batch_invariance(model, config) == verdict and model.probes == 2
-    for junk in ("{not json", "[1, 2]", '{"x": 3}', ""):
+    for junk in ("{not json", "[1, 2]", '{"x": 3}', "", "[" * 100_000, "{}"):
         state.write_text(junk)
         assert probe_batch_invariance(model, config) == verdict
-    assert model.probes == 6
-    gguf.write_bytes(b"another model file")  # a changed file: probed again
-    assert probe_batch_invariance(model, config) == verdict and model.probes == 7
+    assert model.probes == 8
+    key = next(iter(__import__("json").loads(state.read_text())))
+    state.write_text('{"%s": {"restore": true}}' % key)  # a verdict with missing paths is not one
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 9
+    gguf.write_bytes(b"another, longer model file")  # a changed file: probed again
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 10
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 10

@@ -87,11 +87,11 @@ def test_bad_environment_and_flag_values_say_where_they_came_from():
 def test_toml_types_and_strings_both_work(tmp_path):
     path = write(
         tmp_path,
-        'governor = false\nflash_attn = "on"\ncache_bytes = 1048576\nctx_size = "auto"\nthreads = 2\n'
+        'governor = false\nflash_attn = "off"\ncache_bytes = 1048576\nctx_size = "auto"\nthreads = 2\n'
         'state_dir = "~/somewhere"\nexact = true\n',
     )
     s = load({}, path, environ={})
-    assert s.governor is False and s.flash_attn is True and s.cache_bytes == 1 << 20
+    assert s.governor is False and s.flash_attn is False and s.cache_bytes == 1 << 20
     assert s.ctx_size is None and s.threads == 2 and s.exact == "on"
     assert s.state_dir == Path("~/somewhere").expanduser()
 

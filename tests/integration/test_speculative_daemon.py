@@ -39,7 +39,7 @@ def spec_daemon(pair):
 def test_greedy_with_the_drafter_equals_plain_greedy_on_the_corpus(spec_daemon, pair):
     corpus = load_corpus()
     assert len(corpus) >= 3 and all(len(prompts) >= 8 for prompts in corpus.values())
-    engine = reference_engine(str(pair[0]), flash_attn=False)
+    engine = reference_engine(str(pair[0]), flash_attn=True)  # the daemon's defaults
     with spec_daemon.client() as client:
         result = compare(client, corpus, ks=[4], tokens=32, engine=engine)
     report = "\n".join(
@@ -115,7 +115,7 @@ def test_sampling_distribution_with_and_without_the_drafter_match_chi_squared(sp
 
 
 def test_ngram_drafter_on_a_copying_task(start_daemon):
-    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024", "--governor", "off")  # so exact steps are on
+    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024", "--governor", "off")
     code = "def area(width, height):\n    return width * height\n\n"
     prompt = f"Rewrite this code exactly:\n{code}\nRewritten:\n"
     with d.client() as client:

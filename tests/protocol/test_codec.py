@@ -14,6 +14,8 @@ import tandem.protocol as P
 from tandem.protocol import ErrorCode, ProtocolError, decode, encode, packb, unpackb
 
 MODEL = P.ModelInfo("m", "/m.gguf", 1024, 8192, 49152, 98_362_432, True)
+PROBED = P.ModelInfo("m", "/m.gguf", 1024, 8192, 49152, 98_362_432, True, batch_invariant=False, exact_steps=True,
+                     batch_variant_paths=["verify", "one_token"], kernels="reference", flash_attn=True)  # fmt: skip
 
 REQUESTS = [
     P.Hello(id="h1", protocol_version=[1, 0], client_name="test"),
@@ -50,6 +52,14 @@ REPLIES = [
     ),
     P.Done(
         id="g2",
+        text="exact",
+        finish_reason=P.FinishReason.STOP,
+        usage=P.Usage(3, 1),
+        timings=P.Timings(0.1, 0.05, 0.4, 10.0, 0.0),
+        batch_invariant=True,
+    ),
+    P.Done(
+        id="g2",
         text="x",
         finish_reason=P.FinishReason.STOP,
         usage=P.Usage(3, 1),
@@ -77,7 +87,7 @@ REPLIES = [
         worker_pids={"target": 43},
         worker_restarts=0,
         drafter="qwen2.5-coder-0.5b",
-        drafter_model=MODEL,
+        drafter_model=PROBED,
         draft_tokens=4,
         draft=P.DraftStats(1, 4, 2, 0.5, [1, 1], 3.0),
     ),
@@ -89,7 +99,7 @@ REPLIES = [
         cache=P.CacheInfo(16, 0, 0, 2**30, 1, 2, 32, 8, 0, pages_total=100, page_bytes={"target": 2**20}),
     ),
     P.CacheCleared(id="k2", pages=0, bytes=0, cache=None),
-    P.Ready(id="target", model=MODEL, pid=43),
+    P.Ready(id="target", model=PROBED, pid=43),
     P.Progress(id="g1"),
     P.DrafterHung(id="g1", message="the drafter did not answer within 10 s"),
 ]

@@ -60,3 +60,17 @@ def test_greedy_text_does_not_depend_on_cache_or_drafting(exact_daemon, kind):
         ids = [t for chunk in cached for t in chunk.token_ids]
         assert cached.done.usage.cached_tokens > 0
         assert ids == fresh
+
+
+def test_seeded_sampling_does_not_depend_on_the_cache(exact_daemon):
+    messages = CORPUS["story"][1]
+    params = dict(max_tokens=TOKENS, temperature=0.9, top_p=0.95, seed=1234)
+    with exact_daemon.client() as client:
+        reference = client.complete(messages=messages, cache=False, **params).text
+        client.cache_clear()
+        cold = client.complete(messages=messages, **params)
+        warm = client.complete(messages=messages, **params)
+        other_seed = client.complete(messages=messages, cache=False, **{**params, "seed": 99}).text
+    assert warm.usage.cached_tokens > 0
+    assert cold.text == warm.text == reference
+    assert other_seed != reference  # the seed is what fixes the draws

@@ -156,7 +156,7 @@ def invariance_fix(config: WorkerConfig, model) -> str:
     if model.extra_buffers:
         return "Try --extra-buffers off (weight repacking uses other kernels for one row than for several)."
     return ("No setting is known to fix it for this model file (F16 weights use llamafile's tinyBLAS, whose "
-            "rows differ from its one-row kernel); a quantized model (Q4_K, Q8_0, Q4_1) is batch-invariant here.")
+            "rows differ from its one-row kernel); Q4_K and Q4_1 models were measured batch-invariant.")
 
 
 def _die_with_parent() -> None:

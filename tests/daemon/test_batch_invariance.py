@@ -86,7 +86,7 @@ def test_fast_kernels_with_flash_attention_are_not_invariant_and_the_probe_says_
 @pytest.mark.parametrize("which", ["smollm2", "coder"])
 def test_the_default_settings_are_batch_invariant(which, smollm2_path, coder_path):
     """The defaults (reference kernels, flash attention, no repacking) on the
-    default model (Q4_1) and on Qwen2.5-Coder-0.5B (Q8_0)."""
+    default model (Q4_1) and on Qwen2.5-Coder-0.5B (Q4_K_M)."""
     from tandem.daemon.llama_model import LlamaModel
 
     model = LlamaModel(smollm2_path if which == "smollm2" else coder_path, n_ctx=1024)

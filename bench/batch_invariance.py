@@ -16,7 +16,7 @@ threads). A setting is batch-invariant for a model when every schedule gives
 the reference's logits exactly.
 
     python bench/batch_invariance.py [--models smollm2-135m qwen2.5-coder-1.5b ...]
-        [--flash on off] [--tiled-mm on off] [--extra-buffers auto off] [--ubatch 512 32]
+        [--flash on off] [--tiled-mm on off] [--extra-buffers auto off]
 
 Each setting runs in its own process (llama.cpp reads GGML_CPU_TILED_MM once).
 """
@@ -47,27 +47,13 @@ def schedules(n: int) -> dict[str, list[int]]:
     }
 
 
-def run_one(model_path: str, flash: bool, extra_buffers, ubatch: int, lengths: list[int], ref_kernels: bool) -> dict:
+def run_one(model_path: str, flash: bool, extra_buffers, lengths: list[int], ref_kernels: bool) -> dict:
     import numpy as np
 
-    from tandem.daemon.llama_model import LlamaModel, use_reference_kernels
-
-    use_reference_kernels(ref_kernels)
+    from tandem.daemon.llama_model import LlamaModel
 
     model = LlamaModel(model_path, n_ctx=1024, n_batch=512, flash_attn=flash, extra_buffers=extra_buffers,
                        reference_kernels=ref_kernels)  # fmt: skip
-    if ubatch != 512:  # a context with a smaller micro-batch
-        import llama_cpp as llama
-
-        llama.llama_free(model.ctx)
-        model.n_batch = 512
-        params = llama.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 1024, 512, ubatch, 1
-        params.n_threads = params.n_threads_batch = model.n_threads
-        params.no_perf = True
-        params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        model.ctx = llama.llama_init_from_model(model.model, params)
-        model.memory = llama.llama_get_memory(model.ctx)
     base = model.tokenize(TEXT, add_special=True)
     out = {}
     for n in lengths:
@@ -95,7 +81,6 @@ def main() -> None:
     ap.add_argument("--tiled-mm", nargs="+", default=["on", "off"], help="GGML_CPU_TILED_MM (K-quant tiled matmul)")
     ap.add_argument("--extra-buffers", nargs="+", default=["auto"], help="auto, on, off")
     ap.add_argument("--ref-kernels", nargs="+", default=["on", "off"], help="ggml's reference (row-by-row) CPU kernels")
-    ap.add_argument("--ubatch", nargs="+", type=int, default=[512])
     ap.add_argument("--lengths", nargs="+", type=int, default=[100, 600])
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the results here")
@@ -115,23 +100,23 @@ def main() -> None:
 
     print(llama_cpp.llama_print_system_info().decode())
     results = []
-    for (name, path), flash, tiled, eb, ub, ref in product(
-        paths.items(), args.flash, args.tiled_mm, args.extra_buffers, args.ubatch, args.ref_kernels
+    for (name, path), flash, tiled, eb, ref in product(
+        paths.items(), args.flash, args.tiled_mm, args.extra_buffers, args.ref_kernels
     ):
         spec = dict(model_path=path, flash=flash == "on", extra_buffers={"auto": None, "on": True, "off": False}[eb],
-                    ubatch=ub, lengths=args.lengths, ref_kernels=ref == "on")  # fmt: skip
+                    lengths=args.lengths, ref_kernels=ref == "on")  # fmt: skip
         env = {**os.environ, "GGML_CPU_TILED_MM": "1" if tiled == "on" else "0"}
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            print(f"{name} flash={flash} tiled-mm={tiled} extra-buffers={eb} ubatch={ub} ref-kernels={ref}: FAILED {proc.stderr[-400:]}")
+            print(f"{name} flash={flash} tiled-mm={tiled} extra-buffers={eb} ref-kernels={ref}: FAILED {proc.stderr[-400:]}")
             continue
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         bad = {k: v for k, v in res.items() if not v["identical"]}
         verdict = "INVARIANT" if not bad else "differs: " + ", ".join(
             f"{k} ({v['max_abs_diff']:.3g}{'' if v['same_argmax'] else ', argmax changed'})" for k, v in bad.items()
         )
-        print(f"{name:22} flash={flash:3} tiled-mm={tiled:3} extra-buffers={eb:4} ubatch={ub:3} ref-kernels={ref:3}: {verdict}", flush=True)
-        results.append({"model": name, "flash": flash, "tiled_mm": tiled, "extra_buffers": eb, "ubatch": ub,
+        print(f"{name:22} flash={flash:3} tiled-mm={tiled:3} extra-buffers={eb:4} ref-kernels={ref:3}: {verdict}", flush=True)
+        results.append({"model": name, "flash": flash, "tiled_mm": tiled, "extra_buffers": eb,
                         "ref_kernels": ref, "checks": res})  # fmt: skip)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -29,11 +29,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-
 from tandem.client import Client
 
 from common import model_path, start_daemon, temp_socket
+from fidelity import reference_engine, top2_gap
 
 CORPUS = Path(__file__).with_name("corpus.json")
 MODES = ("cold", "warm", "forced", "governed", "turn2")
@@ -54,35 +53,17 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-class Gap:
-    """The target's top-2 logit gap after prompt + prefix, with the daemon's kernels."""
+def gap_engine(target: Path, serve_args: list[str]):
+    """An in-process engine with the daemon's kernels, for top2_gap."""
 
-    def __init__(self, target: Path, serve_args: list[str]):
-        from tandem.daemon.chat import ChatTemplate
-        from tandem.daemon.engine import Engine
-        from tandem.daemon.llama_model import LlamaModel
+    def value(flag: str, default: str) -> str:
+        return serve_args[serve_args.index(flag) + 1] if flag in serve_args else default
 
-        flash = "--flash-attn" not in serve_args or serve_args[serve_args.index("--flash-attn") + 1] == "on"
-        fast = "--kernels" in serve_args and serve_args[serve_args.index("--kernels") + 1] == "fast"
-        self.model = LlamaModel(target, n_ctx=4096, flash_attn=flash, reference_kernels=not fast)
-        m = self.model
-        template = ChatTemplate(
-            m.chat_template(),
-            bos_token=m.token_text(m.bos_token, special=True).decode(),
-            eos_token=m.token_text(m.eos_token, special=True).decode(),
-        )
-        self.engine = Engine(m, template)
-
-    def __call__(self, messages, prefix: list[int]) -> float:
-        from tandem.protocol import ChatMessage, Generate
-
-        prompt = self.engine.prompt_tokens(Generate(id="gap", messages=[ChatMessage(**m) for m in messages]))
-        self.model.clear()
-        top = np.sort(self.model.decode(prompt + prefix)[0])[-2:]
-        return float(top[1] - top[0])
+    return reference_engine(str(target), value("--flash-attn", "on") == "on", n_ctx=4096,
+                            reference_kernels=value("--kernels", "reference") == "reference")  # fmt: skip
 
 
-def run(client: Client, corpus, tokens: int, kinds, gap: Gap):
+def run(client: Client, corpus, tokens: int, kinds, engine):
     same = defaultdict(lambda: defaultdict(int))  # kind -> mode -> identical count
     total = defaultdict(int)
     misses = []
@@ -106,7 +87,7 @@ def run(client: Client, corpus, tokens: int, kinds, gap: Gap):
                     same[kind][mode] += 1
                 else:
                     pos = first_difference(want, got[mode])
-                    misses.append((kind, i, mode, pos, gap(conv, want[:pos])))
+                    misses.append((kind, i, mode, pos, top2_gap(engine, conv, want[:pos])))
     return same, total, misses
 
 
@@ -128,8 +109,8 @@ def main() -> None:
     try:
         with Client(socket) as client:
             info = client.status().model
-            gap = Gap(target, extra)
-            same, total, misses = run(client, json.loads(CORPUS.read_text()), args.tokens, args.kinds, gap)
+            engine = gap_engine(target, extra)
+            same, total, misses = run(client, json.loads(CORPUS.read_text()), args.tokens, args.kinds, engine)
     finally:
         daemon.terminate()
         daemon.wait(30)

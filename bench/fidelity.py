@@ -98,12 +98,12 @@ def compare(client: Client, corpus, ks, tokens: int, engine=None, kinds=None) ->
     return result
 
 
-def reference_engine(target: str, flash_attn: bool, n_ctx: int = 2048):
+def reference_engine(target: str, flash_attn: bool, n_ctx: int = 2048, reference_kernels: bool = True):
     from tandem.daemon.chat import ChatTemplate
     from tandem.daemon.engine import Engine
     from tandem.daemon.llama_model import LlamaModel
 
-    model = LlamaModel(target, n_ctx=n_ctx, flash_attn=flash_attn)
+    model = LlamaModel(target, n_ctx=n_ctx, flash_attn=flash_attn, reference_kernels=reference_kernels)
     template = ChatTemplate(
         model.chat_template(),
         bos_token=model.token_text(model.bos_token, special=True).decode(),

@@ -285,7 +285,7 @@ class WorkerLoop:
         log.info(
             "batch-invariance probe (%.2f s): %s", time.perf_counter() - started,
             "every path gives identical logits" if info.batch_invariant
-            else "not probed (context too small)" if info.batch_invariant is None
+            else "no verdict (the context is too small to probe in, or the probe failed)" if info.batch_invariant is None
             else "logits differ on " + ", ".join(info.batch_variant_paths),
         )  # fmt: skip
         if info.batch_invariant is False:

@@ -1,14 +1,13 @@
 """Rendering chat ``messages`` with the Jinja chat template stored in the GGUF file.
 
 Uses llama-cpp-python's sandboxed Jinja2 formatter (the same rendering its
-own chat API uses), fed with the model's BOS/EOS token texts.
+own chat API uses), fed with the model's BOS/EOS token texts. It is imported
+when a template is compiled, so the engine imports no model runtime.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
-
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from tandem.protocol import ChatMessage
 
@@ -19,6 +18,8 @@ class ChatTemplateError(Exception):
 
 class ChatTemplate:
     def __init__(self, template: str, bos_token: str, eos_token: str):
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
         self.template = template
         try:
             self._formatter = Jinja2ChatFormatter(template=template, eos_token=eos_token, bos_token=bos_token)

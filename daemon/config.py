@@ -400,3 +400,7 @@ def toml_value(option: Option, value: Any) -> str:
     if option.kind in ("int", "float"):
         return str(value)
     return '"' + show_value(option, value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class ServeError(Exception):
+    """The daemon cannot start. The message says why and what to do."""

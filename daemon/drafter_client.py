@@ -18,7 +18,7 @@ ours. While waiting it calls ``on_wait`` about once a second (the worker's
 heartbeat and its check for the daemon's messages); if that says the request was
 cancelled, the wait ends.
 
-With a prefix cache (``pages``: the target's PageStore, whose tree also holds
+With a prefix cache (``use_pages``: the target's PageStore, whose tree also holds
 the drafter's pages), the drafter restores a cached prefix instead of reading
 it whenever that saves reading, and ``store`` has it write the full pages it
 holds at the end of a request.
@@ -34,8 +34,10 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import zmq
 
-from tandem.protocol import DRAFTER_REPLIES, DraftRequest, Drafted, Error, decode, encode
+from tandem.protocol import Error, decode, encode
+from tandem.protocol.internal import DRAFTER_REPLIES, Drafted, DraftRequest, SamplingParams
 
+from .interfaces import Drafter
 from .sampler import Sampler
 from .speculative import SparseDist
 
@@ -54,7 +56,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-class ModelDrafterClient:
+class ModelDrafterClient(Drafter):
     def __init__(self, zctx: zmq.Context, endpoint: str, timeout: float = 120.0):
         self.zctx, self.endpoint = zctx, endpoint
         self.prefill_timeout_ms = int(timeout * 1000)  # the drafter reads a whole prompt
@@ -70,6 +72,9 @@ class ModelDrafterClient:
         self.seed = 0
         self.new_request = False
         self.pages = None  # the target's PageStore, when the daemon has a prefix cache
+
+    def use_pages(self, pages) -> None:
+        self.pages = pages
 
     def go_down(self) -> None:
         """The drafter died: decode plainly, and let go of its endpoint now."""
@@ -166,14 +171,12 @@ class ModelDrafterClient:
         """Send one draft request with this request's sampling settings."""
         s = self.sampler
         assert s is not None
-        self.sock.send_multipart(
-            encode(
-                DraftRequest(
-                    id=f"{self.nonce}:{self.request_id}", keep=keep, append=append, k=k, temperature=s.temperature, top_k=s.top_k,
-                    top_p=s.top_p, seed=self.seed, p_min=p_min, new_request=new_request, **pages,
-                )
-            )
-        )  # fmt: skip
+        sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=self.seed)
+        request = DraftRequest(
+            id=f"{self.nonce}:{self.request_id}", keep=keep, append=append, k=k, sampling=sampling, p_min=p_min,
+            new_request=new_request, **pages,
+        )
+        self.sock.send_multipart(encode(request))
         self.awaiting += 1
 
     def _restore_plan(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:

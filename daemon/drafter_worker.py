@@ -16,22 +16,16 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import numpy as np
 import zmq
 
-from tandem.protocol import (
-    DRAFTER_REQUESTS,
-    DraftRequest,
-    Drafted,
-    Error,
-    ErrorCode,
-    ProtocolError,
-    Ready,
-    Shutdown,
-    decode,
-    encode,
-)
+from tandem.protocol import Error, ErrorCode, ModelInfo, ProtocolError, Shutdown, decode, encode
+from tandem.protocol.internal import DRAFTER_REQUESTS, Drafted, DraftRequest, Ready
+
+from .sampler import Sampler
+from .worker_config import WorkerConfig, load_model
 
 log = logging.getLogger("tandem.drafter")
 
@@ -39,54 +33,22 @@ EMPTY_IDS = np.zeros(0, dtype=np.int32)
 EMPTY_PROBS = np.zeros(0, dtype=np.float32)
 
 
-class DrafterLoop:
-    def __init__(self, config, control: zmq.Socket):
-        self.config = config
-        self.control = control  # to the daemon: ready, shutdown
-        self.drafts = control.context.socket(zmq.PAIR)  # to the target worker
-        self.drafts.setsockopt(zmq.LINGER, 0)
-        self.drafts.bind(config.draft_endpoint)
-        os.chmod(config.draft_endpoint.removeprefix("ipc://"), 0o600)
-        self.sampler = None
-        self.arena = None  # the prefix cache's arena, mapped
+class Drafting:
+    """The drafter's logic, without sockets: roll back, read, draft; store and
+    restore prefix-cache pages in the arena (``arena`` None: no prefix cache)."""
+
+    def __init__(self, model, page_tokens: int, arena: Optional[memoryview] = None):
+        self.model = model
+        self.page_tokens = page_tokens
+        self.sampler: Optional[Sampler] = None
+        self.arena = arena
         self.layout = None
         self.page_bytes = 0
+        if arena is not None:
+            from .page_store import probe_layout
 
-    def run(self) -> None:
-        from .worker import load_model
-
-        c = self.config
-        try:
-            self.model = load_model(c)
-            info = self.model_info()
-            if c.cache_shm:
-                self._map_cache()
-        except Exception as exc:
-            self.control.send_multipart(encode(Error.of(c.role, ErrorCode.NOT_READY, f"could not load the drafter: {exc}")))
-            return
-        self.control.send_multipart(encode(Ready(id=c.role, model=info, pid=os.getpid())))
-        poller = zmq.Poller()
-        poller.register(self.control, zmq.POLLIN)
-        poller.register(self.drafts, zmq.POLLIN)
-        try:
-            while True:
-                events = dict(poller.poll())
-                if self.control in events:
-                    msg = decode(self.control.recv_multipart())
-                    if isinstance(msg, Shutdown):
-                        return
-                if self.drafts in events:
-                    self._serve(self.drafts.recv_multipart())
-        finally:
-            self.drafts.close()
-
-    def _map_cache(self) -> None:
-        from .page_store import map_arena, probe_layout
-
-        c = self.config
-        self.arena = memoryview(map_arena(c.cache_shm, c.cache_bytes))
-        self.layout = probe_layout(self.model)
-        self.page_bytes = self.layout.page_bytes(c.page_tokens)
+            self.layout = probe_layout(model)
+            self.page_bytes = self.layout.page_bytes(page_tokens)
 
     def _pages(self, req: DraftRequest) -> None:
         from .page_store import read_pages, write_pages
@@ -95,7 +57,7 @@ class DrafterLoop:
             return
         if self.arena is None:
             raise ValueError("asked to use prefix-cache pages, but this drafter has no prefix cache")
-        pt = self.config.page_tokens
+        pt = self.page_tokens
         for start, offset in req.store:
             if start < 0 or start + pt > self.model.n_past or offset < 0 or offset + self.page_bytes > len(self.arena):
                 raise ValueError(f"cannot store the page at token {start} (holding {self.model.n_past}) at offset {offset}")
@@ -106,41 +68,11 @@ class DrafterLoop:
                 raise ValueError("a page to restore lies outside the arena")
             read_pages(self.model, self.arena, self.layout, pt, req.restore)
 
-    def model_info(self):
-        from tandem.protocol import ModelInfo
-
-        m = self.model
-        return ModelInfo(
-            name=self.config.model_name,
-            path=str(m.path),
-            n_ctx=m.n_ctx,
-            n_ctx_train=m.n_ctx_train,
-            n_vocab=m.n_vocab,
-            size_bytes=m.size_bytes,
-            has_chat_template=False,
-            vocab_digests=m.vocab_digests(),
-        )
-
-    def _serve(self, frames) -> None:
-        req = None
-        try:
-            req = decode(frames, table=DRAFTER_REQUESTS)
-            if not isinstance(req, DraftRequest):
-                return
-            reply = self.draft(req)
-        except ProtocolError as exc:
-            reply = Error.of(exc.request_id, exc.code, exc.message)
-        except Exception as exc:  # a llama.cpp failure: tell the target, keep serving
-            log.exception("drafting failed")
-            reply = Error.of(req.id if req is not None else None, ErrorCode.INTERNAL, f"the drafter failed: {type(exc).__name__}: {exc}")
-        self.drafts.send_multipart(encode(reply))
-
     def draft(self, req: DraftRequest) -> Drafted:
-        from .sampler import Sampler
-
         model = self.model
         if req.new_request or self.sampler is None:
-            self.sampler = Sampler(req.temperature, req.top_k, req.top_p, req.seed)
+            s = req.sampling
+            self.sampler = Sampler(s.temperature, s.top_k, s.top_p, s.seed)
         sampler = self.sampler
         self._pages(req)
         if req.keep > model.n_past:
@@ -184,6 +116,79 @@ class DrafterLoop:
             q_lens=lens,
             page_bytes=self.page_bytes,
         )
+
+
+
+class DrafterLoop:
+    """The drafter worker's sockets: the daemon's control channel and the target's draft channel."""
+
+    def __init__(self, config: WorkerConfig, control: zmq.Socket):
+        self.config = config
+        self.control = control  # to the daemon: ready, shutdown
+        self.drafts = control.context.socket(zmq.PAIR)  # to the target worker
+        self.drafts.setsockopt(zmq.LINGER, 0)
+        self.drafts.bind(config.draft_endpoint)
+        os.chmod(config.draft_endpoint.removeprefix("ipc://"), 0o600)
+        self.drafting: Optional[Drafting] = None
+
+    def run(self) -> None:
+        c = self.config
+        try:
+            model = load_model(c)
+            info = model_info(model, c)
+            arena = None
+            if c.cache_shm:
+                from .page_store import map_arena
+
+                arena = memoryview(map_arena(c.cache_shm, c.cache_bytes))
+            self.drafting = Drafting(model, c["page_tokens"], arena)
+        except Exception as exc:
+            error = Error.of(c.role, ErrorCode.NOT_READY, f"could not load the drafter: {exc}")
+            self.control.send_multipart(encode(error))
+            return
+        self.control.send_multipart(encode(Ready(id=c.role, model=info, pid=os.getpid())))
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.drafts, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self.control in events:
+                    msg = decode(self.control.recv_multipart(), table=DRAFTER_REQUESTS)
+                    if isinstance(msg, Shutdown):
+                        return
+                if self.drafts in events:
+                    self._serve(self.drafts.recv_multipart())
+        finally:
+            self.drafts.close()
+
+    def _serve(self, frames) -> None:
+        req = None
+        try:
+            req = decode(frames, table=DRAFTER_REQUESTS)
+            if not isinstance(req, DraftRequest):
+                return
+            reply = self.drafting.draft(req)
+        except ProtocolError as exc:
+            reply = Error.of(exc.request_id, exc.code, exc.message)
+        except Exception as exc:  # a llama.cpp failure: tell the target, keep serving
+            log.exception("drafting failed")
+            why = f"the drafter failed: {type(exc).__name__}: {exc}"
+            reply = Error.of(req.id if req is not None else None, ErrorCode.INTERNAL, why)
+        self.drafts.send_multipart(encode(reply))
+
+
+def model_info(model, config: WorkerConfig) -> ModelInfo:
+    return ModelInfo(
+        name=config.model_name,
+        path=str(model.path),
+        n_ctx=model.n_ctx,
+        n_ctx_train=model.n_ctx_train,
+        n_vocab=model.n_vocab,
+        size_bytes=model.size_bytes,
+        has_chat_template=False,
+        vocab_digests=model.vocab_digests(),
+    )
 
 
 def _softmax_prob(logits: np.ndarray, token: int) -> float:

@@ -1,18 +1,19 @@
-"""Plain decoding of one request: the model-facing logic, free of sockets.
+"""Decoding one request: the model-facing logic, free of sockets.
 
 ``Engine.run`` takes a validated ``Generate`` or ``Complete`` request and a model (anything
-with the ``LlamaModel`` methods used here), and reports through two callbacks:
+with the ``Model`` methods of interfaces.py), and reports through two callbacks:
 ``emit(chunk)`` for each round of streamed output and ``should_cancel()`` asked
 before every decode step, so a cancel ends the request within one step. It
-returns the terminal ``Done`` or raises ``RequestError``.
+returns the terminal ``Done`` or raises ``RequestError``. What one request
+carries while it is decoded (its prompt, sampler, drafting knobs, output so far)
+is one ``RequestState``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
-
-import numpy as np
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
 
 from tandem.protocol import (
     FIM_FIX,
@@ -29,50 +30,40 @@ from tandem.protocol import (
 
 from .chat import ChatTemplate, ChatTemplateError
 from .governor import PLAIN, Governor, GovernorBank, task_key
-
-if TYPE_CHECKING:
-    from .page_store import PageStore
-from .llama_model import DecodeAborted
+from .interfaces import DecodeAborted, Drafter, Model
 from .sampler import Sampler
 from .speculative import SparseDist, verify
 from .textstream import TextStream
 
-
-class Model(Protocol):
-    n_ctx: int
-    n_ctx_train: int
-    n_past: int
-
-    def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]: ...
-    def piece(self, token: int) -> bytes: ...
-    def is_eog(self, token: int) -> bool: ...
-    def fim_tokens(self) -> Optional[tuple[int, int, int]]: ...
-    def clear(self) -> None: ...
-    def truncate(self, n_keep: int) -> None: ...
-    def decode(
-        self, tokens: Sequence[int], logits_for: Sequence[int] = (-1,), abort: Optional[Callable[[], bool]] = None
-    ) -> np.ndarray: ...
+if TYPE_CHECKING:
+    from .page_store import PageStore
 
 
-class Drafter(Protocol):
-    """Proposes tokens for the target to verify (see ngram.py, drafter_client.py)."""
+@dataclass
+class RequestState:
+    """One request while it is decoded: what it asked for, how it is decoded,
+    and what it produced so far."""
 
-    def begin(self, request_id: str, prompt: list[int], sampler: Sampler, prefill: bool = True) -> None:
-        """A new request; ``prefill``: start reading the prompt now (in parallel with the target)."""
-        ...
+    req: Decoding
+    tokens: list[int]  # the prompt
+    sampler: Sampler
+    stream: TextStream
+    k: int  # draft length asked for
+    p_min: float
+    drafter: Optional[Drafter]  # None: this request does not draft
+    governor: Optional[Governor]  # None: every round drafts (or none does)
+    stats: Optional[DraftStats]  # draft rounds, when it may draft
+    cache: Optional["PageStore"]  # the prefix cache, when this request uses it
+    started: float
+    cached: int = 0  # prompt tokens restored from the prefix cache
+    prefilled: float = 0.0
+    first_token_at: float = 0.0
+    completion: list[int] = field(default_factory=list)
+    drafted_last: bool = False  # the previous round drafted
+    finish: Optional[FinishReason] = None
 
-    def propose(
-        self, context: list[int], k: int, p_min: float
-    ) -> tuple[list[int], Optional[list[SparseDist]]]: ...
-
-    def sync(self, context: list[int]) -> None:
-        """Catch up on ``context`` without drafting (before the first drafting
-        round after plain ones, so the governor times drafting, not catching up)."""
-        ...
-
-    def ready(self) -> bool:
-        """False while it is still working on something sent earlier (reading the prompt)."""
-        ...
+    def context(self) -> list[int]:
+        return self.tokens + self.completion
 
 
 class RequestError(Exception):
@@ -167,103 +158,123 @@ class Engine:
         emit: Callable[[Chunk], None],
         should_cancel: Callable[[], bool],
     ) -> Done:
-        """Decode one request in rounds. Each round feeds the target the last
-        sampled token plus any drafts, in one batch, and yields the accepted
-        drafts plus the target's own token. Without drafts a round is exactly
-        one plain decoding step."""
+        """Decode one request: prefill, then rounds until it finishes. Each round
+        feeds the target the last sampled token plus any drafts, in one batch,
+        and yields the accepted drafts plus the target's own token. Without
+        drafts a round is exactly one plain decoding step."""
+        state = self._begin(req)
+        try:
+            logits = self._prefill(state, should_cancel)
+        except DecodeAborted:
+            if state.cache is not None:
+                state.cache.release()
+            return self._cancelled_in_prefill(state)
+        new_tokens = [state.sampler.sample(logits)]
+        state.first_token_at = self.clock()
+        while True:
+            self._take(state, new_tokens, emit)
+            if state.finish is None and should_cancel():
+                state.finish = FinishReason.CANCELLED
+            if state.finish is not None:
+                return self._finish(state, emit)
+            new_tokens = self._next_round(state)
+
+    def _begin(self, req: Decoding) -> RequestState:
         started = self.clock()
         tokens = self.prompt_tokens(req)
-        sampler = Sampler(req.temperature, req.top_k, req.top_p, req.seed)
         k = self.draft_tokens if req.draft_tokens is None else req.draft_tokens
-        p_min = self.draft_p_min if req.draft_p_min is None else req.draft_p_min
         drafter = self.drafter if k > 0 and req.draft != "off" else None
-        governor = self._governor(req, tokens, k) if drafter is not None else None
-        stats = DraftStats() if drafter is not None else None
         if isinstance(req, Complete):
             stream = TextStream(req.stop, req.stop_at_blank_line, req.max_lines)
         else:
             stream = TextStream(req.stop)
-        model = self.model
-        cache = self.cache if req.cache else None
-        cached = cache.restore(tokens) if cache is not None else 0  # else the model is cleared
-        if cache is None:
-            model.clear()
-        if hasattr(self.drafter, "pages"):
-            self.drafter.pages = cache  # a model drafter restores its own pages of the prompt too
-        if drafter is not None:
+        return RequestState(
+            req=req,
+            tokens=tokens,
+            sampler=Sampler(req.temperature, req.top_k, req.top_p, req.seed),
+            stream=stream,
+            k=k,
+            p_min=self.draft_p_min if req.draft_p_min is None else req.draft_p_min,
+            drafter=drafter,
+            governor=self._governor(req, tokens, k) if drafter is not None else None,
+            stats=DraftStats() if drafter is not None else None,
+            cache=self.cache if req.cache else None,
+            started=started,
+        )
+
+    def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
+        """Restore what the prefix cache holds of the prompt, start the drafter,
+        read the rest; the logits after the prompt. A long prefill can be cancelled."""
+        if state.cache is not None:
+            state.cached = state.cache.restore(state.tokens)
+        else:
+            self.model.clear()
+        if self.drafter is not None:
+            self.drafter.use_pages(state.cache)  # a model drafter restores its own pages of the prompt too
+        if state.drafter is not None:
             # A model drafter reads the prompt in parallel with the target, unless
             # the task's governor is plain: on 2 cores that reading competes with
             # the target, and is wasted on a request that does not draft. A probe
             # that falls due later catches the drafter up then (see _governed_round).
-            skip = governor is not None and governor.phase == PLAIN
-            drafter.begin(req.id, tokens, sampler, prefill=not skip)
-        try:
-            logits = model.decode(tokens[cached:], abort=should_cancel)[0]  # a long prefill can be cancelled
-        except DecodeAborted:
-            if cache is not None:
-                cache.release()
-            return self._cancelled_in_prefill(req, len(tokens), started)
-        prefilled = self.clock()
-        completion: list[int] = []
-        drafted_last = False
-        new_tokens = [sampler.sample(logits)]
-        first_token_at = self.clock()
-        finish: Optional[FinishReason] = None
-        while finish is None:
-            accepted_ids: list[int] = []
-            text = ""
-            for token in new_tokens:
-                if model.is_eog(token) and not req.ignore_eos:
-                    finish = FinishReason.STOP
-                    break
-                completion.append(token)
-                accepted_ids.append(token)
-                text += stream.push(model.piece(token))
-                if stream.stopped_by is not None:
-                    finish = FinishReason.STOP
-                    break
-                if len(completion) >= req.max_tokens or len(tokens) + len(completion) >= model.n_ctx:
-                    finish = FinishReason.LENGTH
-                    break
-            if req.stream and accepted_ids:
-                emit(Chunk(id=req.id, text=text, token_ids=accepted_ids))
-            if finish is None and should_cancel():
-                finish = FinishReason.CANCELLED
-            if finish is None:
-                context = tokens + completion
-                if governor is None:
-                    new_tokens, _ = self._round(context, len(completion), req, sampler, k, p_min, drafter, stats)
-                else:
-                    assert drafter is not None
-                    new_tokens, drafted_last = self._governed_round(
-                        governor, drafter, drafted_last, context, len(completion), req, sampler, k, p_min, stats
-                    )
-        if cache is not None:
-            cache.store(tokens + completion)  # the prompt and the reply, which a next turn re-sends
-            if hasattr(self.drafter, "store"):
-                self.drafter.store(tokens + completion)
-            cache.release()
-        tail = stream.flush()
+            skip = state.governor is not None and state.governor.phase == PLAIN
+            state.drafter.begin(state.req.id, state.tokens, state.sampler, prefill=not skip)
+        logits = self.model.decode(state.tokens[state.cached :], abort=should_cancel)[0]
+        state.prefilled = self.clock()
+        return logits
+
+    def _take(self, state: RequestState, new_tokens: list[int], emit: Callable[[Chunk], None]) -> None:
+        """Add a round's tokens to the output until one ends the request; stream them."""
+        req, model = state.req, self.model
+        accepted_ids: list[int] = []
+        text = ""
+        for token in new_tokens:
+            if model.is_eog(token) and not req.ignore_eos:
+                state.finish = FinishReason.STOP
+                break
+            state.completion.append(token)
+            accepted_ids.append(token)
+            text += state.stream.push(model.piece(token))
+            if state.stream.stopped_by is not None:
+                state.finish = FinishReason.STOP
+                break
+            if len(state.completion) >= req.max_tokens or len(state.tokens) + len(state.completion) >= model.n_ctx:
+                state.finish = FinishReason.LENGTH
+                break
+        if req.stream and accepted_ids:
+            emit(Chunk(id=req.id, text=text, token_ids=accepted_ids))
+
+    def _next_round(self, state: RequestState) -> list[int]:
+        if state.governor is None:
+            return self._round(state, state.drafter)[0]
+        return self._governed_round(state)
+
+    def _finish(self, state: RequestState, emit: Callable[[Chunk], None]) -> Done:
+        req, completion = state.req, state.completion
+        if state.cache is not None:
+            state.cache.store(state.context())  # the prompt and the reply, which a next turn re-sends
+            if self.drafter is not None:
+                self.drafter.store(state.context())
+            state.cache.release()
+        tail = state.stream.flush()
         if tail and req.stream:
             emit(Chunk(id=req.id, text=tail, token_ids=[]))
-        finished = self.clock()
-        generation_seconds = finished - first_token_at
+        generation_seconds = self.clock() - state.first_token_at
         return Done(
             id=req.id,
-            text=stream.text,
-            finish_reason=finish,
-            usage=Usage(prompt_tokens=len(tokens), completion_tokens=len(completion), cached_tokens=cached),
+            text=state.stream.text,
+            finish_reason=state.finish,
+            usage=Usage(prompt_tokens=len(state.tokens), completion_tokens=len(completion), cached_tokens=state.cached),
             timings=Timings(
-                time_to_first_token_seconds=first_token_at - started,
-                prompt_seconds=prefilled - started,
+                time_to_first_token_seconds=state.first_token_at - state.started,
+                prompt_seconds=state.prefilled - state.started,
                 generation_seconds=generation_seconds,
                 tokens_per_second=(len(completion) - 1) / generation_seconds
                 if len(completion) > 1 and generation_seconds > 0
                 else 0.0,
                 queued_seconds=0.0,
             ),
-            draft=stats if stats is not None and stats.rounds else None,
-            governor=self.governors.info() if governor is not None and self.governors is not None else None,
+            draft=state.stats if state.stats is not None and state.stats.rounds else None,
+            governor=self.governors.info() if state.governor is not None and self.governors is not None else None,
             cache=self.cache.info() if self.cache is not None else None,
             batch_invariant=self.batch_invariant,
         )
@@ -277,63 +288,43 @@ class Engine:
         key = task_key(tokens) + ("" if k == self.draft_tokens else f"/k{k}")
         return self.governors.get(key)
 
-    def _governed_round(
-        self,
-        governor: Governor,
-        drafter: Drafter,
-        drafted_last: bool,
-        context: list[int],
-        generated: int,
-        req: Decoding,
-        sampler: Sampler,
-        k: int,
-        p_min: float,
-        stats: Optional[DraftStats],
-    ) -> tuple[list[int], bool]:
+    def _governed_round(self, state: RequestState) -> list[int]:
         """A round of the kind the governor asks for, timed for it. While the
         drafter is still reading the prompt, rounds are plain and untimed (they
         share the CPU with it and would look slow). Before the first drafting
         round after plain ones the drafter catches up, untimed: that is a cost
-        of switching, paid once per probe, not of drafting. Returns the round's
-        tokens and whether it drafted."""
+        of switching, paid once per probe, not of drafting."""
+        governor, drafter = state.governor, state.drafter
+        assert governor is not None and drafter is not None
         if not drafter.ready():
-            tokens, _ = self._round(context, generated, req, sampler, k, p_min, None, stats)
-            return tokens, False
+            state.drafted_last = False
+            return self._round(state, None)[0]
         drafting = governor.drafting
-        if drafting and not drafted_last:
+        if drafting and not state.drafted_last:
             started = self.clock()
-            drafter.sync(context[:-1])
+            drafter.sync(state.context()[:-1])
             governor.caught_up(self.clock() - started)
         governor.start_round()
-        tokens, timed = self._round(context, generated, req, sampler, k, p_min, drafter if drafting else None, stats)
+        tokens, timed = self._round(state, drafter if drafting else None)
         if timed:
             governor.end_round(len(tokens))
         else:
             governor.skip_round()
-        return tokens, drafting
+        state.drafted_last = drafting
+        return tokens
 
-    def _round(
-        self,
-        context: list[int],
-        generated: int,
-        req: Decoding,
-        sampler: Sampler,
-        k: int,
-        p_min: float,
-        drafter: Optional["Drafter"],
-        stats: Optional[DraftStats],
-    ) -> tuple[list[int], bool]:
-        """One round. ``context`` ends with the last sampled token, which the
+    def _round(self, state: RequestState, drafter: Optional[Drafter]) -> tuple[list[int], bool]:
+        """One round. The context ends with the last sampled token, which the
         target has not seen yet. Returns the tokens this round adds (>= 1) and
         whether it ran as asked (False: no room left to draft in it)."""
-        model = self.model
+        model, context = self.model, state.context()
         # room for drafts: before max_tokens (the round adds one token of its own)
         # and inside the context (the target reads the pending token + k drafts)
-        room = min(k, req.max_tokens - generated - 1, model.n_ctx - len(context))
+        room = min(state.k, state.req.max_tokens - len(state.completion) - 1, model.n_ctx - len(context))
         drafts: list[int] = []
         dists = None
         if drafter is not None and room > 0:
-            drafts, dists = drafter.propose(context, room, p_min)
+            drafts, dists = drafter.propose(context, room, state.p_min)
         counted = bool(drafts)
         if not drafts and self.min_batch > 1 and model.n_ctx - len(context) >= 1:
             # Exact mode: this target's single-token kernels round differently from
@@ -344,19 +335,19 @@ class Engine:
         logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
         timed = drafter is None or room > 0
         if not drafts:
-            return [sampler.sample(logits[0])], timed
-        n_accepted, own = verify(logits, drafts, dists, sampler)
+            return [state.sampler.sample(logits[0])], timed
+        n_accepted, own = verify(logits, drafts, dists, state.sampler)
         model.truncate(n_before + 1 + n_accepted)
-        if counted and stats is not None:
-            stats.add_round(len(drafts), n_accepted)
+        if counted and state.stats is not None:
+            state.stats.add_round(len(drafts), n_accepted)
         return [*drafts[:n_accepted], own], timed
 
-    def _cancelled_in_prefill(self, req: Decoding, prompt_tokens: int, started: float) -> Done:
-        elapsed = self.clock() - started
+    def _cancelled_in_prefill(self, state: RequestState) -> Done:
+        elapsed = self.clock() - state.started
         return Done(
-            id=req.id,
+            id=state.req.id,
             text="",
             finish_reason=FinishReason.CANCELLED,
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0),
+            usage=Usage(prompt_tokens=len(state.tokens), completion_tokens=0),
             timings=Timings(0.0, elapsed, 0.0, 0.0, 0.0),
         )

@@ -18,6 +18,8 @@ import numpy as np
 import llama_cpp as llama
 from llama_cpp import _logger as llama_logger
 
+from .interfaces import DecodeAborted
+
 
 class ModelLoadError(Exception):
     pass
@@ -25,10 +27,6 @@ class ModelLoadError(Exception):
 
 class DecodeError(Exception):
     pass
-
-
-class DecodeAborted(Exception):
-    """``abort()`` returned True between two batches of a long decode."""
 
 
 def default_threads() -> int:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .interfaces import Drafter
+from .speculative import SparseDist
 
-class NgramDrafter:
+
+class NgramDrafter(Drafter):
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
@@ -66,8 +69,6 @@ class NgramDrafter:
 
     def propose(self, context: Sequence[int], k: int, p_min: float):
         """Within a request the context only grows, so catching up is an append."""
-        from .speculative import SparseDist
-
         self._catch_up(context)
         drafts = self.draft(k)
         return drafts, [SparseDist.one_hot(d) for d in drafts]

@@ -11,7 +11,9 @@ from typing import Callable, Optional
 from tandem.protocol import default_socket_path
 
 from . import config, models, sdnotify
-from .server import Daemon, ServeConfig, ServeError, cache_budget
+from .arena import cache_budget
+from .config import ServeError
+from .server import Daemon, ServeConfig
 
 log = logging.getLogger("tandem.daemon")
 
@@ -42,35 +44,17 @@ def serve(
             drafter_name, drafter_path = _resolve(s.drafter, say)
         daemon = Daemon(
             ServeConfig(
+                settings=s,
                 model_name=name,
                 model_path=path,
                 socket_path=s.socket or default_socket_path(),
-                ctx_size=s.ctx_size,
-                threads=s.threads,
-                batch_size=s.batch_size,
-                max_queue=s.max_queue,
-                extra_buffers={"auto": None, "on": True, "off": False}[s.extra_buffers],
-                flash_attn=s.flash_attn,
-                kernels=s.kernels,
-                drafter=drafter_name,
-                drafter_path=drafter_path,
-                draft_tokens=s.draft_tokens,
-                draft_p_min=s.draft_p_min,
-                exact=s.exact,
-                governor=s.governor,
-                governor_per_task=s.governor_per_task,
                 state_dir=s.state_dir or config.default_state_dir(),
                 cache_bytes=cache_budget(s.cache_bytes),
-                page_tokens=s.page_tokens,
-                metrics_addr=s.metrics_addr,
-                metrics_addr_explicit=s.sources["metrics_addr"] != "default",
-                worker_timeout=s.worker_timeout,
-                client_queue=s.client_queue,
-                log_level=s.log_level,
+                drafter_name=drafter_name,
+                drafter_path=drafter_path,
             ),
             notifier=notifier,
             reload=reload,
-            settings=s,
         )
     except (ServeError, models.ModelError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)

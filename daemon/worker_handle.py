@@ -3,7 +3,7 @@
 Each start gets a fresh PAIR socket on a fresh ipc path, so nothing a dead
 worker left queued can reach its successor.
 
-A worker is a plain ``python -m tandem.daemon.worker`` subprocess that reads its
+A worker is a plain ``python -m tandem.daemon.worker_main`` subprocess that reads its
 configuration as JSON on stdin: no multiprocessing, so nothing is pickled, not
 even on the way into a child. Its death is noticed through a pipe whose write
 end only the worker holds: the read end (the "sentinel") becomes readable, at
@@ -25,7 +25,8 @@ import zmq
 
 from tandem.protocol import ModelInfo, encode, endpoint
 
-from .worker import WorkerConfig
+from .restart_policy import RestartPolicy
+from .worker_config import WorkerConfig
 
 
 class WorkerProcess:
@@ -35,7 +36,7 @@ class WorkerProcess:
         read_end, write_end = os.pipe()
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "tandem.daemon.worker", "--sentinel-fd", str(write_end),
+                [sys.executable, "-m", "tandem.daemon.worker_main", "--sentinel-fd", str(write_end),
                  "--parent-pid", str(os.getpid())],
                 stdin=subprocess.PIPE,
                 pass_fds=(write_end,),
@@ -90,12 +91,15 @@ class WorkerProcess:
 
 
 class WorkerHandle:
-    def __init__(self, zctx: zmq.Context, config: WorkerConfig, ipc_dir: Path):
+    """One worker role (target or drafter) across its lives: each ``start`` is a
+    new process on a new channel; ``policy`` decides about restarts."""
+
+    def __init__(self, zctx: zmq.Context, config: WorkerConfig, ipc_dir: Path, policy: RestartPolicy):
         self.zctx = zctx
+        self.policy = policy
         self.base_config = config
         self.ipc_dir = ipc_dir
         self.generation = 0
-        self.restarts = 0
         self.process: Optional[WorkerProcess] = None
         self.sock: Optional[zmq.Socket] = None
         self.ipc_path: Optional[Path] = None
@@ -132,7 +136,7 @@ class WorkerHandle:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint(self.ipc_path))
         os.chmod(self.ipc_path, 0o600)
-        config = WorkerConfig(**{**self.base_config.__dict__, "endpoint": endpoint(self.ipc_path)})
+        config = dataclasses.replace(self.base_config, endpoint=endpoint(self.ipc_path))
         if self.process is not None:
             self.process.close()
         self.process = WorkerProcess(config)

@@ -7,8 +7,9 @@ PROTOCOL.md documents the same shapes for client authors in other languages.
 
 Direction matters: a client sends requests (hello, generate, complete, cancel,
 status, shutdown, cache_clear); the daemon answers with replies. A reply to hello/status/cancel/
-shutdown carries the same op name as the request. ``ready`` is internal: a
-worker process sends it to the daemon when its model is loaded.
+shutdown carries the same op name as the request. The messages between the
+daemon's own processes (front, target worker, drafter worker) are defined in
+``internal.py``; their ops share the ``Op`` enum, so no frame is ambiguous.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-import numpy as np
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 0)
 """(major, minor). A client whose major differs is refused; minors are compatible:
@@ -450,91 +450,10 @@ class ShutdownReply(Message):
     id: str
 
 
-@dataclass
-class Ready(Message):
-    """Internal: a worker tells the daemon its model is loaded."""
-
-    op: ClassVar[Op] = Op.READY
-    id: str  # the worker's role, e.g. "target"
-    model: ModelInfo
-    pid: int
-    governor: Optional[GovernorInfo] = None  # the target's governor as loaded from the state directory
-    cache: Optional[CacheInfo] = None  # the prefix cache, if the daemon has one
-
-
-@dataclass
-class Progress(Message):
-    """Internal: the target worker is working on request ``id`` (a heartbeat, sent at
-    most once a second from its decoding loop; a worker that sends none within the
-    daemon's worker_timeout is treated as hung)."""
-
-    op: ClassVar[Op] = Op.PROGRESS
-    id: str
-
-
-@dataclass
-class DrafterState(Message):
-    """Internal: the daemon tells the target worker its drafter worker died
-    (``available`` false: decode plainly) or was restarted (true: start afresh with it)."""
-
-    op: ClassVar[Op] = Op.DRAFTER_STATE
-    id: str
-    available: bool
-
-
-@dataclass
-class DrafterHung(Message):
-    """Internal: the target worker's drafter did not answer in time (the daemon kills and restarts it)."""
-
-    op: ClassVar[Op] = Op.DRAFTER_HUNG
-    id: str  # the request being decoded
-    message: str
-
-
-@dataclass
-class DraftRequest(Message):
-    """Internal: the target worker asks the drafter worker for k tokens.
-
-    The drafter first makes its context ``its first `keep` tokens + append``
-    (rolling its KV cache back past tokens the target rejected), then drafts."""
-
-    op: ClassVar[Op] = Op.DRAFT
-    id: str  # the generate request's id
-    keep: int
-    append: list[int]
-    k: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int  # the drafter seeds its own sampler from this when ``new_request``
-    p_min: float = 0.0  # stop early when the drafter's probability for its next guess is below
-    new_request: bool = False
-    # prefix-cache pages in the daemon's arena (offsets), done before anything else:
-    store: list[list[int]] = field(default_factory=list)  # [start token, offset]: write these pages of the KV state
-    restore: list[int] = field(default_factory=list)  # replace the KV state by these pages (then keep <= their tokens)
-
-
-@dataclass
-class Drafted(Message):
-    """Internal: the drafter's k tokens and its distributions q for them, as raw
-    arrays: position i has ``q_lens[i]`` entries of ``q_ids``/``q_probs``."""
-
-    op: ClassVar[Op] = Op.DRAFTED
-    id: str
-    tokens: list[int]
-    n_cached: int  # tokens now in the drafter's KV cache (context + all but the last draft)
-    q_ids: np.ndarray
-    q_probs: np.ndarray
-    q_lens: list[int]
-    page_bytes: int = 0  # bytes of one prefix-cache page of the drafter's KV (0: no prefix cache)
-
-
 REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Complete, Cancel, Status, Shutdown, CacheClear)}
 REPLIES: dict[Op, type] = {
-    m.op: m
-    for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared, Ready, Progress, DrafterHung)
+    m.op: m for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared)
 }
-WORKER_REQUESTS: dict[Op, type] = {**REQUESTS, Op.DRAFTER_STATE: DrafterState}  # daemon -> target worker
-DRAFTER_REQUESTS: dict[Op, type] = {m.op: m for m in (DraftRequest, Shutdown)}
-DRAFTER_REPLIES: dict[Op, type] = {m.op: m for m in (Drafted, Error)}
+"""What a client decodes: the daemon's replies. The daemon's own processes speak
+more among themselves; those messages and their tables are in ``internal.py``."""
 TERMINAL_OPS = frozenset({Op.DONE, Op.ERROR, Op.BUSY})

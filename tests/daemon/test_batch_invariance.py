@@ -111,18 +111,20 @@ class CountingModel:
 
 
 def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_path):
-    from tandem.daemon.worker import WorkerConfig, probe_batch_invariance
+    from tandem.daemon import config as settings
+    from tandem.daemon.invariance import probe_batch_invariance
+    from tandem.daemon.worker_config import WorkerConfig
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not really a model")
     state = tmp_path / "state" / "batch-invariance.json"
-    config = WorkerConfig(role="target", model_name="m", model_path=str(gguf), n_ctx=None, n_threads=None, n_batch=512,
-                          extra_buffers=None, endpoint="", probe_cache=str(state))  # fmt: skip
+    defaults = {o.key: o.default for o in settings.OPTIONS}
+    config = WorkerConfig(role="target", model_name="m", model_path=str(gguf), settings=defaults, probe_cache=str(state))
     verdict = {"restore": True, "verify": False, "one_token": True, "small_batches": True}
     model = CountingModel(gguf, verdict)
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1  # kept
-    config.kernels = "fast"  # another setting: probed again
+    config.settings["kernels"] = "fast"  # another setting: probed again
     assert probe_batch_invariance(model, config) == verdict and model.probes == 2
     for junk in ("{not json", "[1, 2]", '{"x": 3}', "", "[" * 100_000, "{}"):
         state.write_text(junk)

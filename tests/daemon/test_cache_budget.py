@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.daemon.server import DEFAULT_CACHE_BYTES, ServeError, cache_budget
+from tandem.daemon.arena import DEFAULT_CACHE_BYTES, cache_budget
+from tandem.daemon.config import ServeError
 
 
 def fake_free(monkeypatch, free: int) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tandem.daemon.engine import Engine, RequestError
-from tandem.daemon.llama_model import DecodeAborted
+from tandem.daemon.interfaces import DecodeAborted
 from tandem.protocol import ChatMessage, Complete, ErrorCode, FinishReason, Generate
 
 EOS = 0

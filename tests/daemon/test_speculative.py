@@ -211,20 +211,20 @@ def test_draft_p_min_keeps_the_target_distribution_at_temperature_above_zero():
     proposals no longer follow q and the output drifts from p (0.55 instead of 0.5 here)."""
     from scipy.stats import binomtest
 
-    from tandem.daemon.drafter_worker import DrafterLoop
-    from tandem.protocol import DraftRequest
+    from tandem.daemon.drafter_worker import Drafting
+    from tandem.protocol.internal import DraftRequest, SamplingParams
 
     p_logits = np.log(np.array([0.5, 0.5], dtype=np.float32))
-    loop = object.__new__(DrafterLoop)  # the drafting logic without its sockets
-    loop.model, loop.sampler, loop.arena, loop.page_bytes = FakeDraftModel(), None, None, 0
+    loop = Drafting(FakeDraftModel(), page_tokens=16)  # the drafting logic without its sockets
     target = Sampler(1.0, 0, 1.0, 1)
     n, zeros = 20000, 0
     for seed in range(n):
         loop.model.n_past = 0
         r = loop.draft(
-            DraftRequest(id="x", keep=0, append=[0], k=1, temperature=1.0, top_k=0, top_p=1.0,
-                         seed=seed, p_min=0.2, new_request=True)
-        )  # fmt: skip
+            DraftRequest(
+                id="x", keep=0, append=[0], k=1, sampling=SamplingParams(1.0, 0, 1.0, seed), p_min=0.2, new_request=True
+            )
+        )
         if not r.tokens:
             token = target.sample(p_logits)
         else:

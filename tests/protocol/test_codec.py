@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tandem.protocol as P
+import tandem.protocol.internal as I
 from tandem.protocol import ErrorCode, ProtocolError, decode, encode, packb, unpackb
 
 MODEL = P.ModelInfo("m", "/m.gguf", 1024, 8192, 49152, 98_362_432, True)
@@ -99,16 +100,23 @@ REPLIES = [
         cache=P.CacheInfo(16, 0, 0, 2**30, 1, 2, 32, 8, 0, pages_total=100, page_bytes={"target": 2**20}),
     ),
     P.CacheCleared(id="k2", pages=0, bytes=0, cache=None),
-    P.Ready(id="target", model=PROBED, pid=43),
-    P.Progress(id="g1"),
-    P.DrafterHung(id="g1", message="the drafter did not answer within 10 s"),
+]
+
+WORKER_REPLIES = [  # worker -> daemon, besides the chunks, done, errors and cache_cleared it relays
+    I.Ready(id="target", model=PROBED, pid=43),
+    I.Progress(id="g1"),
+    I.DrafterHung(id="g1", message="the drafter did not answer within 10 s"),
 ]
 
 
 DRAFTER = [
-    P.DraftRequest(id="g1", keep=10, append=[5, 6], k=4, temperature=0.7, top_k=40, top_p=0.9, seed=3, p_min=0.1, new_request=True),
-    P.DraftRequest(id="g1", keep=32, append=[], k=0, temperature=0.0, top_k=0, top_p=1.0, seed=3,
-                   store=[[0, 0], [16, 4096]], restore=[0, 4096]),
+    I.DraftRequest(
+        id="g1", keep=10, append=[5, 6], k=4, sampling=I.SamplingParams(0.7, 40, 0.9, 3), p_min=0.1, new_request=True
+    ),
+    I.DraftRequest(
+        id="g1", keep=32, append=[], k=0, sampling=I.SamplingParams(0.0, 0, 1.0, 3), store=[[0, 0], [16, 4096]],
+        restore=[0, 4096],
+    ),
 ]
 
 
@@ -124,10 +132,18 @@ def test_reply_round_trip(msg):
     assert decode(encode(msg), replies=True) == msg
 
 
+@pytest.mark.parametrize("msg", WORKER_REPLIES, ids=lambda m: type(m).__name__)
+def test_worker_reply_round_trip_and_clients_never_decode_one(msg):
+    assert decode(encode(msg), table=I.WORKER_REPLIES) == msg
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(msg), replies=True)  # what a client decodes has no internal messages
+    assert info.value.code == ErrorCode.UNKNOWN_OP
+
+
 def test_drafter_messages_round_trip_with_raw_arrays():
     for msg in DRAFTER:
-        assert decode(encode(msg), table=P.DRAFTER_REQUESTS) == msg
-    drafted = P.Drafted(
+        assert decode(encode(msg), table=I.DRAFTER_REQUESTS) == msg
+    drafted = I.Drafted(
         id="g1",
         tokens=[7, 8],
         n_cached=12,
@@ -137,7 +153,7 @@ def test_drafter_messages_round_trip_with_raw_arrays():
     )
     frames = encode(drafted)
     assert b"\x80\x03" not in frames[1] and b"numpy" not in frames[1]  # no pickle protocol, no class names
-    back = decode(frames, table=P.DRAFTER_REPLIES)
+    back = decode(frames, table=I.DRAFTER_REPLIES)
     assert back.tokens == [7, 8] and back.q_lens == [2, 1] and back.n_cached == 12
     assert np.array_equal(back.q_ids, drafted.q_ids) and back.q_probs.dtype == np.float32
     with pytest.raises(ProtocolError) as info:
@@ -146,19 +162,17 @@ def test_drafter_messages_round_trip_with_raw_arrays():
 
 
 def test_worker_messages_round_trip_and_clients_cannot_send_them():
-    msg = P.DrafterState(id="daemon", available=False)
-    assert decode(encode(msg), table=P.WORKER_REQUESTS) == msg
+    msg = I.DrafterState(id="daemon", available=False)
+    assert decode(encode(msg), table=I.WORKER_REQUESTS) == msg
     with pytest.raises(ProtocolError) as info:
         decode(encode(msg))  # the daemon's client-facing table has no drafter_state
     assert info.value.code == ErrorCode.UNKNOWN_OP
 
 
 def test_every_message_type_is_covered():
-    covered = {type(m) for m in REQUESTS + REPLIES + DRAFTER} | {P.Drafted, P.DrafterState}
-    assert covered == (
-        set(P.REQUESTS.values()) | set(P.REPLIES.values()) | set(P.DRAFTER_REQUESTS.values())
-        | set(P.DRAFTER_REPLIES.values()) | set(P.WORKER_REQUESTS.values())
-    )  # fmt: skip
+    covered = {type(m) for m in REQUESTS + REPLIES + WORKER_REPLIES + DRAFTER} | {I.Drafted, I.DrafterState}
+    tables = (P.REQUESTS, P.REPLIES, I.WORKER_REQUESTS, I.WORKER_REPLIES, I.DRAFTER_REQUESTS, I.DRAFTER_REPLIES)
+    assert covered == {cls for table in tables for cls in table.values()}
 
 
 def test_ndarray_round_trip_without_pickle():
@@ -244,7 +258,9 @@ def test_protocol_md_documents_every_op_field_and_error_code():
         assert f"`{op.value}`" in doc, op
     for code in ErrorCode:
         assert re.search(rf"\b{int(code)}\b.*`{code.name}`", doc), code
-    for cls in [*P.REQUESTS.values(), *P.REPLIES.values(), *P.DRAFTER_REQUESTS.values(), *P.DRAFTER_REPLIES.values(), *P.WORKER_REQUESTS.values(), P.DraftStats, P.GovernorInfo, P.CacheInfo]:
+    tables = (P.REQUESTS, P.REPLIES, I.WORKER_REQUESTS, I.WORKER_REPLIES, I.DRAFTER_REQUESTS, I.DRAFTER_REPLIES)
+    nested = [P.DraftStats, P.GovernorInfo, P.CacheInfo, I.SamplingParams]
+    for cls in [*(cls for table in tables for cls in table.values()), *nested]:
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name}"
     assert f"{P.PROTOCOL_VERSION[0]}.{P.PROTOCOL_VERSION[1]}" in doc

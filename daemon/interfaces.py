@@ -1,0 +1,75 @@
+"""What the engine needs of a model and of a drafter, and nothing that loads one.
+
+``Model`` is the part of ``LlamaModel`` the engine calls; ``Drafter`` is what
+proposes tokens for the target to verify (``NgramDrafter`` in ngram.py, the
+model drafter's client in drafter_client.py). Both live here, apart from
+llama.cpp, so the engine, the governor and their tests import no model runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .page_store import PageStore
+    from .sampler import Sampler
+    from .speculative import SparseDist
+
+
+class DecodeAborted(Exception):
+    """``abort()`` returned True between two batches of a long decode."""
+
+
+class Model(Protocol):
+    n_ctx: int
+    n_ctx_train: int
+    n_past: int
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]: ...
+    def piece(self, token: int) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    def fim_tokens(self) -> Optional[tuple[int, int, int]]: ...
+    def clear(self) -> None: ...
+    def truncate(self, n_keep: int) -> None: ...
+    def decode(
+        self, tokens: Sequence[int], logits_for: Sequence[int] = (-1,), abort: Optional[Callable[[], bool]] = None
+    ) -> np.ndarray: ...
+
+
+class Drafter:
+    """Proposes tokens for the target to verify.
+
+    A subclass implements ``propose``; the rest has defaults that suit a drafter
+    without state of its own (no KV cache, no process): nothing to start, always
+    ready, no prefix-cache pages, never down."""
+
+    def begin(self, request_id: str, prompt: list[int], sampler: "Sampler", prefill: bool = True) -> None:
+        """A new request; ``prefill``: start reading the prompt now (in parallel with the target)."""
+
+    def propose(self, context: list[int], k: int, p_min: float) -> tuple[list[int], Optional[list["SparseDist"]]]:
+        """Up to ``k`` tokens to follow ``context``, and their distributions q
+        (None at temperature 0)."""
+        raise NotImplementedError
+
+    def sync(self, context: list[int]) -> None:
+        """Catch up on ``context`` without drafting (before the first drafting
+        round after plain ones, so the governor times drafting, not catching up)."""
+
+    def ready(self) -> bool:
+        """False while it is still working on something sent earlier (reading the prompt)."""
+        return True
+
+    def use_pages(self, pages: Optional["PageStore"]) -> None:
+        """The prefix cache of this request (None: none, or not used): a drafter
+        with a KV cache of its own restores its pages of the prompt from it."""
+
+    def store(self, tokens: Sequence[int]) -> None:
+        """The request is over: keep this drafter's pages of ``tokens`` in the prefix cache."""
+
+    def go_down(self) -> None:
+        """Its process died: propose nothing until ``revive``."""
+
+    def revive(self) -> None:
+        """Its process is back: use it again from the next request on."""

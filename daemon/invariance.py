@@ -1,0 +1,78 @@
+"""The batch-invariance probe's verdict, kept across restarts, and what fixes it.
+
+``LlamaModel.batch_invariance()`` measures whether a model's logits depend on
+how its tokens were batched; it takes a few seconds for a 1.5B model on 2
+cores, so the target worker keeps its verdict in a small JSON file keyed by
+everything the verdict depends on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from .worker_config import WorkerConfig
+
+log = logging.getLogger("tandem.worker")
+
+PROBE_PATHS = {"restore", "verify", "one_token", "small_batches"}  # LlamaModel.batch_invariance's keys
+
+
+def probe_key(model, config: WorkerConfig) -> str:
+    """What the probe's verdict depends on: the model file, the kernels and
+    their settings, the CPU's features as llama.cpp sees them, and its version."""
+    import llama_cpp
+
+    st = model.path.stat()
+    parts = (
+        str(model.path.resolve()), st.st_size, st.st_mtime_ns, config["kernels"], model.flash_attn, model.extra_buffers,
+        model.n_batch, model.n_threads, llama_cpp.__version__, llama_cpp.llama_print_system_info().decode(),
+    )  # fmt: skip
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def probe_batch_invariance(model, config: WorkerConfig) -> dict[str, bool]:
+    """``model.batch_invariance()``, kept in ``config.probe_cache`` (a few seconds
+    for a 1.5B model on 2 cores, so not at every start). A missing, corrupt or
+    foreign file only means probing again."""
+    path = Path(config.probe_cache) if config.probe_cache else None
+    key = probe_key(model, config)
+    known: dict = {}
+    if path is not None:
+        try:
+            if path.is_file() and path.stat().st_size < 1 << 20:  # never a FIFO or a huge file
+                known = json.loads(path.read_text())
+            known = known if isinstance(known, dict) else {}
+        except Exception:  # unreadable, not JSON, nested too deep: probe again
+            known = {}
+        cached = known.get(key)
+        if isinstance(cached, dict) and set(cached) == PROBE_PATHS and all(isinstance(v, bool) for v in cached.values()):
+            return cached
+    paths = model.batch_invariance()
+    if path is not None and paths:
+        known = {k: v for k, v in known.items() if isinstance(v, dict)}
+        known[key] = paths
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(dict(list(known.items())[-32:])))
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            log.warning("could not keep the batch-invariance probe's verdict in %s: %s", path, exc)
+    return paths
+
+
+def invariance_fix(config: WorkerConfig, model) -> str:
+    """What to change so that the probe passes, as far as it is known."""
+    if config["kernels"] != "reference":
+        return "Use --kernels reference (the default)."
+    if not config["flash_attn"]:
+        return "Use --flash-attn on (the default)."
+    if model.extra_buffers:
+        return "Try --extra-buffers off (weight repacking uses other kernels for one row than for several)."
+    return ("No setting is known to fix it for this model file (F16 weights use llamafile's tinyBLAS, whose "
+            "rows differ from its one-row kernel); Q4_K and Q4_1 models were measured batch-invariant.")

@@ -1,0 +1,321 @@
+"""The daemon's decisions about requests, without sockets.
+
+``Scheduler`` holds admission, the queue, the one running request, cache clears
+waiting for the target, cancels, and every request's single terminal message.
+The shell (server.py) owns the sockets and the workers; it hands the scheduler
+what clients ask and what the target worker says, and the scheduler answers
+through two callables: ``reply(identity, message)`` to a client, ``to_target(message)``
+to the target worker (both return False when the peer cannot take it). A test
+drives it with a fake target and a list of replies (tests/daemon/test_scheduler.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from tandem.protocol import (
+    ActiveRequest,
+    Busy,
+    CacheClear,
+    CacheCleared,
+    CacheInfo,
+    Cancel,
+    Chunk,
+    Decoding,
+    Done,
+    DraftStats,
+    Error,
+    ErrorCode,
+    FinishReason,
+    GovernorInfo,
+    Message,
+    Timings,
+    Usage,
+)
+
+from .metrics import Metrics
+
+
+@dataclass
+class Job:
+    """A generate or complete request, queued or running."""
+
+    identity: bytes
+    request: Decoding
+    enqueued_at: float
+    started_at: Optional[float] = None
+    completion_tokens: int = 0
+    last_tokens_at: Optional[float] = None  # when the latest chunk with tokens was relayed
+    answered: bool = False  # its terminal message went out early (a worker died): the worker's own is dropped
+    serial: int = 0  # arrival order among queued requests
+    client_gone: bool = False
+
+    @property
+    def drafts(self) -> bool:
+        return self.request.draft != "off" and self.request.draft_tokens != 0
+
+
+@dataclass
+class Counters:
+    requests: collections.Counter = field(default_factory=collections.Counter)
+    tokens: collections.Counter = field(default_factory=collections.Counter)
+    draft: DraftStats = field(default_factory=DraftStats)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        reply: Callable[[bytes, Message], bool],
+        relay: Callable[[bytes, list[bytes]], bool],
+        to_target: Callable[[Message], bool],
+        metrics: Metrics,
+        max_queue: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``relay(identity, frames)`` sends a chunk as the worker encoded it."""
+        self.reply, self.relay, self.to_target = reply, relay, to_target
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.clock = clock
+        self.queue: collections.deque[Job] = collections.deque()
+        self.active: Optional[Job] = None
+        self.jobs: dict[str, Job] = {}  # by request id, queued or running
+        self.serial = 0
+        self.clears: collections.deque[tuple[bytes, CacheClear]] = collections.deque()  # waiting for the target
+        self.clearing: Optional[tuple[bytes, CacheClear]] = None  # sent to the target
+        self.counters = Counters()
+        self.failure = ""  # why the daemon failed ("" while it has not): requests are refused
+        self.governor: Optional[GovernorInfo] = None  # the target's latest report
+        self.cache: Optional[CacheInfo] = None  # likewise
+        self.on_request_done: Callable[[], None] = lambda: None  # the target finished a request
+
+    # ------------------------------------------------------------------ from clients
+
+    def admit(self, identity: bytes, msg: Decoding) -> None:
+        """Queue a request, or answer why not."""
+        if self.failure:
+            self.reply(identity, self._failed(msg.id))
+            return
+        if msg.id in self.jobs:
+            why = f"a request with id {msg.id!r} is already queued or running"
+            self.reply(identity, Error.of(msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
+            return
+        if len(self.queue) >= self.max_queue:
+            self.counters.requests["busy"] += 1
+            self.metrics.request_ended("busy")
+            self.reply(
+                identity,
+                Busy(
+                    id=msg.id,
+                    queue_length=len(self.queue),
+                    max_queue=self.max_queue,
+                    message=f"the queue is full ({len(self.queue)} waiting); retry later or raise --max-queue",
+                ),
+            )
+            return
+        self.serial += 1
+        job = Job(identity=identity, request=msg, enqueued_at=self.clock(), serial=self.serial)
+        self.jobs[msg.id] = job
+        self.queue.append(job)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a queued or running request; False when there is none by that id."""
+        job = self.jobs.get(request_id)
+        if job is not None:
+            self._cancel(job)
+        return job is not None
+
+    def cancel_active(self) -> None:
+        """Have the target stop the running request (the daemon is shutting down)."""
+        if self.active is not None:
+            self._cancel(self.active)
+
+    def client_gone(self, identity: bytes) -> None:
+        """The peer disconnected: cancel what it asked for; nobody is left to answer."""
+        for job in list(self.jobs.values()):
+            if job.identity == identity:
+                job.client_gone = True
+                self._cancel(job)
+
+    def clear_cache(self, identity: bytes, msg: CacheClear) -> None:
+        """Clear the prefix cache after the running request, before the next one."""
+        if self.failure:
+            self.reply(identity, self._failed(msg.id))
+            return
+        self.clears.append((identity, msg))
+
+    # ------------------------------------------------------------------ the target
+
+    @property
+    def busy(self) -> bool:
+        """The target is working for us (a request or a clear): it must show signs of life."""
+        return self.active is not None or self.clearing is not None
+
+    def start_next(self) -> bool:
+        """Give the target its next piece of work, if it is idle: a waiting cache
+        clear first, else the oldest request. True when something was sent.
+        The caller calls this only while the target can take work."""
+        if self.busy:
+            return False
+        if self.clears:
+            self.clearing = self.clears.popleft()
+            if not self.to_target(self.clearing[1]):
+                self.clear_failed("the model worker could not take the request")
+            return True
+        if not self.queue:
+            return False
+        job = self.queue.popleft()
+        job.started_at = self.clock()
+        self.active = job
+        self.to_target(job.request)
+        return True
+
+    def on_target_message(self, msg: Message, frames: list[bytes]) -> bool:
+        """A chunk, done, error or cache_cleared from the target; chunks are relayed
+        as the worker encoded them. False: the message is about no request of ours."""
+        if isinstance(msg, CacheCleared):
+            if self.clearing is not None and msg.id == self.clearing[1].id:
+                self.cache = msg.cache
+                if msg.cache is not None:
+                    self.metrics.cache_seen(msg.cache)
+                self.reply(self.clearing[0], msg)
+                self.clearing = None
+            return True
+        job = self.active
+        if job is None or msg.id != job.request.id:
+            return False
+        if job.answered:  # already answered (a worker died): this is the worker finishing up
+            if not isinstance(msg, Chunk):
+                self._finish(job, msg)
+            return True
+        if isinstance(msg, Chunk):
+            self._relay_chunk(job, msg, frames)
+            return True
+        if isinstance(msg, Done):
+            self.on_request_done()
+            msg.serial = job.serial
+            msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
+            if msg.governor is not None:
+                self.governor = msg.governor
+            if msg.cache is not None:
+                self.cache = msg.cache
+        self._finish(job, msg)
+        return True
+
+    def _relay_chunk(self, job: Job, msg: Chunk, frames: list[bytes]) -> None:
+        job.completion_tokens += len(msg.token_ids)
+        if msg.token_ids:
+            now = self.clock()
+            if job.last_tokens_at is not None:  # the first chunk's wait is the time to first token
+                self.metrics.tokens_relayed(len(msg.token_ids), now - job.last_tokens_at)
+            job.last_tokens_at = now
+        if not job.client_gone and not self.relay(job.identity, frames):
+            job.client_gone = True
+            self._cancel(job)
+
+    def answer_early(self, code: ErrorCode, message: str) -> None:
+        """End the running request now with an error and have the target stop it;
+        it stays active (nothing else starts) until the target's own terminal
+        message, which is then dropped."""
+        job = self.active
+        if job is None or job.answered:
+            return
+        self._finish(job, Error.of(job.request.id, code, message))  # counts it, sends it, forgets the id
+        job.answered = True
+        self.active = job
+        self.to_target(Cancel(id=job.request.id, request_id=job.request.id))
+
+    def drafting_request(self) -> Optional[Job]:
+        """The running request, if it may draft and has not been answered."""
+        job = self.active
+        return job if job is not None and not job.answered and job.drafts else None
+
+    def abort(self, code: ErrorCode, message: str, why: str) -> None:
+        """The target is gone (``why``): answer what it was doing, the request
+        with ``code`` and ``message``, a cache clear with why it was not done."""
+        self.clear_failed(why)
+        if self.active is not None:
+            self._finish(self.active, Error.of(self.active.request.id, code, message))
+            self.active = None
+
+    def clear_failed(self, why: str) -> None:
+        if self.clearing is not None:
+            identity, msg = self.clearing
+            self.clearing = None
+            self.reply(identity, Error.of(msg.id, ErrorCode.WORKER_DIED, f"the cache was not cleared: {why}; retry"))
+
+    # ------------------------------------------------------------------ the daemon's state
+
+    def fail(self, message: str) -> None:
+        """The daemon cannot serve: refuse what waits and what comes."""
+        self.failure = message
+        for job in list(self.queue):
+            self.queue.remove(job)
+            self._finish(job, Error.of(job.request.id, ErrorCode.NOT_READY, message))
+
+    def shutting_down(self) -> None:
+        """Answer everything that waits; the running request is the caller's to cancel."""
+        for identity, msg in [*self.clears, *([self.clearing] if self.clearing else [])]:
+            self.reply(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+        self.clears.clear()
+        self.clearing = None
+        for job in list(self.queue):
+            self.queue.remove(job)
+            self._finish(job, Error.of(job.request.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+
+    def active_request(self) -> Optional[ActiveRequest]:
+        job = self.active
+        if job is None:
+            return None
+        now = self.clock()
+        return ActiveRequest(
+            id=job.request.id, elapsed_seconds=now - (job.started_at or now), completion_tokens=job.completion_tokens
+        )
+
+    # ------------------------------------------------------------------ ending requests
+
+    def _failed(self, request_id: str) -> Error:
+        return Error.of(request_id, ErrorCode.NOT_READY, f"the daemon has failed: {self.failure}")
+
+    def _cancel(self, job: Job) -> None:
+        if job is self.active:
+            self.to_target(Cancel(id=job.request.id, request_id=job.request.id))
+        else:
+            self.queue.remove(job)
+            self._finish(job, self._cancelled_done(job))
+
+    def _cancelled_done(self, job: Job) -> Done:
+        waited = self.clock() - job.enqueued_at
+        return Done(
+            id=job.request.id,
+            text="",
+            finish_reason=FinishReason.CANCELLED,
+            usage=Usage(prompt_tokens=0, completion_tokens=0),
+            timings=Timings(0.0, 0.0, 0.0, 0.0, waited),
+            serial=job.serial,
+        )
+
+    def _finish(self, job: Job, terminal: Message) -> None:
+        """Deliver a request's one terminal message and forget the request."""
+        if job.answered:  # its terminal message went out already (answer_early)
+            if job is self.active:
+                self.active = None
+            return
+        self.jobs.pop(job.request.id, None)
+        if job is self.active:
+            self.active = None
+        if isinstance(terminal, Done):
+            if terminal.draft is not None:
+                self.counters.draft.merge(terminal.draft)
+            self.counters.requests[f"done_{terminal.finish_reason.value}"] += 1
+            self.counters.tokens["prompt"] += terminal.usage.prompt_tokens
+            self.counters.tokens["completion"] += terminal.usage.completion_tokens
+            self.metrics.request_ended(terminal.finish_reason.value, terminal, streamed=job.request.stream)
+        else:
+            self.counters.requests["error"] += 1
+            self.metrics.request_ended("error")
+        if not job.client_gone:
+            self.reply(job.identity, terminal)

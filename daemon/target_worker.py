@@ -1,0 +1,290 @@
+"""The target worker process: a thin shell of sockets around ``Engine``.
+
+``worker_main`` runs ``TargetLoop`` in the target's process. It talks to the
+daemon over a ZeroMQ PAIR socket on a private ipc path, using the same codec as
+clients: it loads the model (``load_engine``, which has no socket), says
+``ready``, then serves one ``generate`` at a time, streaming ``chunk`` messages
+and ending each with exactly one ``done`` or ``error``. Between decode steps it
+drains its socket for ``cancel``/``shutdown``, so a cancel lands within one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import zmq
+
+from tandem.protocol import (
+    CacheCleared,
+    CacheClear,
+    Cancel,
+    Complete,
+    Error,
+    ErrorCode,
+    Generate,
+    ModelInfo,
+    ProtocolError,
+    Shutdown,
+    decode,
+    encode,
+)
+from tandem.protocol.internal import WORKER_REQUESTS, DrafterHung, DrafterState, Progress, Ready
+
+from .engine import Engine, RequestError
+from .interfaces import Drafter
+from .invariance import invariance_fix, probe_batch_invariance
+from .worker_config import WorkerConfig, load_model
+
+log = logging.getLogger("tandem.worker")
+
+HEARTBEAT_SECONDS = 1.0  # Progress at most this often while serving a request
+
+
+def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engine, ModelInfo]:
+    """Load the target model, probe it, and build its engine (with its governors
+    and prefix-cache pages, where the daemon has them)."""
+    from .chat import ChatTemplate, ChatTemplateError
+
+    c = config
+    model = load_model(c)
+    template = None
+    source = model.chat_template()
+    if source:
+        try:
+            template = ChatTemplate(
+                source,
+                bos_token=model.token_text(model.bos_token, special=True).decode("utf-8", "replace"),
+                eos_token=model.token_text(model.eos_token, special=True).decode("utf-8", "replace"),
+            )
+        except ChatTemplateError as exc:
+            log.warning("%s; chat requests will be refused", exc)
+    info = ModelInfo(
+        name=c.model_name,
+        path=str(model.path),
+        n_ctx=model.n_ctx,
+        n_ctx_train=model.n_ctx_train,
+        n_vocab=model.n_vocab,
+        size_bytes=model.size_bytes,
+        has_chat_template=template is not None,
+        vocab_digests=model.vocab_digests() if c.drafter == "model" else [],
+        fim=model.fim_tokens() is not None,
+        kernels=c["kernels"],
+        flash_attn=c["flash_attn"],
+    )
+    probe(model, c, info)
+    min_batch = 1
+    if c.drafter != "none" and (c["exact"] == "on" or (c["exact"] == "auto" and info.batch_invariant is not True)):
+        min_batch = 2
+        info.exact_steps = True
+    governors = None
+    if c.governed:
+        from .governor import GovernorBank
+
+        governors = GovernorBank(
+            c.governor_identity,
+            Path(c.governor_state) if c.governor_state else None,
+            per_task=c["governor_per_task"],
+        )
+    engine = Engine(
+        model,
+        template,
+        drafter,
+        c.draft_tokens,
+        c["draft_p_min"],
+        min_batch,
+        governors=governors,
+        cache=page_store(model, c),
+    )
+    engine.batch_invariant = info.batch_invariant
+    return engine, info
+
+
+def probe(model, config: WorkerConfig, info: ModelInfo) -> None:
+    """The batch-invariance probe's verdict into ``info``, logged with its fix."""
+    started = time.perf_counter()
+    try:
+        paths = probe_batch_invariance(model, config)
+    except Exception as exc:  # a failed probe must not stop the daemon: the verdict is unknown
+        log.warning("the batch-invariance probe failed (%s: %s); exactness unknown", type(exc).__name__, exc)
+        paths = {}
+    info.batch_invariant = all(paths.values()) if paths else None
+    info.batch_variant_paths = [name for name, same in paths.items() if not same]
+    if info.batch_invariant:
+        verdict = "every path gives identical logits"
+    elif info.batch_invariant is None:
+        verdict = "no verdict (the context is too small to probe in, or the probe failed)"
+    else:
+        verdict = "logits differ on " + ", ".join(info.batch_variant_paths)
+    log.info("batch-invariance probe (%.2f s): %s", time.perf_counter() - started, verdict)
+    if info.batch_invariant is False:
+        log.warning(
+            "%s is not batch-invariant on this CPU with these settings (kernels=%s, flash_attn=%s, "
+            "extra_buffers=%s): at near-ties greedy output can depend on the prefix cache and on drafting. %s",
+            config.model_name,
+            config["kernels"],
+            "on" if config["flash_attn"] else "off",
+            "on" if model.extra_buffers else "off",
+            invariance_fix(config, model),
+        )
+
+
+def page_store(model, config: WorkerConfig):
+    """The target's view of the daemon's prefix-cache arena (None: no prefix cache)."""
+    if not config.cache_shm:
+        return None
+    from .page_store import PageStore, index_path, map_arena
+    from .prefix_cache import ExtentAllocator, PageTree
+
+    arena = map_arena(config.cache_shm, config.cache_bytes)  # a memoryview of it keeps it mapped
+    store = PageStore(PageTree(config["page_tokens"], ExtentAllocator(config.cache_bytes)), memoryview(arena), model)
+    store.probe_layout()
+    kept, dropped = store.load_index(index_path(config.cache_shm))
+    if kept or dropped:
+        log.info(
+            "prefix cache: %d pages kept from the previous worker (%d dropped: evicted or overwritten since)",
+            kept,
+            dropped,
+        )
+    return store
+
+
+class TargetLoop:
+    def __init__(self, config: WorkerConfig, sock: zmq.Socket):
+        self.config = config
+        self.sock = sock
+        self.stopping = False
+        self.cancelled: set[str] = set()
+        self.engine: Optional[Engine] = None
+        self.last_beat = 0.0
+        self.current = ""  # the request being served
+        self.handlers: dict[type, Callable] = {
+            Shutdown: self._shutdown,
+            Cancel: lambda msg: None,  # nothing running: it finished before the cancel arrived
+            DrafterState: self._drafter_state,
+            CacheClear: self._clear_cache,
+            Generate: self._serve,
+            Complete: self._serve,
+        }
+
+    def send(self, msg) -> None:
+        self.sock.send_multipart(encode(msg))
+
+    def run(self) -> None:
+        try:
+            self.engine, info = load_engine(self.config, self._drafter())
+        except Exception as exc:
+            self.send(Error.of(self.config.role, ErrorCode.NOT_READY, f"could not load the model: {exc}"))
+            return
+        engine = self.engine
+        self.send(
+            Ready(
+                id=self.config.role,
+                model=info,
+                pid=os.getpid(),
+                governor=engine.governors.info() if engine.governors is not None else None,
+                cache=engine.cache.info() if engine.cache is not None else None,
+            )
+        )
+        while not self.stopping:
+            try:
+                msg = decode(self.sock.recv_multipart(), table=WORKER_REQUESTS)
+            except ProtocolError as exc:  # the daemon validated it; this is a bug
+                log.error("undecodable message from the daemon: %s", exc.message)
+                continue
+            self.handlers[type(msg)](msg)
+
+    def _drafter(self) -> Optional[Drafter]:
+        kind = self.config.drafter
+        if kind == "ngram":
+            from .ngram import NgramDrafter
+
+            return NgramDrafter()
+        if kind == "model":
+            from .drafter_client import ModelDrafterClient
+
+            timeout = self.config["worker_timeout"]
+            client = ModelDrafterClient(self.sock.context, self.config.draft_endpoint, timeout=timeout)
+            client.on_wait = lambda: self._poll_cancel(self.current)  # heartbeats, and cancels, while it waits
+            # a drafter that does not answer: the daemon kills and restarts it
+            client.on_timeout = lambda why: self.send(DrafterHung(id=self.current, message=why))
+            return client
+        return None
+
+    def _shutdown(self, msg: Shutdown) -> None:
+        self.stopping = True
+
+    def _serve(self, msg) -> None:
+        engine = self.engine
+        assert engine is not None
+        self.cancelled.clear()
+        self.current = msg.id
+        self.last_beat = time.monotonic()
+        self.send(Progress(id=msg.id))  # at once: the first prefill batch may take a while
+        try:
+            done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
+            if engine.cache is not None:
+                # before the reply (a few ms in tmpfs): once a request is answered,
+                # its pages survive this worker being killed
+                self._save_cache_index()
+            self.send(done)
+            if done.governor is not None and engine.governors is not None:
+                engine.governors.save()  # after the reply: a few ms of disk never delay it
+        except RequestError as exc:
+            self.send(Error.of(msg.id, exc.code, exc.message))
+        except Exception as exc:  # a bug or a llama.cpp failure: report it, keep serving
+            log.exception("request %s failed", msg.id)
+            self.send(Error.of(msg.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
+
+    def _clear_cache(self, msg: CacheClear) -> None:
+        cache = self.engine.cache
+        if cache is None:
+            self.send(CacheCleared(id=msg.id, pages=0, bytes=0, cache=None))
+            return
+        pages, used = cache.tree.pages(), cache.tree.allocator.used
+        cache.release()
+        cache.tree.clear()
+        self._save_cache_index()
+        pages, used = pages - cache.tree.pages(), used - cache.tree.allocator.used
+        log.info("prefix cache cleared: %d pages, %d bytes", pages, used)
+        self.send(CacheCleared(id=msg.id, pages=pages, bytes=used, cache=cache.info()))
+
+    def _save_cache_index(self) -> None:
+        from .page_store import index_path
+
+        try:
+            self.engine.cache.save_index(index_path(self.config.cache_shm))
+        except OSError as exc:
+            log.warning("could not save the prefix-cache index (a restarted worker would start empty): %s", exc)
+
+    def _poll_cancel(self, request_id: str) -> bool:
+        """Between steps of a request: read what the daemon sent, and say we are alive."""
+        now = time.monotonic()
+        if now - self.last_beat >= min(HEARTBEAT_SECONDS, self.config["worker_timeout"] / 4):
+            self.last_beat = now
+            self.send(Progress(id=request_id))
+        while self.sock.poll(0, zmq.POLLIN):
+            try:
+                msg = decode(self.sock.recv_multipart(), table=WORKER_REQUESTS)
+            except ProtocolError:
+                continue
+            if isinstance(msg, Cancel):
+                self.cancelled.add(msg.request_id)
+            elif isinstance(msg, Shutdown):
+                self.stopping = True
+            elif isinstance(msg, DrafterState):
+                self._drafter_state(msg)
+        return self.stopping or request_id in self.cancelled
+
+    def _drafter_state(self, msg: DrafterState) -> None:
+        drafter = self.engine.drafter if self.engine is not None else None
+        if drafter is None:
+            return
+        if msg.available:
+            log.info("the drafter worker is back; drafting again from the next request")
+            drafter.revive()  # at the next request's start: never under a request that is waiting on it
+        else:
+            drafter.go_down()  # until it is back: plain decoding

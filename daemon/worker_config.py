@@ -1,0 +1,60 @@
+"""What a worker process is started with, and how it loads its model.
+
+The daemon writes a ``WorkerConfig`` as JSON on the worker's stdin (see
+worker_handle.py). It carries the daemon's settings whole (``config.OPTIONS``'
+keys: ``ctx_size``, ``kernels``, ``draft_tokens``...), so an option is spelled
+once, and beside them only what the daemon derived: the worker's role and model,
+its sockets, the prefix cache's arena and the files it keeps state in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+EXTRA_BUFFERS = {"auto": None, "on": True, "off": False}
+
+
+@dataclass
+class WorkerConfig:
+    role: str  # "target" or "drafter"
+    model_name: str
+    model_path: str
+    settings: dict[str, Any]  # the daemon's settings (config.Settings.values, paths as strings)
+    endpoint: str = ""  # the daemon's PAIR socket for this worker (set at each start)
+    drafter: str = "none"  # target only: "none", "ngram" or "model"
+    draft_endpoint: str = ""  # the drafter worker binds it, the target worker connects to it
+    cache_shm: str = ""  # the daemon's prefix-cache arena (a /dev/shm name); "": no prefix cache
+    cache_bytes: int = 0  # its size (settings' cache_bytes may be "auto")
+    governor_state: str = ""  # file the governor's state is kept in ("": not kept)
+    governor_identity: str = ""  # target, drafter, k and kernels: the state is valid only for these
+    probe_cache: str = ""  # file keeping the batch-invariance probe's verdicts across restarts ("": not kept)
+    spin_count: Optional[int] = 10000  # GOMP_SPINCOUNT; see FACTS.md on two llama.cpp processes
+
+    def __getitem__(self, key: str) -> Any:
+        """A setting: ``config["kernels"]``."""
+        return self.settings[key]
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.settings["draft_tokens"] if self.drafter != "none" else 0
+
+    @property
+    def governed(self) -> bool:
+        return bool(self.settings["governor"]) and self.drafter != "none"
+
+
+def load_model(config: WorkerConfig):
+    """Load the worker's model with the daemon's llama.cpp settings (call only
+    after the process environment is set: this imports llama.cpp)."""
+    from .llama_model import LlamaModel
+
+    return LlamaModel(
+        config.model_path,
+        n_ctx=config["ctx_size"],
+        n_threads=config["threads"],
+        n_batch=config["batch_size"],
+        extra_buffers=EXTRA_BUFFERS[config["extra_buffers"]],
+        flash_attn=config["flash_attn"],
+        reference_kernels=config["kernels"] == "reference",
+    )

@@ -16,6 +16,18 @@ import pytest
 from tandem.client import Client, DaemonNotRunning
 
 
+MODEL_FIXTURES = {"smollm2_path", "coder_path"}  # every real model a test gets comes through one of these
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that loads a real model ``model`` (through a model fixture,
+    directly or through a daemon fixture built on one), so ``pytest -m "not model"``
+    runs the fast, model-free subset."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
+
 def pytest_configure(config):
     # every daemon the tests start, also through the CLI: metrics on a free
     # loopback port (never the default 9464 a user's daemon may hold), and no
@@ -113,6 +125,18 @@ class DaemonProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+@pytest.fixture(name="short_tmpdir", scope="session")
+def _short_tmpdir():
+    """``short_tmpdir(prefix)``: a new directory under /tmp, short enough for Unix socket paths."""
+    return short_tmpdir
+
+
+@pytest.fixture(scope="session")
+def daemon_process():
+    """The DaemonProcess class: ``daemon_process(model, *serve_args, env=...)`` starts ``tandem serve``."""
+    return DaemonProcess
+
+
 @pytest.fixture
 def start_daemon(smollm2_path):
     """Factory: start_daemon(*serve_args) -> a ready DaemonProcess, stopped at teardown."""
@@ -192,3 +216,9 @@ class BridgeProcess:
         code = terminate(self.proc, 10)
         self._reader.join(5)
         return code
+
+
+@pytest.fixture(scope="session")
+def bridge_process():
+    """The BridgeProcess class: ``bridge_process(daemon, *args)`` starts ``tandem openai`` in front of it."""
+    return BridgeProcess

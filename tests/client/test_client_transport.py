@@ -52,7 +52,7 @@ from tandem.protocol import (
     endpoint,
 )
 
-Reply = Message | list  # a message, or raw frames to send as they are
+Reply = Message | list | float  # a message, raw frames to send as they are, or seconds to pause
 Script = Callable[[Message], Optional[Iterable[Reply]]]
 
 SHORT = 0.3  # seconds: the timeout of the tests that wait for a daemon that does not answer
@@ -83,7 +83,7 @@ def status_reply(request_id: str) -> StatusReply:
 class FakeDaemon:
     """A ROUTER socket on a short ipc:// path, in a thread. It answers hello itself (unless
     ``hello`` says otherwise: None = never) and every other decoded request with ``script(request)``'s
-    replies; ``received`` lists the requests in arrival order."""
+    replies (a float in them pauses that many seconds); ``received`` lists the requests in arrival order."""
 
     def __init__(self, script: Script, hello: Optional[Callable[[Hello], Reply]] = hello_reply):
         self.dir = Path(tempfile.mkdtemp(prefix="tdm-fake-", dir="/tmp"))  # a Unix socket path has <= 107 bytes
@@ -113,7 +113,10 @@ class FakeDaemon:
                 else:
                     replies = self.script(msg) or []
                 for reply in replies:
-                    self._sock.send_multipart([identity, *(reply if isinstance(reply, list) else encode(reply))])
+                    if isinstance(reply, float):
+                        time.sleep(reply)
+                    else:
+                        self._sock.send_multipart([identity, *(reply if isinstance(reply, list) else encode(reply))])
             except BaseException as exc:  # reported by the fixture: a broken script must fail its test
                 self.failures.append(exc)
         self._sock.close(linger=0)
@@ -314,12 +317,12 @@ def test_an_error_without_an_id_reaches_the_waiting_request(fake_daemon):
 
 
 def test_busy_raises_queue_full_with_the_queue(fake_daemon):
-    d = fake_daemon(lambda m: [Busy(id=m.id, queue_length=16, max_queue=16, message="the queue is full; retry")]
+    d = fake_daemon(lambda m: [Busy(id=m.id, queue_length=9, max_queue=8, message="the queue is full; retry")]
                     if isinstance(m, Generate) else None)  # fmt: skip
     with Client(d.socket_path, timeout=5) as c:
         with pytest.raises(QueueFull, match="retry") as info:
             c.complete(prompt="x")
-    assert (info.value.queue_length, info.value.max_queue) == (16, 16)
+    assert (info.value.queue_length, info.value.max_queue) == (9, 8)
 
 
 def test_a_reply_the_client_cannot_read_raises_tandem_error(fake_daemon):
@@ -340,6 +343,23 @@ def test_a_daemon_that_never_answers_raises_daemon_timeout_after_the_timeout(fak
         with pytest.raises(DaemonTimeout):  # status waits connect_timeout; make it short too
             c.connect_timeout = SHORT
             c.status()
+
+
+def test_replies_for_other_requests_do_not_extend_the_timeout(fake_daemon):
+    def script(m):
+        if isinstance(m, Generate) and m.prompt == "chatty":  # 1 s of chunks, then done
+            return [Chunk(id=m.id, text=".", token_ids=[1]), 0.05] * 20 + [done(m.id, "." * 20)]
+        return None  # "silent": never answered
+
+    d = fake_daemon(script)
+    with Client(d.socket_path, timeout=SHORT) as c:
+        chatty = c.generate(prompt="chatty")
+        silent = c.generate(prompt="silent")
+        t0 = time.monotonic()
+        with pytest.raises(DaemonTimeout):
+            next(silent)
+        assert time.monotonic() - t0 < SHORT + 0.6  # the chatty stream goes on for 1 s
+        assert chatty.wait().text == "." * 20  # its chunks were kept meanwhile
 
 
 def test_next_chunk_times_out_and_the_stream_goes_on(fake_daemon):
@@ -416,11 +436,12 @@ def test_status_cache_clear_and_shutdown_return_their_replies(fake_daemon):
     d = fake_daemon(script)
     with Client(d.socket_path, timeout=5) as c:
         st = c.status()
-        assert (st.state, st.pid, st.queue_length, st.requests, st.worker_pids) == ("ready", 4242, 2,
-                                                                                    {"done_stop": 3}, {"target": 4243})
+        assert (st.state, st.pid, st.queue_length) == ("ready", 4242, 2)
+        assert (st.requests, st.worker_pids) == ({"done_stop": 3}, {"target": 4243})
         cleared = c.cache_clear()
         assert (cleared.pages, cleared.bytes, cleared.cache) == (3, 12288, None)
         assert c.shutdown() is None
+        assert c._router.buffers == {}  # each answered request is forgotten
     assert [type(m) for m in d.received] == [Hello, Status, CacheClear, Shutdown]
 
 
@@ -469,7 +490,7 @@ def test_async_error_reply_raises_request_failed(fake_daemon):
 
 
 def test_async_busy_raises_queue_full(fake_daemon):
-    d = fake_daemon(lambda m: [Busy(id=m.id, queue_length=2, max_queue=2, message="full")]
+    d = fake_daemon(lambda m: [Busy(id=m.id, queue_length=3, max_queue=2, message="full")]
                     if isinstance(m, Generate) else None)  # fmt: skip
 
     async def main():
@@ -478,7 +499,9 @@ def test_async_busy_raises_queue_full(fake_daemon):
                 await c.complete(prompt="x")
             return info.value
 
-    assert asyncio.run(main()).max_queue == 2
+    err = asyncio.run(main())
+    assert (err.queue_length, err.max_queue) == (3, 2)
+    assert d.requests(Generate)[0].stream is False  # complete asks for the done only
 
 
 def test_async_concurrent_streams_each_get_their_own_replies(fake_daemon):

@@ -25,9 +25,6 @@ from tandem.daemon.governor import (
 )
 from tandem.protocol import Generate
 
-from test_engine import ScriptedModel
-from test_speculative import ListDrafter
-
 
 class FakeClock:
     def __init__(self):
@@ -245,33 +242,43 @@ def test_task_key_is_the_prompt_start():
 SCRIPT = (b"the quick brown fox jumps over the lazy dog. " * 6)[:240]
 
 
-class TimedModel(ScriptedModel):
-    """Each pass advances the clock: 10 ms for one token, 25 ms for 5 (a
-    compute-bound CPU: verifying is not free)."""
+@pytest.fixture
+def timed_model(scripted_model):
+    class TimedModel(scripted_model):
+        """Each pass advances the clock: 10 ms for one token, 25 ms for 5 (a
+        compute-bound CPU: verifying is not free)."""
 
-    def __init__(self, clock: FakeClock, script: bytes = SCRIPT):
-        super().__init__(script, n_ctx=512)
-        self.clock = clock
-        self.widths: list[int] = []
+        def __init__(self, clock: FakeClock, script: bytes = SCRIPT):
+            super().__init__(script, n_ctx=512)
+            self.clock = clock
+            self.widths: list[int] = []
 
-    def decode(self, tokens, logits_for=(-1,), abort=None):
-        if self.n_past:  # not the prefill
-            self.widths.append(len(tokens))
-            self.clock.advance(0.010 + 0.00375 * (len(tokens) - 1))
-        return super().decode(tokens, logits_for, abort)
+        def decode(self, tokens, logits_for=(-1,), abort=None):
+            if self.n_past:  # not the prefill
+                self.widths.append(len(tokens))
+                self.clock.advance(0.010 + 0.00375 * (len(tokens) - 1))
+            return super().decode(tokens, logits_for, abort)
 
-
-def engine_run(clock, bank, drafter, **params):
-    model = TimedModel(clock)
-    params = {"prompt": "hi", "temperature": 0.0, "max_tokens": 200, **params}
-    req = Generate(id="r", **params)
-    engine = Engine(model, None, drafter=drafter, draft_tokens=4, clock=clock, governors=bank)
-    return engine.run(req, lambda chunk: None, lambda: False), model
+    return TimedModel
 
 
-def test_engine_keeps_drafting_when_drafts_are_right(clock):
+@pytest.fixture
+def engine_run(timed_model):
+    """``engine_run(clock, bank, drafter, **params)``: one request on a fresh TimedModel -> (Done, the model)."""
+
+    def run(clock, bank, drafter, **params):
+        model = timed_model(clock)
+        params = {"prompt": "hi", "temperature": 0.0, "max_tokens": 200, **params}
+        req = Generate(id="r", **params)
+        engine = Engine(model, None, drafter=drafter, draft_tokens=4, clock=clock, governors=bank)
+        return engine.run(req, lambda chunk: None, lambda: False), model
+
+    return run
+
+
+def test_engine_keeps_drafting_when_drafts_are_right(clock, engine_run, list_drafter):
     bank = GovernorBank("id", clock=clock)
-    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set()))
+    done, model = engine_run(clock, bank, list_drafter(SCRIPT, set()))
     assert done.text == SCRIPT[:200].decode()
     g = done.governor
     assert g.phase == DRAFTING and g.plain_rounds == 2
@@ -280,9 +287,9 @@ def test_engine_keeps_drafting_when_drafts_are_right(clock):
     assert done.draft.rounds == g.draft_rounds
 
 
-def test_engine_stops_drafting_when_drafts_are_wrong_and_output_is_unchanged(clock):
+def test_engine_stops_drafting_when_drafts_are_wrong_and_output_is_unchanged(clock, engine_run, list_drafter):
     bank = GovernorBank("id", clock=clock)
-    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))))
+    done, model = engine_run(clock, bank, list_drafter(SCRIPT, set(range(1000))))
     assert done.text == SCRIPT[:200].decode()
     g = done.governor
     assert g.phase in (PLAIN, PROBING) and g.probes >= 1 and g.failed_probes >= 1
@@ -293,16 +300,16 @@ def test_engine_stops_drafting_when_drafts_are_wrong_and_output_is_unchanged(clo
     assert 2 * g.probes < g.draft_rounds <= 2 * (1 + g.probes)
     assert model.widths.count(1) in (g.plain_rounds, g.plain_rounds + 1)  # + the last round: no room to draft
     # the next request of the same task starts where this one left off: no drafting
-    done2, model2 = engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))))
+    done2, model2 = engine_run(clock, bank, list_drafter(SCRIPT, set(range(1000))))
     assert model2.widths[0] == 1 and done2.governor.plain_rounds > g.plain_rounds
 
 
-def test_engine_tasks_are_governed_separately(clock):
+def test_engine_tasks_are_governed_separately(clock, engine_run, list_drafter):
     bank = GovernorBank("id", clock=clock)
-    engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))), prompt="task A, whose drafts fail")
-    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set()), prompt="task B, whose drafts pay")
+    engine_run(clock, bank, list_drafter(SCRIPT, set(range(1000))), prompt="task A, whose drafts fail")
+    done, model = engine_run(clock, bank, list_drafter(SCRIPT, set()), prompt="task B, whose drafts pay")
     assert done.governor.phase == DRAFTING and done.governor.tasks == 2
-    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))), prompt="task A, whose drafts fail")
+    done, model = engine_run(clock, bank, list_drafter(SCRIPT, set(range(1000))), prompt="task A, whose drafts fail")
     assert model.widths[0] == 1  # task A is still known to be plain
 
 
@@ -314,12 +321,12 @@ def test_engine_tasks_are_governed_separately(clock):
         (dict(draft="off"), False),
     ],
 )
-def test_requests_that_force_the_mode_bypass_the_governor(clock, params, drafts_every_round):
+def test_requests_that_force_the_mode_bypass_the_governor(clock, engine_run, list_drafter, params, drafts_every_round):
     bank = GovernorBank("id", clock=clock)
-    engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))))  # the governor learns: plain
+    engine_run(clock, bank, list_drafter(SCRIPT, set(range(1000))))  # the governor learns: plain
     before = bank.info()
     assert before.phase in (PLAIN, PROBING)
-    done, model = engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))), **params)
+    done, model = engine_run(clock, bank, list_drafter(SCRIPT, set(range(1000))), **params)
     assert done.governor is None and bank.info() == before
     if drafts_every_round:
         assert set(model.widths[:-4]) == {5}  # (shorter drafts near max_tokens)
@@ -327,11 +334,11 @@ def test_requests_that_force_the_mode_bypass_the_governor(clock, params, drafts_
         assert set(model.widths) == {1} and done.draft is None
 
 
-def test_seeded_sampling_reproduces_whatever_the_governor_learned(clock):
+def test_seeded_sampling_reproduces_whatever_the_governor_learned(clock, engine_run, timed_model, list_drafter):
     def sample(bank):
-        model = TimedModel(clock)
+        model = timed_model(clock)
         req = Generate(id="r", prompt="hi", temperature=1.0, top_k=0, top_p=1.0, seed=11, max_tokens=60)
-        drafter = ListDrafter(SCRIPT, {2, 5, 9})
+        drafter = list_drafter(SCRIPT, {2, 5, 9})
         done = Engine(model, None, drafter=drafter, draft_tokens=4, clock=clock, governors=bank).run(
             req, lambda c: None, lambda: False
         )
@@ -339,42 +346,46 @@ def test_seeded_sampling_reproduces_whatever_the_governor_learned(clock):
 
     fresh = sample(GovernorBank("id", clock=clock))
     learned = GovernorBank("id", clock=clock)
-    engine_run(clock, learned, ListDrafter(SCRIPT, set(range(1000))))
+    engine_run(clock, learned, list_drafter(SCRIPT, set(range(1000))))
     assert sample(learned) == fresh
 
 
-def test_no_governor_drafts_every_round(clock):
-    done, model = engine_run(clock, None, ListDrafter(SCRIPT, set(range(1000))))
+def test_no_governor_drafts_every_round(clock, engine_run, list_drafter):
+    done, model = engine_run(clock, None, list_drafter(SCRIPT, set(range(1000))))
     assert done.governor is None and set(model.widths[:-4]) == {5}
     assert np.isclose(done.draft.acceptance_rate, 0.0)
 
 
-class RecordingDrafter(ListDrafter):
-    """Busy reading the prompt for the first ``busy`` rounds; records what the engine asks."""
+@pytest.fixture
+def recording_drafter(list_drafter):
+    class RecordingDrafter(list_drafter):
+        """Busy reading the prompt for the first ``busy`` rounds; records what the engine asks."""
 
-    def __init__(self, continuation, wrong_at, busy: int = 0):
-        super().__init__(continuation, wrong_at)
-        self.busy = busy
-        self.prefills: list[bool] = []
-        self.synced: list[int] = []
+        def __init__(self, continuation, wrong_at, busy: int = 0):
+            super().__init__(continuation, wrong_at)
+            self.busy = busy
+            self.prefills: list[bool] = []
+            self.synced: list[int] = []
 
-    def begin(self, request_id, prompt, sampler, prefill=True):
-        super().begin(request_id, prompt, sampler)
-        self.prefills.append(prefill)
+        def begin(self, request_id, prompt, sampler, prefill=True):
+            super().begin(request_id, prompt, sampler)
+            self.prefills.append(prefill)
 
-    def ready(self):
-        if self.busy:
-            self.busy -= 1
-            return False
-        return True
+        def ready(self):
+            if self.busy:
+                self.busy -= 1
+                return False
+            return True
 
-    def sync(self, context):
-        self.synced.append(len(context))
+        def sync(self, context):
+            self.synced.append(len(context))
+
+    return RecordingDrafter
 
 
-def test_rounds_while_the_drafter_reads_the_prompt_are_plain_and_untimed(clock):
+def test_rounds_while_the_drafter_reads_the_prompt_are_plain_and_untimed(clock, engine_run, recording_drafter):
     bank = GovernorBank("id", clock=clock)
-    drafter = RecordingDrafter(SCRIPT, set(), busy=3)
+    drafter = recording_drafter(SCRIPT, set(), busy=3)
     done, model = engine_run(clock, bank, drafter)
     assert drafter.prefills == [True]  # a new task: the drafter reads the prompt in parallel
     assert model.widths[:5] == [1, 1, 1, 1, 1] and model.widths[5] == 5  # 3 untimed + 2 measured, then drafting
@@ -383,12 +394,14 @@ def test_rounds_while_the_drafter_reads_the_prompt_are_plain_and_untimed(clock):
     assert drafter.synced == [2 + 5]
 
 
-def test_a_task_known_to_be_plain_does_not_make_the_drafter_read_the_prompt(clock):
+def test_a_task_known_to_be_plain_does_not_make_the_drafter_read_the_prompt(
+    clock, engine_run, list_drafter, recording_drafter
+):
     bank = GovernorBank("id", clock=clock)
-    engine_run(clock, bank, ListDrafter(SCRIPT, set(range(1000))))
+    engine_run(clock, bank, list_drafter(SCRIPT, set(range(1000))))
     assert bank.info().phase == PLAIN
     probes_before = bank.info().probes
-    drafter = RecordingDrafter(SCRIPT, set(range(1000)))
+    drafter = recording_drafter(SCRIPT, set(range(1000)))
     done, model = engine_run(clock, bank, drafter)
     assert drafter.prefills == [False]
     # each probe that falls due catches the drafter up first (the last may be due just as the request ends)

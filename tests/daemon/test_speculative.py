@@ -12,8 +12,6 @@ from tandem.daemon.sampler import Sampler
 from tandem.daemon.speculative import SparseDist, residual, verify
 from tandem.protocol import FinishReason, Generate
 
-from test_engine import ScriptedModel
-
 # ---------------------------------------------------------------- acceptance rule
 
 
@@ -101,36 +99,6 @@ def test_ngram_drafts_are_cut_at_the_end_of_the_context():
 # ---------------------------------------------------------------- engine rounds
 
 
-class ListDrafter:
-    """Proposes from a fixed continuation, with deliberate mistakes at chosen steps."""
-
-    def __init__(self, continuation: bytes, wrong_at: set[int]):
-        self.continuation = list(continuation)
-        self.wrong_at = wrong_at
-        self.prompt_len = 0
-        self.calls: list[int] = []
-
-    def begin(self, request_id, prompt, sampler, prefill=True):
-        self.prompt_len = len(prompt)
-
-    def sync(self, context):
-        pass
-
-    def ready(self):
-        return True
-
-    def propose(self, context, k, p_min):
-        start = len(context) - self.prompt_len
-        self.calls.append((start, k))
-        out = []
-        for i in range(k):
-            j = start + i
-            if j >= len(self.continuation):
-                break
-            out.append(ord("#") if j in self.wrong_at else self.continuation[j])
-        return out, [SparseDist.one_hot(t) for t in out]
-
-
 def generate(model, drafter, k, **params):
     req = Generate(id="r", prompt=params.pop("prompt", "hi"), temperature=0.0, draft_tokens=k, **params)
     chunks = []
@@ -143,9 +111,9 @@ SCRIPT = b"the quick brown fox jumps over the lazy dog"
 
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
 @pytest.mark.parametrize("wrong_at", [set(), {3, 10, 11, 30}])
-def test_drafted_output_equals_plain_output(k, wrong_at):
-    plain, _ = generate(ScriptedModel(SCRIPT), None, 0)
-    drafted, chunks = generate(ScriptedModel(SCRIPT), ListDrafter(SCRIPT, wrong_at), k)
+def test_drafted_output_equals_plain_output(scripted_model, list_drafter, k, wrong_at):
+    plain, _ = generate(scripted_model(SCRIPT), None, 0)
+    drafted, chunks = generate(scripted_model(SCRIPT), list_drafter(SCRIPT, wrong_at), k)
     assert drafted.text == plain.text == SCRIPT.decode()
     assert "".join(c.text for c in chunks) == drafted.text
     stats = drafted.draft
@@ -159,30 +127,30 @@ def test_drafted_output_equals_plain_output(k, wrong_at):
         assert stats.acceptance_rate < 1.0
 
 
-def test_drafts_shrink_near_max_tokens_and_the_context_limit():
-    drafter = ListDrafter(SCRIPT, set())
-    done, _ = generate(ScriptedModel(SCRIPT), drafter, 6, max_tokens=10)
+def test_drafts_shrink_near_max_tokens_and_the_context_limit(scripted_model, list_drafter):
+    drafter = list_drafter(SCRIPT, set())
+    done, _ = generate(scripted_model(SCRIPT), drafter, 6, max_tokens=10)
     assert done.usage.completion_tokens == 10
     assert all(k <= min(6, 10 - generated - 1) for generated, k in drafter.calls), drafter.calls
     assert any(k < 6 for _, k in drafter.calls)  # it did shrink
-    drafter = ListDrafter(SCRIPT, set())
-    done, _ = generate(ScriptedModel(SCRIPT, n_ctx=12), drafter, 6)
+    drafter = list_drafter(SCRIPT, set())
+    done, _ = generate(scripted_model(SCRIPT, n_ctx=12), drafter, 6)
     assert done.finish_reason == FinishReason.LENGTH and done.usage.completion_tokens == 10
     assert done.text == SCRIPT[:10].decode()
     # prompt 2 + generated + pending-and-drafts must fit 12 positions
     assert all(2 + generated + k <= 12 for generated, k in drafter.calls), drafter.calls
 
 
-def test_no_stats_when_not_drafting():
-    done, _ = generate(ScriptedModel(SCRIPT), None, 0)
+def test_no_stats_when_not_drafting(scripted_model, list_drafter):
+    done, _ = generate(scripted_model(SCRIPT), None, 0)
     assert done.draft is None
-    done, _ = generate(ScriptedModel(SCRIPT), ListDrafter(SCRIPT, set()), 0)
+    done, _ = generate(scripted_model(SCRIPT), list_drafter(SCRIPT, set()), 0)
     assert done.draft is None
 
 
-def test_ngram_drafter_in_the_engine_on_a_copying_task():
+def test_ngram_drafter_in_the_engine_on_a_copying_task(scripted_model):
     text = b"abc def abc def abc def abc def"
-    done, _ = generate(ScriptedModel(text), NgramDrafter(), 4, prompt="abc def ")
+    done, _ = generate(scripted_model(text), NgramDrafter(), 4, prompt="abc def ")
     assert done.text == text.decode()
     assert done.draft.accepted > 0
 

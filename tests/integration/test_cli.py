@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from conftest import short_tmpdir
 
 
 def tandem(*args: str, socket=None, env=None, input=None, timeout=120) -> subprocess.CompletedProcess:
@@ -86,7 +85,7 @@ def test_chat_keeps_the_conversation(daemon):
     assert out.stdout.count("> ") == 3  # two turns answered, then /exit
 
 
-def test_without_a_daemon_commands_say_how_to_start_one():
+def test_without_a_daemon_commands_say_how_to_start_one(short_tmpdir):
     socket = short_tmpdir() / "none.sock"
     out = tandem("status", socket=socket)
     assert out.returncode == 1 and "tandem serve" in out.stderr
@@ -96,7 +95,7 @@ def test_without_a_daemon_commands_say_how_to_start_one():
     assert out.returncode == 0 and "no tandem daemon" in out.stderr
 
 
-def test_run_starts_a_daemon_when_none_runs_and_stop_stops_it(smollm2_path):
+def test_run_starts_a_daemon_when_none_runs_and_stop_stops_it(short_tmpdir, smollm2_path):
     base = short_tmpdir()
     socket = base / "auto.sock"
     env = {"XDG_STATE_HOME": str(base / "state")}

@@ -15,10 +15,8 @@ TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def exact_daemon(smollm2_path):
-    from conftest import DaemonProcess
-
-    d = DaemonProcess(smollm2_path, "--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M")
+def exact_daemon(daemon_process, smollm2_path):
+    d = daemon_process(smollm2_path, "--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M")
     d.wait_ready(120)
     yield d
     d.stop()

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from conftest import short_tmpdir
 
 PHASES = {"measuring", "drafting", "refreshing", "plain", "probing"}
 PROMPT = "def fibonacci(n):"
@@ -76,7 +75,7 @@ def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(start_d
     assert result["draft"] is None and result["governor"] is None
 
 
-def test_governor_state_survives_a_restart_and_is_keyed_by_the_models(start_daemon, pair):
+def test_governor_state_survives_a_restart_and_is_keyed_by_the_models(short_tmpdir, start_daemon, pair):
     target, drafter = pair
     state = short_tmpdir("tdm-state-")
     args = ("--drafter", str(drafter), "--ctx-size", "1024", "--state-dir", str(state))

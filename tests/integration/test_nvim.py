@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BridgeProcess, short_tmpdir
 
 NVIM = shutil.which("nvim")
 PLUGIN = Path(__file__).resolve().parents[2] / "client" / "editors" / "nvim"
@@ -23,8 +22,8 @@ SOURCE = "def add(a, b):\n    return \n\n\ndef test_add():\n    assert add(2, 3)
 
 
 @pytest.fixture(scope="module")
-def bridge(coder_daemon):
-    b = BridgeProcess(coder_daemon)
+def bridge(bridge_process, coder_daemon):
+    b = bridge_process(coder_daemon)
     yield b
     assert b.stop() == 0
 
@@ -42,7 +41,7 @@ WAIT = "lua vim.wait(120000, function() return require('tandem').last() ~= nil e
 SAVE_LAST = "lua vim.fn.writefile({{vim.json.encode(require('tandem').last())}}, '{out}')"
 
 
-def test_insert_mode_key_inserts_the_completion_into_the_buffer(bridge, coder_daemon):
+def test_insert_mode_key_inserts_the_completion_into_the_buffer(short_tmpdir, bridge, coder_daemon):
     d = short_tmpdir()
     path = d / "add.py"
     path.write_text(SOURCE)
@@ -65,7 +64,7 @@ def test_insert_mode_key_inserts_the_completion_into_the_buffer(bridge, coder_da
     shutil.rmtree(d)
 
 
-def test_complete_command_and_line_limit(bridge):
+def test_complete_command_and_line_limit(short_tmpdir, bridge):
     d = short_tmpdir()
     path = d / "fib.py"
     path.write_text("def fibonacci(n):\n\n")
@@ -84,7 +83,7 @@ def test_complete_command_and_line_limit(bridge):
     shutil.rmtree(d)
 
 
-def test_chat_streams_the_answer_into_the_chat_buffer(bridge, coder_daemon):
+def test_chat_streams_the_answer_into_the_chat_buffer(short_tmpdir, bridge, coder_daemon):
     d = short_tmpdir()
     path, out, last = d / "add.py", d / "chat.md", d / "last.json"
     path.write_text(SOURCE)

@@ -12,7 +12,6 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
-from conftest import BridgeProcess
 
 PREFIX = "def add(a, b):\n    return "
 SUFFIX = "\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
@@ -20,8 +19,8 @@ COUNTING = "Count from 1 to 1000, one number per line:\n1\n2\n3\n"
 
 
 @pytest.fixture(scope="module")
-def bridge(coder_daemon):
-    b = BridgeProcess(coder_daemon)
+def bridge(bridge_process, coder_daemon):
+    b = bridge_process(coder_daemon)
     yield b
     assert b.stop() == 0, "".join(b.lines)
 
@@ -179,9 +178,9 @@ def test_a_client_that_disconnects_cancels_its_daemon_request(bridge, coder_daem
         assert c.status().active is None
 
 
-def test_busy_fim_unsupported_and_daemon_gone(start_daemon):
+def test_busy_fim_unsupported_and_daemon_gone(bridge_process, start_daemon):
     d = start_daemon("--max-queue", "1")  # SmolLM2: no FIM tokens
-    b = BridgeProcess(d)
+    b = bridge_process(d)
     try:
         api = b.openai()
         with pytest.raises(openai.BadRequestError) as err:

@@ -22,7 +22,6 @@ from tandem.client import Client, RequestFailed
 from tandem.daemon import sdnotify
 from tandem.protocol import ErrorCode
 
-from conftest import short_tmpdir
 
 SYSTEM = "You are a terse assistant for a build system. Answer in one short sentence. " * 3
 
@@ -126,7 +125,7 @@ def test_a_worker_restart_is_counted(start_daemon):
     assert value(m, "tandem_token_latency_seconds_count") - before == 12 - len(chunks[0].token_ids)
 
 
-def serve_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def serve_cli(short_tmpdir, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     d = short_tmpdir()
     return subprocess.run(
         [sys.executable, "-m", "tandem.client.cli", "--socket", str(d / "t.sock"), "serve", "--ctx-size", "256", *args],
@@ -136,21 +135,21 @@ def serve_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_remote_metrics_address_is_refused_unless_allowed(smollm2_path, start_daemon):
-    out = serve_cli("--model", str(smollm2_path), "--metrics-addr", "0.0.0.0:9464")
+def test_a_remote_metrics_address_is_refused_unless_allowed(short_tmpdir, smollm2_path, start_daemon):
+    out = serve_cli(short_tmpdir, "--model", str(smollm2_path), "--metrics-addr", "0.0.0.0:9464")
     assert out.returncode == 2
     assert "not a loopback address" in out.stderr and "metrics_allow_remote" in out.stderr
     d = start_daemon("--ctx-size", "256", "--metrics-addr", "0.0.0.0:0", "--metrics-allow-remote", "on")
     assert "not loopback: other machines can read them" in d.log()
 
 
-def test_a_metrics_port_in_use_names_the_fix(smollm2_path):
+def test_a_metrics_port_in_use_names_the_fix(short_tmpdir, smollm2_path):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
         port = taken.getsockname()[1]
-        out = serve_cli("--model", str(smollm2_path), "--metrics-addr", f"127.0.0.1:{port}")
+        out = serve_cli(short_tmpdir, "--model", str(smollm2_path), "--metrics-addr", f"127.0.0.1:{port}")
     finally:
         taken.close()
     assert out.returncode == 1
@@ -221,14 +220,12 @@ class NotifyListener:
         self.sock.close()
 
 
-def test_notify_ready_watchdog_reload_and_stop(smollm2_path):
-    from conftest import DaemonProcess
-
+def test_notify_ready_watchdog_reload_and_stop(daemon_process, short_tmpdir, smollm2_path):
     work = short_tmpdir()
     listener = NotifyListener(work)
     cfg = work / "config.toml"
     cfg.write_text("max_queue = 5\n")
-    d = DaemonProcess(
+    d = daemon_process(
         smollm2_path, "--ctx-size", "256", "--cache-bytes", "16M",
         env={"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "1000000", "TANDEM_CONFIG": str(cfg)},
     )  # fmt: skip

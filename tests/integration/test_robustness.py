@@ -17,7 +17,6 @@ import zmq
 from tandem.client import RequestFailed
 from tandem.protocol import ErrorCode, FinishReason, decode, endpoint
 
-from conftest import DaemonProcess
 
 
 @pytest.fixture
@@ -104,8 +103,8 @@ def test_second_daemon_on_the_same_socket_refuses(daemon, smollm2_path):
     "model,fragment",
     [("/nonexistent/model.gguf", "model file not found"), ("no-such-preset", "unknown model")],
 )
-def test_missing_model_is_refused_with_a_clear_message(model, fragment):
-    d = DaemonProcess(model)  # type: ignore[arg-type]
+def test_missing_model_is_refused_with_a_clear_message(daemon_process, model, fragment):
+    d = daemon_process(model)  # type: ignore[arg-type]
     try:
         assert d.proc.wait(60) == 1
         assert fragment in d.log()
@@ -115,10 +114,10 @@ def test_missing_model_is_refused_with_a_clear_message(model, fragment):
         d.cleanup()
 
 
-def test_a_file_that_is_not_a_model_fails_cleanly(tmp_path):
+def test_a_file_that_is_not_a_model_fails_cleanly(daemon_process, tmp_path):
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a gguf file" * 100)
-    d = DaemonProcess(bogus)
+    d = daemon_process(bogus)
     try:
         assert d.proc.wait(60) == 1
         assert "could not load" in d.log()
@@ -151,9 +150,7 @@ def test_sigterm_with_running_and_queued_requests_answers_everyone(start_daemon)
         os.kill(worker, 0)
 
 
-def test_socket_location_and_permissions(smollm2_path):
-    from conftest import short_tmpdir
-
+def test_socket_location_and_permissions(short_tmpdir, smollm2_path):
     runtime = short_tmpdir()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     env.pop("TANDEM_SOCKET", None)

@@ -12,12 +12,11 @@ import pytest
 
 from tandem.client import service
 
-from conftest import short_tmpdir
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def verify(unit_text: str) -> subprocess.CompletedProcess:
+def verify(short_tmpdir, unit_text: str) -> subprocess.CompletedProcess:
     """systemd-analyze verify --user on the unit, in a scratch directory (Debian: apt-get install systemd)."""
     assert shutil.which("systemd-analyze"), "systemd-analyze is missing: apt-get install systemd"
     work = short_tmpdir()
@@ -33,16 +32,16 @@ def verify(unit_text: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_unit_this_installation_writes_verifies_cleanly():
-    out = verify(service.render())
+def test_the_unit_this_installation_writes_verifies_cleanly(short_tmpdir):
+    out = verify(short_tmpdir, service.render())
     assert out.returncode == 0 and out.stderr == "", out.stderr
 
 
-def test_verification_catches_a_broken_unit():
+def test_verification_catches_a_broken_unit(short_tmpdir):
     bad = service.render().replace("Type=notify", "Type=notifyy")
-    out = verify(bad)
+    out = verify(short_tmpdir, bad)
     assert "Failed to parse service type" in out.stderr
-    missing = verify(service.render("/nonexistent/tandem"))
+    missing = verify(short_tmpdir, service.render("/nonexistent/tandem"))
     assert missing.returncode != 0 and "is not executable" in missing.stderr
 
 
@@ -77,7 +76,7 @@ def test_install_refuses_while_a_daemon_runs_outside_systemd(start_daemon, tmp_p
         assert c.status().state == "ready"  # untouched
 
 
-def test_install_and_uninstall_without_a_user_manager_write_the_unit_and_print_the_commands(tmp_path, smollm2_path):
+def test_install_and_uninstall_without_a_user_manager_write_the_unit_and_print_the_commands(short_tmpdir, tmp_path, smollm2_path):
     if service.systemctl_works():
         pytest.fail("a systemd user manager answers here: this test would install a real service; run it in CI")
     env = {

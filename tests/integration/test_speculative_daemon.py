@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import DaemonProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from fidelity import compare, load_corpus, reference_engine  # noqa: E402
@@ -26,10 +25,10 @@ def pair(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def spec_daemon(pair):
+def spec_daemon(daemon_process, pair):
     target, drafter = pair
     # every round drafts (no governor), so these tests see drafting itself
-    d = DaemonProcess(target, "--drafter", str(drafter), "--ctx-size", "2048", "--draft-tokens", "4", "--governor", "off")
+    d = daemon_process(target, "--drafter", str(drafter), "--ctx-size", "2048", "--draft-tokens", "4", "--governor", "off")
     d.wait_ready()
     yield d
     assert d.stop() == 0, d.log()
@@ -127,11 +126,11 @@ def test_ngram_drafter_on_a_copying_task(start_daemon):
     assert st.drafter == "ngram" and st.drafter_model is None
 
 
-def test_a_drafter_with_another_vocabulary_is_refused(smollm2_path):
+def test_a_drafter_with_another_vocabulary_is_refused(daemon_process, smollm2_path):
     from tandem.daemon import models
 
     qwen = models.pull("qwen2.5-coder-0.5b")
-    d = DaemonProcess(smollm2_path, "--drafter", str(qwen))
+    d = daemon_process(smollm2_path, "--drafter", str(qwen))
     try:
         assert d.proc.wait(120) == 1
         log = d.log()

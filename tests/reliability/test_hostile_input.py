@@ -11,7 +11,7 @@ import msgpack
 import psutil
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.protocol import REPLIES, REQUESTS, Error, ErrorCode, Message, ProtocolError, decode, encode, endpoint

@@ -19,7 +19,6 @@ import pytest
 from tandem.client import Client, DaemonNotRunning, RequestFailed
 from tandem.protocol import ErrorCode, FinishReason
 
-from conftest import short_tmpdir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -131,7 +130,7 @@ def test_a_crashed_daemon_leaves_nothing_that_blocks_the_next_start(start_daemon
             assert c.complete(prompt="Back:", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
 
 
-def test_a_socket_directory_others_can_write_is_refused(smollm2_path):
+def test_a_socket_directory_others_can_write_is_refused(short_tmpdir, smollm2_path):
     directory = short_tmpdir()
     os.chmod(directory, 0o777)
     out = subprocess.run(

@@ -16,7 +16,6 @@ import pytest
 from tandem.client import RequestFailed
 from tandem.protocol import ErrorCode, FinishReason
 
-from conftest import short_tmpdir
 
 PREAMBLE = "You are a careful assistant for a build system. Keep answers short and exact. " * 6
 
@@ -171,7 +170,7 @@ def test_a_hung_drafter_is_killed_and_restarted(start_daemon, pair):
         assert done.usage.completion_tokens == 4
 
 
-def test_a_target_that_cannot_come_back_fails_the_daemon_clearly(start_daemon, smollm2_path):
+def test_a_target_that_cannot_come_back_fails_the_daemon_clearly(short_tmpdir, start_daemon, smollm2_path):
     work = short_tmpdir()
     model = work / "model.gguf"
     shutil.copy(smollm2_path, model)
@@ -203,7 +202,7 @@ def test_ten_target_deaths_in_a_row_each_survived(start_daemon):
         assert st.worker_restarts == 10 and st.requests.get("error", 0) == 0
 
 
-def test_a_restarted_drafter_that_cannot_load_switches_drafting_off_not_the_daemon(start_daemon, pair):
+def test_a_restarted_drafter_that_cannot_load_switches_drafting_off_not_the_daemon(short_tmpdir, start_daemon, pair):
     target, drafter = pair
     work = short_tmpdir()
     copy = work / "drafter.gguf"

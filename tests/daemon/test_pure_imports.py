@@ -1,0 +1,62 @@
+"""The daemon's logic imports without llama-cpp-python: the engine, the scheduler,
+the supervisor and the prefix cache can be read, run and tested without a model
+runtime (only llama_model.py, chat.py's compile step and the workers' loading load it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PURE = [
+    "tandem.protocol",
+    "tandem.protocol.internal",
+    "tandem.client",
+    "tandem.daemon.engine",
+    "tandem.daemon.interfaces",
+    "tandem.daemon.scheduler",
+    "tandem.daemon.supervisor",
+    "tandem.daemon.server",
+    "tandem.daemon.serve",
+    "tandem.daemon.restart_policy",
+    "tandem.daemon.governor",
+    "tandem.daemon.speculative",
+    "tandem.daemon.sampler",
+    "tandem.daemon.ngram",
+    "tandem.daemon.drafter_client",
+    "tandem.daemon.prefix_cache",
+    "tandem.daemon.page_store",
+    "tandem.daemon.kv_pages",
+    "tandem.daemon.metrics",
+    "tandem.daemon.config",
+    "tandem.daemon.worker_config",
+    "tandem.daemon.worker_main",
+    "tandem.daemon.target_worker",
+    "tandem.daemon.drafter_worker",
+    "tandem.daemon.chat",
+]
+
+BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "llama_cpp" or name.startswith("llama_cpp."):
+            raise ImportError("llama_cpp is blocked by this test")
+sys.meta_path.insert(0, Block())
+import importlib
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+assert not any(m == "llama_cpp" or m.startswith("llama_cpp.") for m in sys.modules)
+print("ok")
+"""
+
+
+def test_the_logic_modules_import_with_llama_cpp_blocked():
+    out = subprocess.run([sys.executable, "-c", BLOCK, *PURE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_blocker_blocks():
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCK, "tandem.daemon.llama_model"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0 and "llama_cpp is blocked" in out.stderr

@@ -1,0 +1,325 @@
+"""The scheduler without sockets: admission, order, cancels, deaths and shutdown,
+driven by a fake target that records what it was sent (pure logic; the real
+daemon is exercised with a real model in tests/integration and tests/reliability)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.daemon.metrics import Metrics
+from tandem.daemon.scheduler import Scheduler
+from tandem.protocol import (
+    Busy,
+    CacheClear,
+    CacheCleared,
+    Cancel,
+    Chunk,
+    Done,
+    DraftStats,
+    Error,
+    ErrorCode,
+    FinishReason,
+    Generate,
+    Timings,
+    Usage,
+    encode,
+)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    """A scheduler, what it said to each client, and what it sent the target."""
+
+    def __init__(self, max_queue: int = 4, target_up: bool = True):
+        self.clock = Clock()
+        self.replies: list[tuple[bytes, object]] = []
+        self.relayed: list[tuple[bytes, list[bytes]]] = []
+        self.to_target: list[object] = []
+        self.target_up = target_up
+        self.gone: set[bytes] = set()  # clients whose sends fail
+        self.metrics = Metrics(lambda: {})
+        self.done_count = 0
+        self.s = Scheduler(self._reply, self._relay, self._send_target, self.metrics, max_queue, clock=self.clock)
+        self.s.on_request_done = self._done
+
+    def _reply(self, identity, msg) -> bool:
+        self.replies.append((identity, msg))
+        return identity not in self.gone
+
+    def _relay(self, identity, frames) -> bool:
+        self.relayed.append((identity, frames))
+        return identity not in self.gone
+
+    def _send_target(self, msg) -> bool:
+        self.to_target.append(msg)
+        return self.target_up
+
+    def _done(self):
+        self.done_count += 1
+
+    def submit(self, client: bytes, rid: str, **kw) -> Generate:
+        msg = Generate(id=rid, prompt="hi", **kw)
+        self.s.admit(client, msg)
+        return msg
+
+    def worker_says(self, msg) -> bool:
+        return self.s.on_target_message(msg, encode(msg))
+
+    def replies_to(self, client: bytes) -> list:
+        return [m for c, m in self.replies if c == client]
+
+    def started(self) -> list[str]:
+        return [m.id for m in self.to_target if isinstance(m, Generate)]
+
+
+def done(rid: str, tokens: int = 3, reason: FinishReason = FinishReason.STOP, **kw) -> Done:
+    return Done(
+        id=rid,
+        text="x" * tokens,
+        finish_reason=reason,
+        usage=Usage(prompt_tokens=2, completion_tokens=tokens),
+        timings=Timings(0.1, 0.05, 0.2, 10.0, 0.0),
+        **kw,
+    )
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
+
+
+def test_requests_run_one_at_a_time_in_arrival_order(h):
+    for rid in ("a", "b", "c"):
+        h.submit(b"C1", rid)
+    assert h.s.start_next() and h.started() == ["a"]
+    assert not h.s.start_next()  # the target is busy
+    h.clock.now += 2.0
+    assert h.worker_says(done("a"))
+    h.s.start_next()
+    h.worker_says(done("b"))
+    h.s.start_next()
+    h.worker_says(done("c"))
+    assert h.started() == ["a", "b", "c"]
+    answers = h.replies_to(b"C1")
+    assert [m.id for m in answers] == ["a", "b", "c"] and [m.serial for m in answers] == [1, 2, 3]
+    assert answers[1].timings.queued_seconds == pytest.approx(2.0)  # b waited while a ran
+    assert h.s.counters.requests["done_stop"] == 3 and h.s.counters.tokens["completion"] == 9
+    assert h.done_count == 3 and not h.s.jobs and not h.s.busy
+
+
+def test_a_full_queue_answers_busy_and_keeps_who_is_in_it():
+    h = Harness(max_queue=2)
+    for rid in ("a", "b", "c"):
+        h.submit(b"C1", rid)
+    (busy,) = h.replies_to(b"C1")
+    assert isinstance(busy, Busy) and busy.id == "c" and busy.queue_length == 2 and busy.max_queue == 2
+    assert "--max-queue" in busy.message and [j.request.id for j in h.s.queue] == ["a", "b"]
+    assert h.s.counters.requests["busy"] == 1
+
+
+def test_a_duplicate_id_is_refused_while_the_first_is_queued_or_running_and_free_after(h):
+    h.submit(b"C1", "a")
+    h.submit(b"C2", "a")
+    (err,) = h.replies_to(b"C2")
+    assert err.code == ErrorCode.DUPLICATE_REQUEST_ID
+    h.s.start_next()
+    h.submit(b"C2", "a")
+    assert h.replies_to(b"C2")[-1].code == ErrorCode.DUPLICATE_REQUEST_ID
+    h.worker_says(done("a"))
+    h.submit(b"C2", "a")  # finished: the id may be reused
+    assert len(h.replies_to(b"C2")) == 2 and [j.request.id for j in h.s.queue] == ["a"]
+
+
+def test_chunks_are_relayed_as_the_worker_encoded_them_and_counted(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    chunk = Chunk(id="a", text="he", token_ids=[1, 2])
+    h.worker_says(chunk)
+    h.clock.now += 0.5
+    h.worker_says(Chunk(id="a", text="y", token_ids=[3]))
+    assert h.relayed[0] == (b"C1", encode(chunk))
+    assert h.s.active_request().completion_tokens == 3
+    h.worker_says(done("a"))
+    assert isinstance(h.replies_to(b"C1")[-1], Done)
+
+
+def test_messages_about_no_request_of_ours_are_not_taken(h):
+    assert not h.worker_says(Error.of("target", ErrorCode.NOT_READY, "could not load the model"))
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    assert not h.worker_says(done("zzz"))  # an earlier request's late reply
+    assert h.s.active is not None and not h.replies
+
+
+def test_cancel_of_a_queued_request_answers_cancelled_at_once_and_it_never_starts(h):
+    h.submit(b"C1", "a")
+    h.submit(b"C1", "b")
+    h.clock.now += 1.5
+    assert h.s.cancel("b")
+    (d,) = h.replies_to(b"C1")
+    assert d.finish_reason == FinishReason.CANCELLED and d.id == "b" and d.timings.queued_seconds == 1.5
+    h.s.start_next()
+    h.worker_says(done("a"))
+    assert not h.s.start_next() and h.started() == ["a"]
+    assert not h.s.cancel("nope")
+
+
+def test_cancel_of_the_running_request_asks_the_target_and_the_worker_answers(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    assert h.s.cancel("a")
+    assert isinstance(h.to_target[-1], Cancel) and h.to_target[-1].request_id == "a"
+    assert not h.replies  # the worker's own terminal message is the answer
+    h.worker_says(done("a", reason=FinishReason.CANCELLED))
+    assert h.replies_to(b"C1")[-1].finish_reason == FinishReason.CANCELLED
+
+
+def test_a_client_that_goes_away_has_its_requests_cancelled_and_nothing_sent_to_it(h):
+    h.submit(b"C1", "a")
+    h.submit(b"C1", "b")
+    h.submit(b"C2", "c")
+    h.s.start_next()
+    h.s.client_gone(b"C1")
+    assert isinstance(h.to_target[-1], Cancel) and h.to_target[-1].request_id == "a"
+    assert [j.request.id for j in h.s.queue] == ["c"]
+    h.worker_says(Chunk(id="a", text="late", token_ids=[1]))
+    h.worker_says(done("a", reason=FinishReason.CANCELLED))
+    assert not h.replies_to(b"C1") and not h.relayed
+    assert h.s.counters.requests["done_cancelled"] == 2  # counted, though nobody was told
+    h.s.start_next()
+    assert h.started() == ["a", "c"]
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    h.gone.add(b"C1")
+    h.worker_says(Chunk(id="a", text="x", token_ids=[1]))
+    assert isinstance(h.to_target[-1], Cancel)
+    h.worker_says(Chunk(id="a", text="y", token_ids=[2]))
+    assert len(h.relayed) == 1  # no more relaying to it
+
+
+def test_a_cache_clear_runs_after_the_running_request_and_before_the_next(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    h.submit(b"C1", "b")
+    h.s.clear_cache(b"C2", CacheClear(id="k"))
+    h.worker_says(done("a"))
+    h.s.start_next()
+    assert isinstance(h.to_target[-1], CacheClear) and h.s.busy
+    assert not h.s.start_next()  # b waits for the clear
+    h.worker_says(CacheCleared(id="other", pages=0, bytes=0))  # not this clear's
+    assert h.s.clearing is not None
+    h.worker_says(CacheCleared(id="k", pages=3, bytes=300))
+    assert h.replies_to(b"C2")[-1].pages == 3 and not h.s.busy
+    h.s.start_next()
+    assert h.started() == ["a", "b"]
+
+
+def test_a_clear_the_target_cannot_take_is_answered_with_an_error():
+    h = Harness(target_up=False)
+    h.s.clear_cache(b"C2", CacheClear(id="k"))
+    h.s.start_next()
+    (err,) = h.replies_to(b"C2")
+    assert err.code == ErrorCode.WORKER_DIED and "not cleared" in err.message and not h.s.busy
+
+
+def test_a_target_death_answers_the_running_request_and_the_clear_and_the_queue_waits(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    h.s.clear_cache(b"C2", CacheClear(id="k"))
+    h.submit(b"C1", "b")
+    h.s.abort(ErrorCode.WORKER_DIED, "the model worker died while serving this request", "the model worker died")
+    (err,) = h.replies_to(b"C1")
+    assert err.id == "a" and err.code == ErrorCode.WORKER_DIED
+    assert h.s.active is None and "a" not in h.s.jobs and [j.request.id for j in h.s.queue] == ["b"]
+    h.s.start_next()  # the restarted target: the clear first
+    h.s.abort(ErrorCode.WORKER_DIED, "died again", "the model worker died again")
+    clear_err = h.replies_to(b"C2")[-1]
+    assert clear_err.code == ErrorCode.WORKER_DIED and "died again" in clear_err.message
+    assert h.done_count == 0  # no request finished: the deaths keep counting
+
+
+def test_answering_early_sends_one_terminal_message_and_drops_the_workers_own(h):
+    h.submit(b"C1", "a", draft_tokens=4)
+    h.submit(b"C1", "b")
+    h.s.start_next()
+    assert h.s.drafting_request() is h.s.active
+    h.s.answer_early(ErrorCode.DRAFTER_DIED, "the drafter worker died")
+    assert h.replies_to(b"C1")[-1].code == ErrorCode.DRAFTER_DIED
+    assert isinstance(h.to_target[-1], Cancel) and h.s.drafting_request() is None
+    assert not h.s.start_next()  # still active until the worker finishes
+    h.submit(b"C1", "a")  # the id is free again: a retry may reuse it
+    h.worker_says(Chunk(id="a", text="x", token_ids=[1]))
+    h.worker_says(done("a", reason=FinishReason.CANCELLED))
+    assert len(h.replies_to(b"C1")) == 1 and not h.relayed
+    assert h.s.counters.requests == {"error": 1}
+    h.s.start_next()
+    assert h.started() == ["a", "b"]
+
+
+def test_a_request_that_does_not_draft_is_not_answered_for_a_drafter_death(h):
+    h.submit(b"C1", "a", draft="off")
+    h.s.start_next()
+    assert h.s.drafting_request() is None
+
+
+def test_a_failed_daemon_answers_the_queue_and_refuses_new_work(h):
+    h.submit(b"C1", "a")
+    h.submit(b"C1", "b")
+    h.s.start_next()
+    h.s.fail("the model worker died 5 times")
+    (err,) = h.replies_to(b"C1")
+    assert err.id == "b" and err.code == ErrorCode.NOT_READY and "5 times" in err.message
+    h.submit(b"C2", "c")
+    h.s.clear_cache(b"C2", CacheClear(id="k"))
+    assert [m.code for m in h.replies_to(b"C2")] == [ErrorCode.NOT_READY] * 2
+    assert "the daemon has failed" in h.replies_to(b"C2")[0].message
+
+
+def test_shutdown_with_a_full_queue_answers_everyone_once():
+    h = Harness(max_queue=8)
+    for rid in "abcde":
+        h.submit(b"C1", rid)
+    h.s.clear_cache(b"C2", CacheClear(id="k"))
+    h.s.start_next()  # the clear
+    h.worker_says(CacheCleared(id="k", pages=0, bytes=0))
+    h.s.clear_cache(b"C2", CacheClear(id="k2"))
+    h.s.start_next()  # the clear k2 runs
+    h.s.shutting_down()
+    assert [m.code for m in h.replies_to(b"C1")] == [ErrorCode.SHUTTING_DOWN] * 5
+    assert isinstance(h.replies_to(b"C2")[0], CacheCleared) and h.replies_to(b"C2")[1].code == ErrorCode.SHUTTING_DOWN
+    assert not h.s.queue and not h.s.jobs and not h.s.busy
+
+
+def test_shutdown_cancels_the_running_request_and_answers_it_if_the_worker_does_not(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    h.s.shutting_down()
+    h.s.cancel_active()
+    assert isinstance(h.to_target[-1], Cancel)
+    h.s.abort(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down", "the daemon is shutting down")
+    (err,) = h.replies_to(b"C1")
+    assert err.code == ErrorCode.SHUTTING_DOWN and h.s.active is None
+
+
+def test_done_reports_update_the_governor_cache_and_draft_totals(h):
+    from tandem.protocol import CacheInfo, GovernorInfo
+
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    governor = GovernorInfo("t", 1, "drafting", True, 5.0, 6.0, 64, 0, 0.0, 2, 3, 0, 0)
+    cache = CacheInfo(16, 1, 2, 1 << 20, 3, 4, 5, 6, 7)
+    stats = DraftStats()
+    stats.add_round(4, 3)
+    h.worker_says(done("a", governor=governor, cache=cache, draft=stats))
+    assert h.s.governor == governor and h.s.cache == cache
+    assert h.s.counters.draft.rounds == 1 and h.s.counters.draft.accepted == 3

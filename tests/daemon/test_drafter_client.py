@@ -2,7 +2,7 @@
 worker, talking over a real PAIR socket to a fake drafter on a thread.
 
 The fake reads only a draft request's ``id``, ``keep``, ``append``, ``k``,
-``new_request``, ``store`` and ``restore`` (the sampling settings may move), and
+``new_request``, ``store`` and ``restore`` (and, in one test, ``sampling``), and
 keeps the tokens it "holds" the way the real drafter's KV cache does: roll back
 to ``keep``, read ``append``, draft ``k`` tokens and hold all but the last. So
 ``fake.cache == client.mirror`` after every completed round.
@@ -29,11 +29,7 @@ from tandem.daemon.prefix_cache import ExtentAllocator, PageTree
 from tandem.daemon.sampler import Sampler
 from tandem.daemon.speculative import SparseDist
 from tandem.protocol import Error, ErrorCode, encode, unpackb
-
-try:  # the internal messages are moving out of the clients' protocol
-    from tandem.protocol.internal import Drafted
-except ImportError:
-    from tandem.protocol import Drafted
+from tandem.protocol.internal import Drafted
 
 GREEDY = Sampler(0.0, 0, 1.0, 0)
 STALE_NONCE = "stale000"  # never a token_hex(4): stands for an earlier target worker's requests
@@ -513,11 +509,13 @@ def test_revive_without_go_down_also_resets_at_the_next_begin(drafter, client):
 
 
 def test_at_temperature_above_zero_q_comes_back_per_drafted_token(drafter, client):
-    drafter()
+    fake = drafter()
     c = client()
     c.begin("r1", [], Sampler(0.8, 40, 0.95, 1234), prefill=False)
     drafts, dists = c.propose(tokens(1, 10), 4, 0.0)
     assert drafts == [11, 12, 13, 14]
+    sampling = fake.next()["sampling"]  # the request's sampling settings, with the drafter's own seed
+    assert sampling == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": c.seed}
     assert len(dists) == 4
     for i, (token, dist) in enumerate(zip(drafts, dists, strict=True)):
         ids, probs = q_for(token, i)
@@ -551,10 +549,7 @@ def test_store_writes_the_drafters_new_full_pages_and_a_later_request_restores_t
 
     arena = memoryview(bytearray(4096))
     pages = PageStore(PageTree(4, ExtentAllocator(len(arena), align=1)), arena, model=None)
-    if hasattr(c, "use_pages"):
-        c.use_pages(pages)
-    else:
-        c.pages = pages
+    c.use_pages(pages)
     assert c.page_bytes == 64  # learnt from its replies
     p = tokens(1, 10)
     c.store(p)

@@ -1,0 +1,162 @@
+"""The target worker's loop over a real PAIR socket, around an engine on a scripted
+model (the socket shell without llama.cpp; the real worker runs in every
+integration test)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tandem.daemon import config as settings
+from tandem.daemon import target_worker
+from tandem.daemon.engine import Engine
+from tandem.daemon.target_worker import TargetLoop
+from tandem.daemon.worker_config import WorkerConfig
+from tandem.protocol import (
+    CacheClear,
+    CacheCleared,
+    Cancel,
+    Chunk,
+    Done,
+    Error,
+    ErrorCode,
+    FinishReason,
+    Generate,
+    ModelInfo,
+    Shutdown,
+    decode,
+    encode,
+)
+from tandem.protocol.internal import WORKER_REPLIES, DrafterState, Progress, Ready
+
+INFO = ModelInfo("scripted", "/scripted.gguf", 64, 64, 256, 1, False)
+
+
+class Worker:
+    """A TargetLoop in a thread, and the daemon's end of its socket."""
+
+    def __init__(self, load):
+        self.dir = Path(tempfile.mkdtemp(prefix="tdm-tw-", dir="/tmp"))
+        self.ctx = zmq.Context()
+        self.daemon = self.ctx.socket(zmq.PAIR)
+        self.daemon.bind(f"ipc://{self.dir / 'w.ipc'}")
+        sock = self.ctx.socket(zmq.PAIR)
+        sock.connect(f"ipc://{self.dir / 'w.ipc'}")
+        defaults = {o.key: o.default for o in settings.OPTIONS}
+        config = WorkerConfig(role="target", model_name="scripted", model_path="/scripted.gguf", settings=defaults)
+        self.loop = TargetLoop(config, sock)
+        self.load = load
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(target_worker, "load_engine", self.load)
+            try:
+                self.loop.run()
+            finally:
+                self.loop.sock.close(linger=0)
+
+    def send(self, msg) -> None:
+        self.daemon.send_multipart(encode(msg))
+
+    def recv(self, timeout_ms: int = 5000):
+        assert self.daemon.poll(timeout_ms), "the worker said nothing"
+        return decode(self.daemon.recv_multipart(), table=WORKER_REPLIES)
+
+    def until_terminal(self) -> list:
+        got = []
+        while not got or not isinstance(got[-1], (Done, Error)):
+            got.append(self.recv())
+        return got
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.send(Shutdown(id="daemon"))
+            self.thread.join(5)
+        self.daemon.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def worker_on(scripted_model):
+    started = []
+
+    def start(model=None, load=None):
+        model = model if model is not None else scripted_model(b"hello world")
+        w = Worker(load or (lambda config, drafter: (Engine(model, None, drafter), INFO)))
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.close()
+
+
+def test_it_says_ready_then_streams_a_request_after_a_first_heartbeat(worker_on):
+    w = worker_on()
+    ready = w.recv()
+    assert isinstance(ready, Ready) and ready.model == INFO and ready.governor is None and ready.cache is None
+    w.send(Generate(id="g1", prompt="hi", temperature=0.0, max_tokens=5))
+    got = w.until_terminal()
+    assert isinstance(got[0], Progress) and got[0].id == "g1"  # at once: a prefill may take a while
+    chunks = [m for m in got if isinstance(m, Chunk)]
+    assert "".join(c.text for c in chunks) == "hello" and got[-1].text == "hello"
+    assert got[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_a_request_the_engine_refuses_is_an_error_and_the_loop_serves_on(worker_on, scripted_model):
+    w = worker_on(scripted_model(b"x", n_ctx=8))
+    w.recv()
+    w.send(Generate(id="long", prompt="123456789", temperature=0.0))
+    assert w.until_terminal()[-1].code == ErrorCode.PROMPT_TOO_LONG
+    w.send(Generate(id="ok", prompt="1", temperature=0.0, max_tokens=1))
+    assert isinstance(w.until_terminal()[-1], Done)
+
+
+def test_a_cancel_lands_between_steps(worker_on, scripted_model):
+    class SlowModel(scripted_model):
+        def decode(self, tokens, logits_for=(-1,), abort=None):
+            time.sleep(0.02)
+            return super().decode(tokens, logits_for, abort)
+
+    w = worker_on(SlowModel(b"x" * 60))
+    w.recv()
+    w.send(Generate(id="g", prompt="hi", temperature=0.0, max_tokens=50))
+    while not isinstance(w.recv(), Chunk):
+        pass
+    w.send(Cancel(id="g", request_id="g"))
+    done = w.until_terminal()[-1]
+    assert done.finish_reason == FinishReason.CANCELLED and done.usage.completion_tokens < 50
+
+
+def test_control_messages_without_a_cache_or_drafter_are_answered_or_ignored(worker_on):
+    w = worker_on()
+    w.recv()
+    w.send(Cancel(id="c", request_id="nothing-running"))  # finished before it came: ignored
+    w.send(DrafterState(id="daemon", available=False))  # no drafter: nothing to switch
+    w.daemon.send_multipart([b"generate", b"\xc1"])  # undecodable: logged, not fatal
+    w.send(CacheClear(id="k"))
+    cleared = w.recv()
+    assert isinstance(cleared, CacheCleared) and cleared.pages == 0 and cleared.cache is None
+    w.send(Shutdown(id="daemon"))
+    w.thread.join(5)
+    assert not w.thread.is_alive()
+
+
+def test_a_model_that_does_not_load_is_one_error_and_the_loop_ends(worker_on):
+    def fail(config, drafter):
+        raise FileNotFoundError("no such file: /scripted.gguf")
+
+    w = worker_on(load=fail)
+    err = w.recv()
+    assert isinstance(err, Error) and err.code == ErrorCode.NOT_READY and "could not load the model" in err.message
+    w.thread.join(5)
+    assert not w.thread.is_alive()

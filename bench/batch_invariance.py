@@ -52,8 +52,14 @@ def run_one(model_path: str, flash: bool, extra_buffers, lengths: list[int], ref
 
     from tandem.daemon.llama_model import LlamaModel
 
-    model = LlamaModel(model_path, n_ctx=1024, n_batch=512, flash_attn=flash, extra_buffers=extra_buffers,
-                       reference_kernels=ref_kernels)  # fmt: skip
+    model = LlamaModel(
+        model_path,
+        n_ctx=1024,
+        n_batch=512,
+        flash_attn=flash,
+        extra_buffers=extra_buffers,
+        reference_kernels=ref_kernels,
+    )
     base = model.tokenize(TEXT, add_special=True)
     out = {}
     for n in lengths:
@@ -68,7 +74,11 @@ def run_one(model_path: str, flash: bool, extra_buffers, lengths: list[int], ref
                 at += w
             diff = float(np.max(np.abs(got - ref)))
             same_top = int(np.argmax(got)) == int(np.argmax(ref))
-            out[f"{name}@{n}"] = {"identical": bool(np.array_equal(got, ref)), "max_abs_diff": diff, "same_argmax": same_top}
+            out[f"{name}@{n}"] = {
+                "identical": bool(np.array_equal(got, ref)),
+                "max_abs_diff": diff,
+                "same_argmax": same_top,
+            }
     model.close()
     return out
 
@@ -91,6 +101,7 @@ def main() -> None:
         return
 
     from common import model_path
+
     from tandem.daemon import models
 
     paths = {m: str(model_path(m)) for m in args.models}
@@ -103,21 +114,40 @@ def main() -> None:
     for (name, path), flash, tiled, eb, ref in product(
         paths.items(), args.flash, args.tiled_mm, args.extra_buffers, args.ref_kernels
     ):
-        spec = dict(model_path=path, flash=flash == "on", extra_buffers={"auto": None, "on": True, "off": False}[eb],
-                    lengths=args.lengths, ref_kernels=ref == "on")  # fmt: skip
+        spec = dict(
+            model_path=path,
+            flash=flash == "on",
+            extra_buffers={"auto": None, "on": True, "off": False}[eb],
+            lengths=args.lengths,
+            ref_kernels=ref == "on",
+        )
         env = {**os.environ, "GGML_CPU_TILED_MM": "1" if tiled == "on" else "0"}
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True, text=True
+        )
         if proc.returncode != 0:
-            print(f"{name} flash={flash} tiled-mm={tiled} extra-buffers={eb} ref-kernels={ref}: FAILED {proc.stderr[-400:]}")
+            print(
+                f"{name} flash={flash} tiled-mm={tiled} extra-buffers={eb} ref-kernels={ref}: "
+                f"FAILED {proc.stderr[-400:]}"
+            )
             continue
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         bad = {k: v for k, v in res.items() if not v["identical"]}
-        verdict = "INVARIANT" if not bad else "differs: " + ", ".join(
-            f"{k} ({v['max_abs_diff']:.3g}{'' if v['same_argmax'] else ', argmax changed'})" for k, v in bad.items()
+        verdict = (
+            "INVARIANT"
+            if not bad
+            else "differs: "
+            + ", ".join(
+                f"{k} ({v['max_abs_diff']:.3g}{'' if v['same_argmax'] else ', argmax changed'})" for k, v in bad.items()
+            )
         )
-        print(f"{name:22} flash={flash:3} tiled-mm={tiled:3} extra-buffers={eb:4} ref-kernels={ref:3}: {verdict}", flush=True)
-        results.append({"model": name, "flash": flash, "tiled_mm": tiled, "extra_buffers": eb,
-                        "ref_kernels": ref, "checks": res})  # fmt: skip)
+        print(
+            f"{name:22} flash={flash:3} tiled-mm={tiled:3} extra-buffers={eb:4} ref-kernels={ref:3}: {verdict}",
+            flush=True,
+        )
+        results.append(
+            {"model": name, "flash": flash, "tiled_mm": tiled, "extra_buffers": eb, "ref_kernels": ref, "checks": res}
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -3,6 +3,7 @@ cycles between its modules, and lines over 120 characters (issue 17's figures).
 
     python bench/code_shape.py
 """
+
 from __future__ import annotations
 
 import ast

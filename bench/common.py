@@ -30,7 +30,17 @@ def temp_socket(prefix: str) -> Path:
 def start_daemon(socket: Path, *serve_args: str, timeout: float = 180) -> subprocess.Popen:
     """`tandem serve SERVE_ARGS` in a subprocess; returns once it reports ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket), "serve", "--metrics-addr", "off", *serve_args],
+        [
+            sys.executable,
+            "-m",
+            "tandem.client.cli",
+            "--socket",
+            str(socket),
+            "serve",
+            "--metrics-addr",
+            "off",
+            *serve_args,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -29,10 +29,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tandem.client import Client
-
 from common import model_path, start_daemon, temp_socket
 from fidelity import reference_engine, top2_gap
+
+from tandem.client import Client
 
 CORPUS = Path(__file__).with_name("corpus.json")
 MODES = ("cold", "warm", "forced", "governed", "turn2")
@@ -59,8 +59,12 @@ def gap_engine(target: Path, serve_args: list[str]):
     def value(flag: str, default: str) -> str:
         return serve_args[serve_args.index(flag) + 1] if flag in serve_args else default
 
-    return reference_engine(str(target), value("--flash-attn", "on") == "on", n_ctx=4096,
-                            reference_kernels=value("--kernels", "reference") == "reference")  # fmt: skip
+    return reference_engine(
+        str(target),
+        value("--flash-attn", "on") == "on",
+        n_ctx=4096,
+        reference_kernels=value("--kernels", "reference") == "reference",
+    )
 
 
 def run(client: Client, corpus, tokens: int, kinds, engine):
@@ -104,7 +108,9 @@ def main() -> None:
     drafter = args.drafter if args.drafter in ("ngram", "none") else str(model_path(args.drafter))
     extra = shlex.split(args.serve_args)
     socket = temp_socket("tdm-exact-")
-    daemon = start_daemon(socket, "--model", str(target), "--drafter", drafter, "--ctx-size", "4096", *extra, timeout=600)
+    daemon = start_daemon(
+        socket, "--model", str(target), "--drafter", drafter, "--ctx-size", "4096", *extra, timeout=600
+    )
     started = time.perf_counter()
     try:
         with Client(socket) as client:
@@ -114,10 +120,14 @@ def main() -> None:
     finally:
         daemon.terminate()
         daemon.wait(30)
-    print(f"target {target.name}, drafter {Path(drafter).name}, {args.tokens} tokens, serve args {extra or 'defaults'}, "
-          f"{time.perf_counter() - started:.0f} s")  # fmt: skip
-    print(f"load probe: batch_invariant={info.batch_invariant} {info.batch_variant_paths or ''} "
-          f"kernels={info.kernels} flash_attn={info.flash_attn} exact_steps={info.exact_steps}")  # fmt: skip
+    print(
+        f"target {target.name}, drafter {Path(drafter).name}, {args.tokens} tokens, serve args {extra or 'defaults'}, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    print(
+        f"load probe: batch_invariant={info.batch_invariant} {info.batch_variant_paths or ''} "
+        f"kernels={info.kernels} flash_attn={info.flash_attn} exact_steps={info.exact_steps}"
+    )
     print("| task | " + " | ".join(MODES) + " |")
     print("|---|" + "---|" * len(MODES))
     for kind in total:

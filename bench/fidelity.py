@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from common import start_daemon, temp_socket
 
 from tandem.client import Client
 from tandem.protocol import ChatMessage, Generate
-
-from common import start_daemon, temp_socket
 
 CORPUS = Path(__file__).with_name("corpus.json")
 
@@ -124,9 +123,18 @@ def main() -> None:
     args = ap.parse_args()
     socket = temp_socket("tdm-fid-")
     daemon = start_daemon(
-        socket, "--model", args.target, "--drafter", args.drafter, "--flash-attn", args.flash_attn,
-        "--exact", args.exact, "--ctx-size", "2048",
-    )  # fmt: skip
+        socket,
+        "--model",
+        args.target,
+        "--drafter",
+        args.drafter,
+        "--flash-attn",
+        args.flash_attn,
+        "--exact",
+        args.exact,
+        "--ctx-size",
+        "2048",
+    )
     try:
         engine = reference_engine(args.target, args.flash_attn == "on")
         with Client(socket) as client:
@@ -136,10 +144,14 @@ def main() -> None:
     finally:
         daemon.terminate()
         daemon.wait(30)
-    print(f"target {Path(args.target).name}, drafter {Path(args.drafter).name}, flash-attn {args.flash_attn}, "
-          f"exact {args.exact}, {args.tokens} tokens, {elapsed:.0f} s")  # fmt: skip
-    print(f"the daemon's plain path (draft_tokens=0) equals one-token plain decoding in "
-          f"{res.plain_equals_single} of {res.prompts}")  # fmt: skip
+    print(
+        f"target {Path(args.target).name}, drafter {Path(args.drafter).name}, flash-attn {args.flash_attn}, "
+        f"exact {args.exact}, {args.tokens} tokens, {elapsed:.0f} s"
+    )
+    print(
+        f"the daemon's plain path (draft_tokens=0) equals one-token plain decoding in "
+        f"{res.plain_equals_single} of {res.prompts}"
+    )
     for k in args.k:
         print(
             f"k={k}: identical to the daemon's plain path in {res.identical.get(k, 0)} of {res.total.get(k, 0)}; "

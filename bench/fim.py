@@ -54,18 +54,18 @@ def python_file(target_chars: int, seed: int = 7) -> str:
                 f"\ndef {name}(items, limit={rng.randint(2, 99)}):\n"
                 f'    """{verb.capitalize()} up to `limit` {noun}s and return them."""\n'
                 f"    result = []\n    for item in items[:limit]:\n"
-                f"        if item.get(\"{noun}_id\") is None:\n            continue\n"
+                f'        if item.get("{noun}_id") is None:\n            continue\n'
                 f"        result.append(item)\n    return result\n"
             )
         elif shape == 1:
             parts.append(
                 f"\n@dataclass\nclass {noun.capitalize()}{i}:\n    {noun}_id: int\n    name: str\n"
                 f"    weight: float = {rng.random():.2f}\n\n    def to_json(self) -> str:\n"
-                f"        return json.dumps({{\"id\": self.{noun}_id, \"name\": self.name}})\n"
+                f'        return json.dumps({{"id": self.{noun}_id, "name": self.name}})\n'
             )
         else:
             parts.append(
-                f"\ndef {name}(text):\n    pattern = re.compile(r\"{noun}-(\\d+)\")\n"
+                f'\ndef {name}(text):\n    pattern = re.compile(r"{noun}-(\\d+)")\n'
                 f"    return [int(m.group(1)) for m in pattern.finditer(text)]\n"
             )
         i += 1
@@ -88,7 +88,9 @@ def ttft(client: Client, prefix: str, suffix: str, cache: bool, max_tokens: int)
     )
 
 
-def run_way(client: Client, lines: list[str], start: int, steps: int, suffix_lines: int, max_tokens: int, say) -> list[dict]:
+def run_way(
+    client: Client, lines: list[str], start: int, steps: int, suffix_lines: int, max_tokens: int, say
+) -> list[dict]:
     client.cache_clear()
     rows = []
     for step in range(steps):
@@ -100,12 +102,18 @@ def run_way(client: Client, lines: list[str], start: int, steps: int, suffix_lin
         got = {cache: ttft(client, prefix, suffix, cache, max_tokens) for cache in order}
         on, off = got[True], got[False]
         row = dict(
-            step=step, cursor_line=cursor + 1, prompt_tokens=on["prompt_tokens"], cached_tokens=on["cached_tokens"],
-            ttft_cache=on["ttft"], ttft_no_cache=off["ttft"], same_text=on["text"] == off["text"],
-        )  # fmt: skip
+            step=step,
+            cursor_line=cursor + 1,
+            prompt_tokens=on["prompt_tokens"],
+            cached_tokens=on["cached_tokens"],
+            ttft_cache=on["ttft"],
+            ttft_no_cache=off["ttft"],
+            same_text=on["text"] == off["text"],
+        )
         rows.append(row)
         say(
-            f"  step {step}: line {row['cursor_line']}, prompt {row['prompt_tokens']} tok, cached {row['cached_tokens']}, "
+            f"  step {step}: line {row['cursor_line']}, prompt {row['prompt_tokens']} tok, "
+            f"cached {row['cached_tokens']}, "
             f"TTFT {row['ttft_cache']:.2f} s with cache, {row['ttft_no_cache']:.2f} s without"
         )
     return rows
@@ -127,8 +135,12 @@ def summary(rows: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="preset or .gguf with FIM tokens (default %(default)s)")
-    ap.add_argument("--file-chars", type=int, default=11_000, help="size of the file (default %(default)s: ~3,000 tokens)")
+    ap.add_argument(
+        "--model", default="qwen2.5-coder-1.5b", help="preset or .gguf with FIM tokens (default %(default)s)"
+    )
+    ap.add_argument(
+        "--file-chars", type=int, default=11_000, help="size of the file (default %(default)s: ~3,000 tokens)"
+    )
     ap.add_argument("--steps", type=int, default=6, help="cursor positions per way (default %(default)s)")
     ap.add_argument("--suffix-lines", type=int, default=20, help="the cut suffix's lines (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default %(default)s)")
@@ -147,22 +159,31 @@ def main() -> int:
     results = {}
     try:
         with Client(sock, timeout=None) as client:
-            for way, suffix_lines in (("whole file", 0), (f"suffix cut to {args.suffix_lines} lines", args.suffix_lines)):
+            for way, suffix_lines in (
+                ("whole file", 0),
+                (f"suffix cut to {args.suffix_lines} lines", args.suffix_lines),
+            ):
                 say(f"{way}:")
                 rows = run_way(client, lines, start, args.steps, suffix_lines, args.max_tokens, say)
                 results[way] = dict(rows=rows, summary=summary(rows))
     finally:
         proc.terminate()
         proc.wait(30)
-    print(f"\nFIM on {path.name}: {len(lines)}-line file, cursor from line {start + 1} down one line per step; "
-          f"{args.steps} steps, this machine's seconds\n")  # fmt: skip
-    print("| suffix sent | prompt tokens | cached share | TTFT with cache | TTFT without | speedup | cold TTFT | same text |")
+    print(
+        f"\nFIM on {path.name}: {len(lines)}-line file, cursor from line {start + 1} down one line per step; "
+        f"{args.steps} steps, this machine's seconds\n"
+    )
+    print(
+        "| suffix sent | prompt tokens | cached share | TTFT with cache | TTFT without | speedup "
+        "| cold TTFT | same text |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for way, r in results.items():
         s = r["summary"]
         print(
             f"| {way} | {s['prompt_tokens']:.0f} | {fmt(s['cached_share'])} | {fmt(s['ttft_cache'])} s | "
-            f"{fmt(s['ttft_no_cache'])} s | {fmt(s['speedup'])}× | {s['cold_ttft_cache']:.2f} s | {s['identical']}/{s['steps']} |"
+            f"{fmt(s['ttft_no_cache'])} s | {fmt(s['speedup'])}× | {s['cold_ttft_cache']:.2f} s | "
+            f"{s['identical']}/{s['steps']} |"
         )
     if args.out:
         args.out.write_text(json.dumps(dict(model=path.name, file_lines=len(lines), results=results), indent=2))

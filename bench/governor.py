@@ -35,10 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.client import Client
-
 from common import fmt, model_path, start_daemon, temp_socket
 from fidelity import load_corpus
+
+from tandem.client import Client
 
 EDIT_CORPUS = Path(__file__).with_name("corpus_edit.json")
 
@@ -69,7 +69,6 @@ def run_prompts(client: Client, prompts, tokens: int, **params):
     return decode_tokens / decode_seconds, generated / wall, draft_rounds, ids
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -87,17 +86,26 @@ def main() -> None:
     drafter = "ngram" if args.drafter == "ngram" else str(model_path(args.drafter))
     corpus = load_all_kinds()
     state = Path(tempfile.mkdtemp(prefix="tdm-gov-state-"))
-    print(f"target {target.name}; drafter {Path(drafter).name}; {args.prompts} prompts per kind, "
-          f"{args.tokens} tokens, {args.runs} runs")  # fmt: skip
+    print(
+        f"target {target.name}; drafter {Path(drafter).name}; {args.prompts} prompts per kind, "
+        f"{args.tokens} tokens, {args.runs} runs"
+    )
 
     sockets = {"plain": temp_socket("tdm-plain-"), "governed": temp_socket("tdm-gov-")}
     procs = {
         "plain": start_daemon(sockets["plain"], "--model", str(target), "--ctx-size", args.ctx_size),
         "governed": start_daemon(
-            sockets["governed"], "--model", str(target), "--drafter", drafter, "--ctx-size", args.ctx_size,
-            "--state-dir", str(state),
+            sockets["governed"],
+            "--model",
+            str(target),
+            "--drafter",
+            drafter,
+            "--ctx-size",
+            args.ctx_size,
+            "--state-dir",
+            str(state),
         ),
-    }  # fmt: skip
+    }
     try:
         with Client(sockets["plain"]) as plain, Client(sockets["governed"]) as governed:
             for c in (plain, governed):
@@ -108,9 +116,11 @@ def main() -> None:
                 "forced": (governed, {"draft": "on"}),
             }
             print()
-            print("| task | plain decode tok/s | governed / plain, first pass | governed / plain | forced on / plain "
-                  "| governed / plain, end to end | forced / plain, end to end | governed rounds drafting "
-                  "| identical to plain | governor after |")  # fmt: skip
+            print(
+                "| task | plain decode tok/s | governed / plain, first pass | governed / plain | forced on / plain "
+                "| governed / plain, end to end | forced / plain, end to end | governed rounds drafting "
+                "| identical to plain | governor after |"
+            )
             print("|---|---|---|---|---|---|---|---|---|---|")
             for kind in args.kinds:
                 prompts = corpus[kind][: args.prompts]
@@ -161,10 +171,16 @@ def alternate(args, target: Path, drafter: str, corpus) -> None:
             sockets["per-task"], *common, "--drafter", drafter, "--state-dir", tempfile.mkdtemp(prefix="tdm-gov-")
         ),
         "one-state": start_daemon(
-            sockets["one-state"], *common, "--drafter", drafter, "--governor-per-task", "off",
-            "--state-dir", tempfile.mkdtemp(prefix="tdm-gov-"),
+            sockets["one-state"],
+            *common,
+            "--drafter",
+            drafter,
+            "--governor-per-task",
+            "off",
+            "--state-dir",
+            tempfile.mkdtemp(prefix="tdm-gov-"),
         ),
-    }  # fmt: skip
+    }
     try:
         clients = {s: Client(p) for s, p in sockets.items()}
         for c in clients.values():

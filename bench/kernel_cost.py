@@ -21,7 +21,6 @@ import statistics
 import time
 
 import numpy as np
-
 from common import fmt, model_path
 
 SETTINGS = {
@@ -84,10 +83,14 @@ def main() -> None:
     for name, m in models.items():
         rp = [a / b for a, b in zip(prefill[name], prefill[ref])]
         rd = [a / b for a, b in zip(decode[name], decode[ref])]
-        print(f"| {name} | {'on' if m.extra_buffers else 'off'} | {fmt(prefill[name], 1)} | {fmt(decode[name], 1)} "
-              f"| {fmt(rp)} | {fmt(rd)} |")  # fmt: skip
-    print(f"(ratios per round against '{ref}'; median (min–max); median decode of all: "
-          f"{statistics.median(v for d in decode.values() for v in d):.1f} tok/s)")  # fmt: skip
+        print(
+            f"| {name} | {'on' if m.extra_buffers else 'off'} | {fmt(prefill[name], 1)} | {fmt(decode[name], 1)} "
+            f"| {fmt(rp)} | {fmt(rd)} |"
+        )
+    print(
+        f"(ratios per round against '{ref}'; median (min–max); median decode of all: "
+        f"{statistics.median(v for d in decode.values() for v in d):.1f} tok/s)"
+    )
 
 
 if __name__ == "__main__":

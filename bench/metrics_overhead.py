@@ -31,7 +31,7 @@ from common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a map.",
     "Explain, step by step, how a hash map handles collisions.",
-    "def parse_config(path):\n    \"\"\"Read a TOML file and return a dict.\"\"\"\n",
+    'def parse_config(path):\n    """Read a TOML file and return a dict."""\n',
 ]
 
 
@@ -85,11 +85,15 @@ def main() -> None:
                     pair[name] = one_request(c, prompt, args.tokens)
                     rates[name].append(pair[name])
                 ratios.append(pair["on"] / pair["off"])
-                print(f"run {i + 1:2}: off {pair['off']:6.1f} tok/s, on {pair['on']:6.1f} tok/s, on/off {ratios[-1]:.3f}", flush=True)
+                print(
+                    f"run {i + 1:2}: off {pair['off']:6.1f} tok/s, on {pair['on']:6.1f} tok/s, on/off {ratios[-1]:.3f}",
+                    flush=True,
+                )
             stop.set()
             thread.join()
             rss = {
-                name: psutil.Process(c.status().pid).memory_info().rss / 2**20 for name, c in (("off", c_off), ("on", c_on))
+                name: psutil.Process(c.status().pid).memory_info().rss / 2**20
+                for name, c in (("off", c_off), ("on", c_on))
             }
     finally:
         stop.set()

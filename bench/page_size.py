@@ -38,7 +38,10 @@ def main() -> int:
     args = ap.parse_args()
     model = LlamaModel(model_path(args.model), n_ctx=args.tokens + 256)
     rng = random.Random(3)
-    text = " ".join(rng.choice(["cache", "page", "token", "tree", "worker", "daemon", "reply", "arena"]) for _ in range(4 * args.tokens))
+    text = " ".join(
+        rng.choice(["cache", "page", "token", "tree", "worker", "daemon", "reply", "arena"])
+        for _ in range(4 * args.tokens)
+    )
     tokens = model.tokenize(text, add_special=True)[: args.tokens]
     extra = model.tokenize(" and then the next turn asks a new question about it", add_special=False)
     cuts = [rng.randrange(args.tokens // 2, args.tokens) for _ in range(args.samples)]
@@ -47,7 +50,9 @@ def main() -> int:
     blob = model.seq_state()
     arena = shared_memory.SharedMemory(create=True, size=2 * len(blob) + (1 << 24))
     try:
-        print(f"{model.path.name}: {args.tokens} cached tokens ({len(blob) / 2**20:.0f} MiB of KV), cut points {cuts}\n")
+        print(
+            f"{model.path.name}: {args.tokens} cached tokens ({len(blob) / 2**20:.0f} MiB of KV), cut points {cuts}\n"
+        )
         print("| page tokens | pages | restore ms | prefilled again (tokens, mean) | restore + prefill ms |")
         print("|---|---|---|---|---|")
         for page in [int(p) for p in args.pages.split(",")]:
@@ -68,7 +73,11 @@ def main() -> int:
                 restore_ms.append((t1 - t0) * 1000)
                 total_ms.append((t2 - t0) * 1000)
                 again.append(cut - n)
-            print(f"| {page} | {store.tree.pages()} | {fmt(restore_ms, 1)} | {sum(again) / len(again):.0f} | {fmt(total_ms, 0)} |", flush=True)
+            print(
+                f"| {page} | {store.tree.pages()} | {fmt(restore_ms, 1)} | {sum(again) / len(again):.0f} "
+                f"| {fmt(total_ms, 0)} |",
+                flush=True,
+            )
             del store
     finally:
         arena.close()

@@ -30,12 +30,11 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import llama_cpp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import start_daemon, temp_socket  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
 from tandem.daemon import models  # noqa: E402
 from tandem.daemon.llama_model import LlamaModel, reference_llama  # noqa: E402
-
-from common import start_daemon, temp_socket  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -69,7 +68,8 @@ def run_bare(model: LlamaModel, prompt: str, tokens: int) -> float:
 
 
 def summary(name: str, values: list[float]) -> str:
-    return f"{name:28} median {statistics.median(values):7.3f}   range {min(values):.3f} – {max(values):.3f}   (n={len(values)})"
+    median, low, high = statistics.median(values), min(values), max(values)
+    return f"{name:28} median {median:7.3f}   range {low:.3f} – {high:.3f}   (n={len(values)})"
 
 
 def main() -> None:
@@ -94,7 +94,9 @@ def main() -> None:
         with Client(socket) as client:
             run_daemon(client, PROMPTS[0], 8)  # warm-up
             run_llama(llm, PROMPTS[0], 8)
-            print(f"model {path.name}, {args.tokens} tokens per run, {args.threads} threads, cpu count {os.cpu_count()}")
+            print(
+                f"model {path.name}, {args.tokens} tokens per run, {args.threads} threads, cpu count {os.cpu_count()}"
+            )
             print(f"{'prompt':>6} {'run':>3} {'daemon':>9} {'llama-cpp':>10} {'bare':>9} {'d/llama':>8} {'d/bare':>7}")
             for pi, prompt in enumerate(PROMPTS):
                 for run in range(args.runs):

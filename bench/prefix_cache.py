@@ -43,7 +43,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -53,15 +52,35 @@ from tandem.client import Client  # noqa: E402
 from tandem.daemon.llama_model import cpu_has_amx  # noqa: E402
 
 TOOLS = [
-    ("read_file", "Read a file of the repository and return its text with line numbers.", ["path", "start_line", "end_line"]),
-    ("write_file", "Replace the whole content of a file. Use only for new files or complete rewrites.", ["path", "content"]),
+    (
+        "read_file",
+        "Read a file of the repository and return its text with line numbers.",
+        ["path", "start_line", "end_line"],
+    ),
+    (
+        "write_file",
+        "Replace the whole content of a file. Use only for new files or complete rewrites.",
+        ["path", "content"],
+    ),
     ("apply_patch", "Apply a unified diff to the working tree; fails if a hunk does not apply cleanly.", ["patch"]),
-    ("run_tests", "Run the test suite or a subset of it and return the report, failures first.", ["selector", "timeout_seconds"]),
-    ("grep", "Search the repository for a regular expression and return matching lines with paths.", ["pattern", "path_glob"]),
+    (
+        "run_tests",
+        "Run the test suite or a subset of it and return the report, failures first.",
+        ["selector", "timeout_seconds"],
+    ),
+    (
+        "grep",
+        "Search the repository for a regular expression and return matching lines with paths.",
+        ["pattern", "path_glob"],
+    ),
     ("list_dir", "List a directory, with file sizes and modification times.", ["path", "depth"]),
     ("git_diff", "Show the diff of the working tree against HEAD or another revision.", ["revision", "paths"]),
     ("git_log", "Show recent commits touching the given paths.", ["paths", "max_count"]),
-    ("run_command", "Run a shell command in the sandbox and return its exit code, stdout and stderr.", ["command", "cwd"]),
+    (
+        "run_command",
+        "Run a shell command in the sandbox and return its exit code, stdout and stderr.",
+        ["command", "cwd"],
+    ),
     ("open_issue", "Read an issue of the tracker with its comments.", ["number"]),
     ("search_docs", "Search the project's documentation and return the best matching sections.", ["query", "limit"]),
     ("lint", "Run the linters on the given paths and return their findings.", ["paths", "fix"]),
@@ -95,7 +114,10 @@ def system_prompt(rng: random.Random, salt: str, target_chars: int) -> str:
             "parameters": {
                 "type": "object",
                 "properties": {
-                    p: {"type": "string", "description": f"The {p.replace('_', ' ')} ({rng.choice(WORDS)} {rng.choice(WORDS)})."}
+                    p: {
+                        "type": "string",
+                        "description": f"The {p.replace('_', ' ')} ({rng.choice(WORDS)} {rng.choice(WORDS)}).",
+                    }
                     for p in params
                 },
                 "required": params[:1],
@@ -119,7 +141,9 @@ def tool_output(rng: random.Random, target_chars: int) -> str:
             verdict = rng.choice(["PASSED", "PASSED", "PASSED", "FAILED", "SKIPPED"])
             lines.append(f"tests/test_{a}.py::test_{b}_{c}_{n} {verdict} [{rng.randrange(100)}%]")
         elif kind == "file":
-            lines.append(f"{n:4d}  def {a}_{b}(self, {c}: int = {rng.randrange(64)}) -> {rng.choice(['int', 'str', 'None'])}:")
+            lines.append(
+                f"{n:4d}  def {a}_{b}(self, {c}: int = {rng.randrange(64)}) -> {rng.choice(['int', 'str', 'None'])}:"
+            )
         else:
             lines.append(f"src/{a}/{b}.py:{rng.randrange(1, 900)}:    self.{c} = {a}({b}, {rng.randrange(10)})")
     return "\n".join(lines)
@@ -141,9 +165,7 @@ class Conversation:
         """The prompt of the next turn: what was sent before, the agent's reply
         to it (turns after the first) and a new tool output."""
         if self.turns:
-            self.text += (
-                f"<|im_start|>assistant\nI will call {self.rng.choice(TOOLS)[0]} next.<|im_end|>\n"
-            )
+            self.text += f"<|im_start|>assistant\nI will call {self.rng.choice(TOOLS)[0]} next.<|im_end|>\n"
         self.text += f"<|im_start|>user\nTool output:\n{tool_output(self.rng, self.tool_chars)}<|im_end|>\n"
         self.turns += 1
         return self.text + "<|im_start|>assistant\n"
@@ -161,7 +183,11 @@ def ttft_tandem(client: Client, prompt: str, cache: bool) -> tuple[float, int, i
         if first is None:
             first = time.perf_counter() - started
     done = stream.done
-    return first if first is not None else time.perf_counter() - started, done.usage.prompt_tokens, done.usage.cached_tokens
+    return (
+        first if first is not None else time.perf_counter() - started,
+        done.usage.prompt_tokens,
+        done.usage.cached_tokens,
+    )
 
 
 class Ideal:
@@ -201,12 +227,28 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    def __init__(self, binary: Path, model: Path, n_ctx: int, threads: int, flash_attn: bool, extra: tuple[str, ...] = ()):
+    def __init__(
+        self, binary: Path, model: Path, n_ctx: int, threads: int, flash_attn: bool, extra: tuple[str, ...] = ()
+    ):
         self.port = free_port()
         self.command = [
-            str(binary), "-m", str(model), "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads),
-            "-fa", "on" if flash_attn else "off", "--host", "127.0.0.1", "--port", str(self.port), "--no-webui",
-        ]  # fmt: skip
+            str(binary),
+            "-m",
+            str(model),
+            "-c",
+            str(n_ctx),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-fa",
+            "on" if flash_attn else "off",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--no-webui",
+        ]
         if cpu_has_amx():
             self.command.append("--no-repack")  # like tandem's --extra-buffers auto: AMX repacking crashes
         self.command += extra
@@ -230,7 +272,14 @@ class LlamaServer:
     def ttft(self, prompt: str) -> tuple[float, int]:
         """(seconds to the first streamed token, prompt tokens it processed)"""
         body = json.dumps(
-            {"prompt": prompt, "n_predict": 4, "temperature": 0.0, "stream": True, "cache_prompt": True, "ignore_eos": True}
+            {
+                "prompt": prompt,
+                "n_predict": 4,
+                "temperature": 0.0,
+                "stream": True,
+                "cache_prompt": True,
+                "ignore_eos": True,
+            }
         )
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         started = time.perf_counter()
@@ -263,7 +312,9 @@ class LlamaServer:
 
 
 def agent_loop(run, args, client, ideal, server, rows):
-    conv = Conversation(seed=1000 + run, salt=f"{run}-agent", system_chars=args.system_chars, tool_chars=args.tool_chars)
+    conv = Conversation(
+        seed=1000 + run, salt=f"{run}-agent", system_chars=args.system_chars, tool_chars=args.tool_chars
+    )
     ideal.forget()
     for turn in range(1, args.turns + 1):
         prompt = conv.next_prompt()
@@ -274,12 +325,16 @@ def agent_loop(run, args, client, ideal, server, rows):
         if server is not None:
             row["llama_server"], row["server_prefilled"] = server.ttft(prompt)
         rows.append(row)
-        print("  agent", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        print(
+            "  agent", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True
+        )
 
 
 def interleaved(run, args, client, server, rows):
     convs = [
-        Conversation(seed=2000 + 10 * run + s, salt=f"{run}-s{s}", system_chars=args.system_chars, tool_chars=args.tool_chars)
+        Conversation(
+            seed=2000 + 10 * run + s, salt=f"{run}-s{s}", system_chars=args.system_chars, tool_chars=args.tool_chars
+        )
         for s in range(args.sessions)
     ]
     for turn in range(1, args.turns + 1):
@@ -290,15 +345,23 @@ def interleaved(run, args, client, server, rows):
             if server is not None:
                 row["llama_server"], row["server_prefilled"] = server.ttft(prompt)
             rows.append(row)
-            print("  interleaved", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            print(
+                "  interleaved",
+                json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
 
 
 # ---------------------------------------------------------------------------- report
 
 
 def per_turn_table(rows, systems) -> list[str]:
-    out = ["| turn | prompt tokens | new tokens | " + " | ".join(f"{s} TTFT s" for s in systems) + " | no cache / tandem | no cache / ideal | tandem vs ideal |",
-           "|---|---|---|" + "---|" * (len(systems) + 3)]  # fmt: skip
+    out = [
+        "| turn | prompt tokens | new tokens | "
+        + " | ".join(f"{s} TTFT s" for s in systems)
+        + " | no cache / tandem | no cache / ideal | tandem vs ideal |",
+        "|---|---|---|" + "---|" * (len(systems) + 3),
+    ]
     for turn in sorted({r["turn"] for r in rows}):
         rs = [r for r in rows if r["turn"] == turn]
         cells = [fmt([r[s] for r in rs]) for s in systems]
@@ -307,7 +370,8 @@ def per_turn_table(rows, systems) -> list[str]:
         of_ideal = [r["ideal"] / r["tandem"] for r in rs]
         out.append(
             f"| {turn} | {statistics.median(r['prompt_tokens'] for r in rs):,.0f} | "
-            f"{statistics.median(r['new_tokens'] for r in rs):,.0f} | " + " | ".join(cells)
+            f"{statistics.median(r['new_tokens'] for r in rs):,.0f} | "
+            + " | ".join(cells)
             + f" | {fmt(speedup, 1)}× | {fmt(ideal_speedup, 1)}× | {fmt(of_ideal)} |"
         )
     return out
@@ -322,12 +386,18 @@ def main() -> int:
     ap.add_argument("--system-chars", type=int, default=13_000, help="system prompt size (~4,000 Qwen tokens)")
     ap.add_argument("--tool-chars", type=int, default=3_600, help="tool output per turn (~1,200 Qwen tokens)")
     ap.add_argument("--ctx-size", type=int, default=16_384)
-    ap.add_argument("--interleaved-runs", type=int, default=None, help="runs of the interleaved workload (default --runs)")
-    ap.add_argument("--first-run", type=int, default=0, help="number of the first run (its prompts' salt), to add runs later")
     ap.add_argument(
-        "--flash-attn", choices=["on", "off"], default="on",
+        "--interleaved-runs", type=int, default=None, help="runs of the interleaved workload (default --runs)"
+    )
+    ap.add_argument(
+        "--first-run", type=int, default=0, help="number of the first run (its prompts' salt), to add runs later"
+    )
+    ap.add_argument(
+        "--flash-attn",
+        choices=["on", "off"],
+        default="on",
         help="for every system (tandem serve --flash-attn, llama-server -fa, the ideal); on: 20%% faster prefill here",
-    )  # fmt: skip
+    )
     ap.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (bench/build_llama_server.sh)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
@@ -378,14 +448,19 @@ def main() -> int:
             s = [statistics.mean(r["llama_server"] for r in ilater if r["run"] == run) for run in runs[:inter_runs]]
             print(f"llama-server: {fmt(s)} s")
             summary["interleaved turns 2+: llama-server / tandem"] = [a / b for a, b in zip(s, t)]
-            print("llama-server prompt tokens it prefilled, turns 2+: median "
-                  f"{statistics.median(r['server_prefilled'] for r in ilater):,.0f}")  # fmt: skip
+            print(
+                "llama-server prompt tokens it prefilled, turns 2+: median "
+                f"{statistics.median(r['server_prefilled'] for r in ilater):,.0f}"
+            )
     print("\n## Summary (per run: mean over turns 2+ first, then median (min–max) over runs)\n")
     for k, v in summary.items():
         print(f"- {k}: {fmt(v)}×")
     if cache is not None:
-        print(f"\ncache at the end: {cache.pages:,} pages, {cache.bytes_used / 2**20:.0f} MiB of {cache.bytes_budget / 2**20:.0f} MiB, "
-              f"{cache.evictions} evictions")  # fmt: skip
+        print(
+            f"\ncache at the end: {cache.pages:,} pages, {cache.bytes_used / 2**20:.0f} MiB "
+            f"of {cache.bytes_budget / 2**20:.0f} MiB, "
+            f"{cache.evictions} evictions"
+        )
     if server:
         print(f"\nllama-server command: {shlex.join(server.command)}")
     print(f"tandem command: tandem serve {shlex.join(serve_args)}")

@@ -33,25 +33,42 @@ from typing import Optional
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
+import psutil  # noqa: E402
 from common import model_path, start_daemon, temp_socket  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
 from prefix_cache import Ideal, LlamaServer, agent_loop, interleaved  # noqa: E402
 from speculative import pass_costs_ms  # noqa: E402
 
-import psutil  # noqa: E402
-
 from tandem.client import Client  # noqa: E402
 
 PRESETS = {
     "quick": dict(
-        target="smollm2-135m-f16", drafter="smollm2-135m", prompts=1, tokens=24, runs=1, ks=[1, 4], turns=3,
-        sessions=2, system_chars=1500, tool_chars=500, ctx=4096,
+        target="smollm2-135m-f16",
+        drafter="smollm2-135m",
+        prompts=1,
+        tokens=24,
+        runs=1,
+        ks=[1, 4],
+        turns=3,
+        sessions=2,
+        system_chars=1500,
+        tool_chars=500,
+        ctx=4096,
     ),
     "full": dict(
-        target="qwen2.5-coder-1.5b", drafter="qwen2.5-coder-0.5b", prompts=1, tokens=48, runs=3, ks=[1, 2, 4, 6],
-        turns=4, sessions=3, system_chars=8000, tool_chars=2500, ctx=16384,
+        target="qwen2.5-coder-1.5b",
+        drafter="qwen2.5-coder-0.5b",
+        prompts=1,
+        tokens=48,
+        runs=3,
+        ks=[1, 2, 4, 6],
+        turns=4,
+        sessions=3,
+        system_chars=8000,
+        tool_chars=2500,
+        ctx=16384,
     ),
-}  # fmt: skip
+}
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama-server" / "b11434" / "bin" / "llama-server"
 
 
@@ -110,10 +127,16 @@ def tandem_request(client: Client, messages, tokens: int, **params) -> Sample:
     done = stream.done
     d = done.draft
     return Sample(
-        tokens=done.usage.completion_tokens, seconds=time.perf_counter() - started, ttft=ttft or 0.0, gaps=gaps,
-        text=done.text, ids=ids, drafted=d.drafted if d else 0, accepted=d.accepted if d else 0,
+        tokens=done.usage.completion_tokens,
+        seconds=time.perf_counter() - started,
+        ttft=ttft or 0.0,
+        gaps=gaps,
+        text=done.text,
+        ids=ids,
+        drafted=d.drafted if d else 0,
+        accepted=d.accepted if d else 0,
         rounds=d.rounds if d else 0,
-    )  # fmt: skip
+    )
 
 
 def streamed_sample(started: float, pieces) -> Sample:
@@ -240,20 +263,36 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
     target, drafter = resolve_model(p["target"]), resolve_model(p["drafter"])
     corpus = {kind: prompts[: p["prompts"]] for kind, prompts in load_all_kinds().items()}
     ks = p["ks"]
-    results: dict = {"preset": preset, "params": p, "machine": machine(), "started": datetime.datetime.now().isoformat()}
+    results: dict = {
+        "preset": preset,
+        "params": p,
+        "machine": machine(),
+        "started": datetime.datetime.now().isoformat(),
+    }
     results["models"] = {
         "target": {"name": p["target"], "file": target.name, "bytes": target.stat().st_size, "sha256": sha256(target)},
-        "drafter": {"name": p["drafter"], "file": drafter.name, "bytes": drafter.stat().st_size, "sha256": sha256(drafter)},
+        "drafter": {
+            "name": p["drafter"],
+            "file": drafter.name,
+            "bytes": drafter.stat().st_size,
+            "sha256": sha256(drafter),
+        },
     }
-    say(f"bench {preset}: target {target.name}, drafter {drafter.name}, {p['runs']} run(s), "
-        f"{sum(map(len, corpus.values()))} prompts in {len(corpus)} tasks")  # fmt: skip
+    say(
+        f"bench {preset}: target {target.name}, drafter {drafter.name}, {p['runs']} run(s), "
+        f"{sum(map(len, corpus.values()))} prompts in {len(corpus)} tasks"
+    )
 
     # one pass over 1 and k+1 tokens; one drafter step (the lab's cost model)
     widths = sorted({1, *[k + 1 for k in ks]})
     target_ms = pass_costs_ms(target, widths)
     draft_ms = pass_costs_ms(drafter, [1])[1]
     results["pass_ms"] = {"target": target_ms, "drafter_step": draft_ms}
-    say("pass costs: " + ", ".join(f"{w} tok {ms:.1f} ms" for w, ms in target_ms.items()) + f"; drafter step {draft_ms:.1f} ms")
+    say(
+        "pass costs: "
+        + ", ".join(f"{w} tok {ms:.1f} ms" for w, ms in target_ms.items())
+        + f"; drafter step {draft_ms:.1f} ms"
+    )
 
     rss = RssSampler()
     procs, servers, commands = [], [], {}
@@ -271,12 +310,18 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             for role, pid in st.worker_pids.items():
                 rss.pids[f"{name} {role}"] = pid
             commands[f"tandem ({name})"] = " ".join(
-                ["tandem serve", *base, *(["--drafter", str(drafter)] if name == "model" else []),
-                 *(["--drafter", "ngram"] if name == "ngram" else [])]
-            )  # fmt: skip
+                [
+                    "tandem serve",
+                    *base,
+                    *(["--drafter", str(drafter)] if name == "model" else []),
+                    *(["--drafter", "ngram"] if name == "ngram" else []),
+                ]
+            )
         systems: dict[str, callable] = {"plain": lambda m, n: tandem_request(clients["plain"], m, n)}
         for k in ks:
-            systems[f"model k={k}"] = lambda m, n, k=k: tandem_request(clients["model"], m, n, draft="on", draft_tokens=k)
+            systems[f"model k={k}"] = lambda m, n, k=k: tandem_request(
+                clients["model"], m, n, draft="on", draft_tokens=k
+            )
         systems["model governed"] = lambda m, n: tandem_request(clients["model"], m, n, draft="auto")
         systems["ngram k=4"] = lambda m, n: tandem_request(clients["ngram"], m, n, draft="on", draft_tokens=4)
         systems["ngram governed"] = lambda m, n: tandem_request(clients["ngram"], m, n, draft="auto")
@@ -293,16 +338,28 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             commands["llama-server"] = " ".join(plain_server.command)
             systems["llama-server"] = ServerChat(plain_server).request
             spec = LlamaServer(
-                llama_server, target, int(ctx), threads, flash_attn=False,
-                extra=("-md", str(drafter), "--spec-type", "draft-simple", "--spec-draft-n-max", str(max(ks)),
-                       "--spec-draft-n-min", "1"),
-            )  # fmt: skip
+                llama_server,
+                target,
+                int(ctx),
+                threads,
+                flash_attn=False,
+                extra=(
+                    "-md",
+                    str(drafter),
+                    "--spec-type",
+                    "draft-simple",
+                    "--spec-draft-n-max",
+                    str(max(ks)),
+                    "--spec-draft-n-min",
+                    "1",
+                ),
+            )
             servers.append(spec)
             commands["llama-server (speculative)"] = " ".join(spec.command)
             systems["llama-server spec"] = ServerChat(spec).request
             rss.pids["llama-server"] = plain_server.proc.pid
 
-        for name, fn in systems.items():  # warm up every system once
+        for fn in systems.values():  # warm up every system once
             fn([{"role": "user", "content": "Say hi."}], 4)
 
         decoding: dict = {kind: {name: [] for name in systems} for kind in corpus}
@@ -317,7 +374,9 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
         results["decoding"] = decoding
 
         # prefix cache: an agent re-sending a growing prompt, and interleaved sessions
-        args = argparse.Namespace(turns=p["turns"], sessions=p["sessions"], system_chars=p["system_chars"], tool_chars=p["tool_chars"])
+        args = argparse.Namespace(
+            turns=p["turns"], sessions=p["sessions"], system_chars=p["system_chars"], tool_chars=p["tool_chars"]
+        )
         ideal = Ideal(target, int(ctx), flash_attn=False)
         agent_rows, inter_rows = [], []
         for r in range(p["runs"]):
@@ -325,7 +384,11 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             interleaved(r, args, clients["plain"], servers[0] if servers else None, inter_rows)
         results["prefix_cache"] = {"agent": agent_rows, "interleaved": inter_rows}
         st = clients["plain"].status()
-        results["cache"] = {"bytes_used": st.cache.bytes_used, "pages": st.cache.pages, "budget": st.cache.bytes_budget} if st.cache else None
+        results["cache"] = (
+            {"bytes_used": st.cache.bytes_used, "pages": st.cache.pages, "budget": st.cache.bytes_budget}
+            if st.cache
+            else None
+        )
         for c in clients.values():
             c.close()
     finally:
@@ -367,18 +430,27 @@ def summarize(results: dict) -> dict:
             rounds = sum(s["rounds"] for run in runs for s in run)
             same = sum(
                 (s["ids"] == b["ids"]) if s["ids"] else (s["text"] == b["text"])
-                for run, prun in zip(runs, plain_runs) for s, b in zip(run, prun)
-            )  # fmt: skip
+                for run, prun in zip(runs, plain_runs)
+                for s, b in zip(run, prun)
+            )
             per_round = (accepted + rounds) / rounds if rounds else None
             k = int(name.split("k=")[1]) if "k=" in name else None
             model = None
             if per_round and k and name.startswith("model"):
-                model = {"lab": per_round / (1 + k * d_ms / t_ms[1]), "passes": per_round * t_ms[1] / (t_ms[k + 1] + k * d_ms)}
+                model = {
+                    "lab": per_round / (1 + k * d_ms / t_ms[1]),
+                    "passes": per_round * t_ms[1] / (t_ms[k + 1] + k * d_ms),
+                }
             row[name] = {
-                "tok_s": rates, "speedup": [a / b for a, b in zip(rates, plain_rate)],
-                "alpha": accepted / drafted if drafted else None, "tokens_per_round": per_round,
-                "identical": same, "outputs": sum(len(run) for run in runs), "predicted": model, "k": k,
-            }  # fmt: skip
+                "tok_s": rates,
+                "speedup": [a / b for a, b in zip(rates, plain_rate)],
+                "alpha": accepted / drafted if drafted else None,
+                "tokens_per_round": per_round,
+                "identical": same,
+                "outputs": sum(len(run) for run in runs),
+                "predicted": model,
+                "k": k,
+            }
         out[kind] = row
     return out
 
@@ -406,7 +478,9 @@ def write_report(results: dict, out_dir: Path) -> None:
         f"- tandem {m['tandem']}, llama-cpp-python {m['llama_cpp_python']}, Python {m['python']}, {m['platform']}",
     ]
     for role, model in results["models"].items():
-        lines.append(f"- {role}: `{model['name']}` ({model['file']}, {model['bytes']:,} bytes, sha256 `{model['sha256']}`)")
+        lines.append(
+            f"- {role}: `{model['name']}` ({model['file']}, {model['bytes']:,} bytes, sha256 `{model['sha256']}`)"
+        )
     lines += ["", "Systems and their exact commands:", ""]
     lines += [f"- **{name}**: `{cmd}`" for name, cmd in results["commands"].items()]
     tm = results["pass_ms"]
@@ -416,7 +490,8 @@ def write_report(results: dict, out_dir: Path) -> None:
         "",
         f"Greedy, {p['tokens']} tokens per prompt, {p['prompts']} prompt(s) per task, streamed. One target pass: "
         + ", ".join(f"{w} token(s) {ms:.1f} ms" for w, ms in tm["target"].items())
-        + f"; one drafter step {tm['drafter_step']:.1f} ms (c = {tm['drafter_step'] / tm['target'][min(tm['target'], key=int)]:.3f}).",
+        + f"; one drafter step {tm['drafter_step']:.1f} ms "
+        + f"(c = {tm['drafter_step'] / tm['target'][min(tm['target'], key=int)]:.3f}).",
         "Speedup is tok/s over `plain` (tandem without a drafter) in the same run. Predicted: the lab's cost model "
         "(tokens per round / (1 + k·c)) and the same with the measured pass over k+1 tokens.",
         "",
@@ -434,8 +509,13 @@ def write_report(results: dict, out_dir: Path) -> None:
                 f"{r['identical']}/{r['outputs']} | {pred} |"
             )
     # latency
-    lines += ["", "## Latency as a streaming client sees it", "",
-              "| system | TTFT P50 s | per-token P50 ms | P90 ms | P99 ms |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## Latency as a streaming client sees it",
+        "",
+        "| system | TTFT P50 s | per-token P50 ms | P90 ms | P99 ms |",
+        "|---|---|---|---|---|",
+    ]
     gaps_by_system = {}
     for name in systems:
         ttfts = [s["ttft"] for kind in results["decoding"].values() for run in kind[name] for s in run]
@@ -443,16 +523,22 @@ def write_report(results: dict, out_dir: Path) -> None:
         gaps_by_system[name] = gaps
         if gaps:
             lines.append(
-                f"| {name} | {statistics.median(ttfts):.3f} | {statistics.median(gaps):.1f} | {pct(gaps, 0.9):.1f} | {pct(gaps, 0.99):.1f} |"
+                f"| {name} | {statistics.median(ttfts):.3f} | {statistics.median(gaps):.1f} "
+                f"| {pct(gaps, 0.9):.1f} | {pct(gaps, 0.99):.1f} |"
             )
     lines += ["", "Per-token latency of a drafting system is bursty: a round's accepted tokens arrive together.", ""]
     # prefix cache
     agent = results["prefix_cache"]["agent"]
     cols = [c for c in ("tandem", "no_cache", "ideal", "llama_server") if agent and c in agent[0]]
-    lines += ["## Prefix cache", "", f"Agent loop: a {p['system_chars']:,}-character system prompt, then {p['turns']} turns each "
-              f"adding a {p['tool_chars']:,}-character tool output; TTFT per turn (s), median (min–max) over runs.", "",
-              "| turn | prompt tokens | " + " | ".join(cols) + " | no cache / tandem | tandem / ideal |",
-              "|---|---|" + "---|" * (len(cols) + 2)]  # fmt: skip
+    lines += [
+        "## Prefix cache",
+        "",
+        f"Agent loop: a {p['system_chars']:,}-character system prompt, then {p['turns']} turns each "
+        f"adding a {p['tool_chars']:,}-character tool output; TTFT per turn (s), median (min–max) over runs.",
+        "",
+        "| turn | prompt tokens | " + " | ".join(cols) + " | no cache / tandem | tandem / ideal |",
+        "|---|---|" + "---|" * (len(cols) + 2),
+    ]
     turns = sorted({row["turn"] for row in agent})
     per_turn = {}
     for turn in turns:
@@ -461,24 +547,41 @@ def write_report(results: dict, out_dir: Path) -> None:
         ratio_nc = [row["no_cache"] / row["tandem"] for row in rows]
         ratio_id = [row["tandem"] / row["ideal"] for row in rows]
         lines.append(
-            f"| {turn} | {rows[0]['prompt_tokens']:,} | " + " | ".join(med(per_turn[turn][c]) for c in cols)
+            f"| {turn} | {rows[0]['prompt_tokens']:,} | "
+            + " | ".join(med(per_turn[turn][c]) for c in cols)
             + f" | {med(ratio_nc)} | {med(ratio_id)} |"
         )
     inter = results["prefix_cache"]["interleaved"]
     if inter:
         icols = [c for c in ("tandem", "llama_server") if c in inter[0]]
-        lines += ["", f"Interleaved: {p['sessions']} sessions taking turns; TTFT (s) per turn over sessions and runs.", "",
-                  "| turn | " + " | ".join(icols) + " |", "|---|" + "---|" * len(icols)]  # fmt: skip
+        lines += [
+            "",
+            f"Interleaved: {p['sessions']} sessions taking turns; TTFT (s) per turn over sessions and runs.",
+            "",
+            "| turn | " + " | ".join(icols) + " |",
+            "|---|" + "---|" * len(icols),
+        ]
         for turn in sorted({row["turn"] for row in inter}):
             rows = [row for row in inter if row["turn"] == turn]
             lines.append(f"| {turn} | " + " | ".join(med([row[c] for row in rows]) for c in icols) + " |")
     # memory
-    lines += ["", "## Memory", "", "Peak resident memory during the run:", "", "| process | peak RSS MiB |", "|---|---|"]
+    lines += [
+        "",
+        "## Memory",
+        "",
+        "Peak resident memory during the run:",
+        "",
+        "| process | peak RSS MiB |",
+        "|---|---|",
+    ]
     lines += [f"| {label} | {rss / 2**20:,.0f} |" for label, rss in sorted(results["peak_rss"].items())]
     if results.get("cache"):
         c = results["cache"]
-        lines += ["", f"Prefix cache at the end: {c['pages']:,} pages, {c['bytes_used'] / 2**20:,.0f} MiB of a "
-                  f"{c['budget'] / 2**20:,.0f} MiB budget."]  # fmt: skip
+        lines += [
+            "",
+            f"Prefix cache at the end: {c['pages']:,} pages, {c['bytes_used'] / 2**20:,.0f} MiB of a "
+            f"{c['budget'] / 2**20:,.0f} MiB budget.",
+        ]
 
     # plots
     kinds = list(summary)
@@ -490,8 +593,18 @@ def write_report(results: dict, out_dir: Path) -> None:
         lo = [statistics.median(r["speedup"]) - min(r["speedup"]) for _, r in rows]
         hi = [max(r["speedup"]) - statistics.median(r["speedup"]) for _, r in rows]
         ax.errorbar(ks, meds, yerr=[lo, hi], marker="o", label="measured")
-        ax.plot(ks, [r["predicted"]["passes"] if r["predicted"] else float("nan") for _, r in rows], "--", label="cost model (passes)")
-        ax.plot(ks, [r["predicted"]["lab"] if r["predicted"] else float("nan") for _, r in rows], ":", label="cost model (lab)")
+        ax.plot(
+            ks,
+            [r["predicted"]["passes"] if r["predicted"] else float("nan") for _, r in rows],
+            "--",
+            label="cost model (passes)",
+        )
+        ax.plot(
+            ks,
+            [r["predicted"]["lab"] if r["predicted"] else float("nan") for _, r in rows],
+            ":",
+            label="cost model (lab)",
+        )
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_title(kind)
         ax.set_xlabel("k")
@@ -514,7 +627,9 @@ def write_report(results: dict, out_dir: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, gaps in gaps_by_system.items():
-        if gaps and (name in ("plain", "model governed", "llama-cpp-python", "llama-server") or name == f"model k={max(p['ks'])}"):
+        if gaps and (
+            name in ("plain", "model governed", "llama-cpp-python", "llama-server") or name == f"model k={max(p['ks'])}"
+        ):
             s = sorted(gaps)
             ax.plot(s, [i / len(s) for i in range(1, len(s) + 1)], label=name)
     ax.set_xscale("log")
@@ -525,19 +640,35 @@ def write_report(results: dict, out_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "token_latency.png", dpi=110)
     plt.close(fig)
-    lines += ["", "## Plots", "", "![speedup vs k](speedup_vs_k.png)", "", "![TTFT per turn](ttft_per_turn.png)", "",
-              "![per-token latency](token_latency.png)", ""]  # fmt: skip
+    lines += [
+        "",
+        "## Plots",
+        "",
+        "![speedup vs k](speedup_vs_k.png)",
+        "",
+        "![TTFT per turn](ttft_per_turn.png)",
+        "",
+        "![per-token latency](token_latency.png)",
+        "",
+    ]
     (out_dir / "REPORT.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="a few minutes, small models (the CI smoke run)")
     g.add_argument("--full", action="store_true", help="the real pair, 3 runs (the committed report)")
     ap.add_argument("--runs", type=int, default=None, help="override the preset's number of runs")
-    ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
-                    help=f"include llama-server (default with --full: {DEFAULT_LLAMA_SERVER} if it exists)")  # fmt: skip
+    ap.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"include llama-server (default with --full: {DEFAULT_LLAMA_SERVER} if it exists)",
+    )
     ap.add_argument("--no-peers", action="store_true", help="leave llama-server out even if it is there")
     ap.add_argument("--out", type=Path, default=None, help="report directory (default bench/results/<date>-<machine>)")
     args = ap.parse_args(argv)
@@ -548,7 +679,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.no_peers:
         server = None
     if server is not None and not server.exists():
-        raise SystemExit(f"no llama-server at {server}; build it with bench/build_llama_server.sh or leave --llama-server out")
+        raise SystemExit(
+            f"no llama-server at {server}; build it with bench/build_llama_server.sh or leave --llama-server out"
+        )
     out = args.out or BENCH / "results" / f"{datetime.date.today().isoformat()}-{socketlib.gethostname()}-{preset}"
     report = run(preset, out, server, args.runs)
     print(report)

@@ -25,11 +25,10 @@ import statistics
 import time
 from pathlib import Path
 
-
-from tandem.client import Client
-
 from common import fmt, model_path, start_daemon, temp_socket
 from fidelity import load_corpus
+
+from tandem.client import Client
 
 KS = [1, 2, 4, 6]
 
@@ -74,7 +73,6 @@ def run_kind(client: Client, prompts, k: int, tokens: int, p_min: float = 0.0):
     return generated / (time.perf_counter() - t0), drafted, accepted, rounds, ids
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -94,16 +92,25 @@ def main() -> None:
     target_ms = pass_costs_ms(target, widths)
     draft_ms = pass_costs_ms(drafter, [1])[1] if drafter else 0.0
     c = draft_ms / target_ms[1]
-    print(f"target {target.name}; drafter {drafter.name if drafter else 'ngram'}; exact {args.exact}; "
-          f"draft_p_min {args.p_min}; {args.prompts} prompts per kind, {args.tokens} tokens, {args.runs} runs")  # fmt: skip
+    print(
+        f"target {target.name}; drafter {drafter.name if drafter else 'ngram'}; exact {args.exact}; "
+        f"draft_p_min {args.p_min}; {args.prompts} prompts per kind, {args.tokens} tokens, {args.runs} runs"
+    )
     print("one target pass: " + ", ".join(f"{w} tok {ms:.1f} ms" for w, ms in target_ms.items()))
     print(f"one drafter step: {draft_ms:.1f} ms; c = {c:.3f}")
 
     socket, plain_socket = temp_socket("tdm-spec-"), temp_socket("tdm-plain-")
     daemon = start_daemon(
-        socket, "--model", str(target), "--drafter", str(drafter) if drafter else "ngram",
-        "--exact", args.exact, "--ctx-size", "2048",
-    )  # fmt: skip
+        socket,
+        "--model",
+        str(target),
+        "--drafter",
+        str(drafter) if drafter else "ngram",
+        "--exact",
+        args.exact,
+        "--ctx-size",
+        "2048",
+    )
     plain_daemon = start_daemon(plain_socket, "--model", str(target), "--ctx-size", "2048")
     corpus = load_corpus()
     try:
@@ -114,7 +121,10 @@ def main() -> None:
             exact_steps = bool(info and info.exact_steps)
             print(f"exact steps: {exact_steps} (batch-invariant target: {info.batch_invariant if info else None})")
             print()
-            print("| kind | plain tok/s | k | speedup | alpha | tokens/round | identical | predicted (lab) | predicted (measured passes) |")
+            print(
+                "| kind | plain tok/s | k | speedup | alpha | tokens/round | identical | predicted (lab) "
+                "| predicted (measured passes) |"
+            )
             print("|---|---|---|---|---|---|---|---|---|")
             for kind, prompts in corpus.items():
                 prompts = prompts[: args.prompts]
@@ -127,10 +137,15 @@ def main() -> None:
                     order = ["plain", *ks_all]
                     order = order[r % len(order) :] + order[: r % len(order)]
                     results = {
-                        k: run_kind(plain_client if k == "plain" else client, prompts, 0 if k == "plain" else k,
-                                    args.tokens, args.p_min)
+                        k: run_kind(
+                            plain_client if k == "plain" else client,
+                            prompts,
+                            0 if k == "plain" else k,
+                            args.tokens,
+                            args.p_min,
+                        )
                         for k in order
-                    }  # fmt: skip
+                    }
                     for k, (rate, drafted, accepted, rounds, ids) in results.items():
                         tps[k].append(rate)
                         if k != "plain":
@@ -146,7 +161,8 @@ def main() -> None:
                     lab = per_round / (1 + k * c)
                     refined = per_round * target_ms[1] / (target_ms[max(k + 1, 2 if exact_steps else 1)] + k * draft_ms)
                     print(
-                        f"| {kind} | {fmt(tps['plain'], 1)} | {k} | {fmt(speedups[k])} | {alpha:.2f} | {per_round:.2f} | "
+                        f"| {kind} | {fmt(tps['plain'], 1)} | {k} | {fmt(speedups[k])} | {alpha:.2f} "
+                        f"| {per_round:.2f} | "
                         f"{identical[k]}/{args.runs * len(prompts)} | {lab:.2f} | {refined:.2f} |"
                     )
     finally:

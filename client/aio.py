@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from tandem.protocol import (
-    CacheCleared,
     CacheClear,
+    CacheCleared,
     Cancel,
     CancelReply,
     Chunk,

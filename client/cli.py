@@ -38,7 +38,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--temperature", type=float, default=d.temperature, help="0 = greedy, deterministic (default %(default)s)"
     )
-    p.add_argument("--top-k", type=int, default=d.top_k, help="sample from the k likeliest tokens; 0 = off (default %(default)s)")
+    p.add_argument(
+        "--top-k", type=int, default=d.top_k, help="sample from the k likeliest tokens; 0 = off (default %(default)s)"
+    )
     p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass; 1 = off (default %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
@@ -106,12 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the prompt; - reads it from stdin")
     p.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text (no chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result instead of streaming")
-    p.add_argument("--model", default=argparse.SUPPRESS, help="model for a daemon started by this command (default: the configured model)")
+    p.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        help="model for a daemon started by this command (default: the configured model)",
+    )
     p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
     _sampling_args(p)
 
-    p = sub.add_parser("chat", help="interactive multi-turn chat", description="Chat in the terminal. /reset forgets, /exit (or Ctrl-D) leaves.")
-    p.add_argument("--model", default=argparse.SUPPRESS, help="model for a daemon started by this command (default: the configured model)")
+    p = sub.add_parser(
+        "chat",
+        help="interactive multi-turn chat",
+        description="Chat in the terminal. /reset forgets, /exit (or Ctrl-D) leaves.",
+    )
+    p.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        help="model for a daemon started by this command (default: the configured model)",
+    )
     p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
     _sampling_args(p)
 
@@ -125,10 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(not the daemon).",
     )
     p.add_argument(
-        "--listen", default=None, metavar="HOST:PORT",
-        help="loopback address to listen on; port 0 picks a free one (default $TANDEM_OPENAI_LISTEN, else 127.0.0.1:8642)",
-    )  # fmt: skip
-    p.add_argument("--model", default=argparse.SUPPRESS, help="model for a daemon started by this command (default: the configured model)")
+        "--listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="loopback address to listen on; port 0 picks a free one "
+        "(default $TANDEM_OPENAI_LISTEN, else 127.0.0.1:8642)",
+    )
+    p.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        help="model for a daemon started by this command (default: the configured model)",
+    )
     p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request to stderr")
 
@@ -139,9 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="the prefix cache: clear it", description="Manage the daemon's prefix cache.")
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
-    csub.add_parser(
-        "clear", help="drop every cached page (after the running request, before the next queued one)"
-    )
+    csub.add_parser("clear", help="drop every cached page (after the running request, before the next queued one)")
 
     p = sub.add_parser(
         "config",
@@ -165,8 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         "`systemctl --user reload tandem` re-reads it.",
     )
     ssub = p.add_subparsers(dest="service_command", metavar="ACTION")
-    pp = ssub.add_parser("install", help="pull the configured models, write the unit, reload systemd, enable and start it")
-    pp.add_argument("--no-start", action="store_true", help="write the unit and reload systemd, but do not enable or start it")
+    pp = ssub.add_parser(
+        "install", help="pull the configured models, write the unit, reload systemd, enable and start it"
+    )
+    pp.add_argument(
+        "--no-start", action="store_true", help="write the unit and reload systemd, but do not enable or start it"
+    )
     ssub.add_parser("uninstall", help="stop and disable the service, remove the unit")
     ssub.add_parser("status", help="whether the unit is installed, and systemctl's status of it")
     ssub.add_parser("unit", help="print the unit this installation would write")
@@ -319,7 +342,10 @@ def cmd_openai(args) -> int:
     try:
         server = openai_bridge.BridgeServer(address, args.socket, model, verbose=args.verbose)
     except OSError as exc:
-        _say(f"tandem: cannot listen on {listen}: {exc.strerror or exc}. Pick another port: --listen 127.0.0.1:PORT (0 = any free one)")
+        _say(
+            f"tandem: cannot listen on {listen}: {exc.strerror or exc}. "
+            "Pick another port: --listen 127.0.0.1:PORT (0 = any free one)"
+        )
         return 2
 
     def stop(signum, frame):
@@ -348,19 +374,27 @@ def cmd_status(args) -> int:
         return 0
     up = st.uptime_seconds
     print(f"state:     {st.state}" + (f" ({st.failure})" if st.failure else ""))
-    print(f"daemon:    tandem {st.daemon_version}, pid {st.pid}, up {int(up // 3600)}h{int(up % 3600 // 60):02d}m{int(up % 60):02d}s")
+    print(
+        f"daemon:    tandem {st.daemon_version}, pid {st.pid}, "
+        f"up {int(up // 3600)}h{int(up % 3600 // 60):02d}m{int(up % 60):02d}s"
+    )
     print(f"socket:    {st.socket_path}")
     if st.model:
         m = st.model
         fim = "fill-in-the-middle" if m.fim else "no fill-in-the-middle tokens"
-        print(f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, vocab {m.n_vocab:,}, {fim})")
+        print(
+            f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, "
+            f"vocab {m.n_vocab:,}, {fim})"
+        )
     if st.model and st.model.batch_invariant is not None:
         m = st.model
         settings = f"{m.kernels or '?'} kernels, flash attention {'on' if m.flash_attn else 'off'}"
         if m.batch_invariant:
             print(f"exact:     yes, batch-invariant ({settings}): output does not depend on the cache or drafting")
         else:
-            print(f"exact:     no, logits differ on {', '.join(m.batch_variant_paths)} ({settings}); see the daemon log")
+            print(
+                f"exact:     no, logits differ on {', '.join(m.batch_variant_paths)} ({settings}); see the daemon log"
+            )
     if st.drafter != "none":
         line = f"drafter:   {st.drafter}, {st.draft_tokens} tokens per draft"
         if st.model and st.model.exact_steps:
@@ -405,7 +439,10 @@ def cmd_status(args) -> int:
     reqs = ", ".join(f"{k} {v}" for k, v in sorted(st.requests.items())) or "none yet"
     print(f"requests:  {reqs}")
     print(f"tokens:    {st.tokens.get('prompt', 0):,} prompt, {st.tokens.get('completion', 0):,} generated")
-    mem = ", ".join(f"{k} {_mib(v)}" + (f" (pid {st.worker_pids[k]})" if k in st.worker_pids else "") for k, v in st.memory_rss_bytes.items())
+    mem = ", ".join(
+        f"{k} {_mib(v)}" + (f" (pid {st.worker_pids[k]})" if k in st.worker_pids else "")
+        for k, v in st.memory_rss_bytes.items()
+    )
     print(f"memory:    {mem}")
     print(f"restarts:  {st.worker_restarts}")
     print(f"metrics:   {'http://' + st.metrics_addr + '/metrics' if st.metrics_addr else 'off'}")
@@ -481,7 +518,9 @@ def cmd_service(args) -> int:
             _say(
                 "note: the service reads only its config file, "
                 f"{config.default_config_path()}; these settings of this shell will not reach it: "
-                + ", ".join(local + (["--config / TANDEM_CONFIG"] if args.config or os.environ.get("TANDEM_CONFIG") else []))
+                + ", ".join(
+                    local + (["--config / TANDEM_CONFIG"] if args.config or os.environ.get("TANDEM_CONFIG") else [])
+                )
             )
         _pull_configured(st)
         return service.install(_say, enable=not args.no_start)
@@ -556,8 +595,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"tandem: warning: {exc}")
         args.settings = config.Settings(
             {**{o.key: o.default for o in config.OPTIONS}, "socket": Path(args.socket) if args.socket else None},
-            {}, Path(), False,
-        )  # fmt: skip
+            {},
+            Path(),
+            False,
+        )
     args.socket = args.settings.socket or default_socket_path()
     if "model" not in vars(args) or args.model is None:
         args.model = args.settings.model

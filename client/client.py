@@ -20,8 +20,8 @@ from typing import Iterator, Optional, Union
 import zmq
 
 from tandem.protocol import (
-    CacheCleared,
     CacheClear,
+    CacheCleared,
     Cancel,
     CancelReply,
     Chunk,

@@ -32,7 +32,7 @@ from .errors import DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, 
 
 MessageLike = Union[ChatMessage, dict]
 
-START_HINT = "start one with `tandem serve` (or just `tandem run \"...\"`, which starts one for you)"
+START_HINT = 'start one with `tandem serve` (or just `tandem run "..."`, which starts one for you)'
 
 
 def new_id() -> str:
@@ -59,7 +59,9 @@ def generate_request(
 ) -> Generate:
     chat = None
     if messages is not None:
-        chat = [m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        chat = [
+            m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"]) for m in messages
+        ]
     request_id = params.pop("request_id", None) or new_id()
     return _checked(Generate(id=request_id, prompt=prompt, messages=chat, **params))
 

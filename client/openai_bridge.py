@@ -83,7 +83,9 @@ class ApiError(Exception):
                 code = ErrorCode(exc.code)
             except ValueError:
                 code = ErrorCode.INTERNAL
-            status = HTTPStatus.BAD_REQUEST if code < 200 else _STATUS_OF_CODE.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
+            status = (
+                HTTPStatus.BAD_REQUEST if code < 200 else _STATUS_OF_CODE.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
+            )
             return cls(status, exc.message, code=_OPENAI_CODE.get(code, exc.name.lower()))
         if isinstance(exc, InvalidRequest):
             return cls(HTTPStatus.BAD_REQUEST, str(exc))
@@ -100,12 +102,17 @@ def _get(body: dict, key: str, kinds: tuple, default: Any = None) -> Any:
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = "/".join({int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}[k] for k in kinds)
+        names = "/".join(
+            {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}[k]
+            for k in kinds
+        )
         raise ApiError(HTTPStatus.BAD_REQUEST, f"'{key}' must be {names}, got {json.dumps(value)[:80]}", param=key)
     return value
 
 
-def _refuse(body: dict, key: str, why: str, allowed: Callable[[Any], bool] = lambda v: v in (None, False, 0, [], {})) -> None:
+def _refuse(
+    body: dict, key: str, why: str, allowed: Callable[[Any], bool] = lambda v: v in (None, False, 0, [], {})
+) -> None:
     if key in body and not allowed(body[key]):
         raise ApiError(HTTPStatus.BAD_REQUEST, f"'{key}' is not supported by tandem: {why}", param=key)
 
@@ -135,7 +142,13 @@ def _sampling(body: dict, default_max_tokens: int) -> dict:
         stop=stop,
     )
     # tandem's own knobs, for clients that can add fields (openai: extra_body=...)
-    for key, kinds in (("top_k", (int,)), ("draft", (str,)), ("draft_tokens", (int,)), ("cache", (bool,)), ("ignore_eos", (bool,))):
+    for key, kinds in (
+        ("top_k", (int,)),
+        ("draft", (str,)),
+        ("draft_tokens", (int,)),
+        ("cache", (bool,)),
+        ("ignore_eos", (bool,)),
+    ):
         if body.get(key) is not None:
             params[key] = _get(body, key, kinds)
     if params["top_p"] == 0.0:  # the API allows 0; the daemon's nucleus must hold a token
@@ -151,7 +164,9 @@ def _chat_messages(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]"
+            )
         role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant"):
             raise ApiError(
@@ -175,7 +190,11 @@ def _chat_messages(body: dict) -> list[dict]:
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content must be a string or an array of text parts", param=f"messages[{i}].content")
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"messages[{i}].content must be a string or an array of text parts",
+                param=f"messages[{i}].content",
+            )
         out.append({"role": role, "content": content})
     return out
 
@@ -196,7 +215,9 @@ def completions_call(body: dict) -> Call:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise ApiError(
-            HTTPStatus.BAD_REQUEST, "'prompt' must be a string (one prompt; token arrays are not supported)", param="prompt"
+            HTTPStatus.BAD_REQUEST,
+            "'prompt' must be a string (one prompt; token arrays are not supported)",
+            param="prompt",
         )
     _refuse(body, "echo", "the prompt is not echoed back")
     _refuse(body, "best_of", "one choice is generated", allowed=lambda v: v in (None, 1))
@@ -218,9 +239,11 @@ def chat_call(body: dict) -> Call:
     _refuse(body, "functions", "no function calls")
     _refuse(body, "tool_choice", "no tool calls", allowed=lambda v: v in (None, "none", "auto"))
     _refuse(
-        body, "response_format", "output is plain text",
+        body,
+        "response_format",
+        "output is plain text",
         allowed=lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    )  # fmt: skip
+    )
     params = _sampling(body, MAX_TOKENS_LIMIT)  # the API's default: until the model stops or the context is full
     start = lambda c: c.generate(messages=messages, **params)  # noqa: E731
     return Call("chat.completion", start, bool(_get(body, "stream", (bool,), False)), _include_usage(body))
@@ -286,7 +309,11 @@ class Handler(BaseHTTPRequestHandler):
         elif path.startswith("/v1/models/"):
             model = self._model()
             if path[len("/v1/models/") :] != model["id"]:
-                raise ApiError(HTTPStatus.NOT_FOUND, f"no model {path[len('/v1/models/'):]!r}; this daemon serves {model['id']!r}", param="model")
+                raise ApiError(
+                    HTTPStatus.NOT_FOUND,
+                    f"no model {path[len('/v1/models/') :]!r}; this daemon serves {model['id']!r}",
+                    param="model",
+                )
             self._json(HTTPStatus.OK, model)
         elif path in ("", "/health"):
             self._json(HTTPStatus.OK, {"status": "ok", "model": self.server.model})
@@ -297,7 +324,9 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/")
         routes = {"/v1/completions": completions_call, "/v1/chat/completions": chat_call}
         if path not in routes:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"no route POST {path}; tandem serves /v1/completions and /v1/chat/completions")
+            raise ApiError(
+                HTTPStatus.NOT_FOUND, f"no route POST {path}; tandem serves /v1/completions and /v1/chat/completions"
+            )
         call = routes[path](self._body())
         with Client(self.server.socket_path, timeout=None) as client:
             try:
@@ -333,19 +362,26 @@ class Handler(BaseHTTPRequestHandler):
         host = (self.headers.get("Host") or "").strip().lower()
         name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
         if name not in ("127.0.0.1", "localhost", "[::1]", "::1") and not name.startswith("127."):
-            raise ApiError(HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine")
+            raise ApiError(
+                HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine"
+            )
 
     def _body(self) -> dict:
         ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if ctype != "application/json":
-            raise ApiError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"send the body as Content-Type: application/json (got {ctype or 'none'!r})")
+            raise ApiError(
+                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                f"send the body as Content-Type: application/json (got {ctype or 'none'!r})",
+            )
         try:
             length = int(self.headers.get("Content-Length") or "")
         except ValueError:
             raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required") from None
         if length > MAX_MESSAGE_BYTES:
             self.close_connection = True
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length:,} bytes; the limit is {MAX_MESSAGE_BYTES:,}")
+            raise ApiError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length:,} bytes; the limit is {MAX_MESSAGE_BYTES:,}"
+            )
         raw = self.rfile.read(length)
         self._body_read = True
         try:
@@ -422,7 +458,9 @@ class Handler(BaseHTTPRequestHandler):
         def event(delta: Optional[str], finish: Optional[str] = None, role: bool = False) -> dict:
             e = self._envelope(call, stream.request_id, chunk=True)
             if chat:
-                d: dict = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+                d: dict = (
+                    {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+                )
                 e["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
             else:
                 e["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]

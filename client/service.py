@@ -175,7 +175,11 @@ def _run_steps(steps: list[tuple[str, ...]], say: Callable[[str], None]) -> int:
         return 0
     for step in steps:
         r = _systemctl(*step)
-        say("systemctl --user " + " ".join(step) + (" ... ok" if r.returncode == 0 else f" ... failed: {r.stderr.strip()}"))
+        say(
+            "systemctl --user "
+            + " ".join(step)
+            + (" ... ok" if r.returncode == 0 else f" ... failed: {r.stderr.strip()}")
+        )
         if r.returncode != 0:
             return 1
     return 0

@@ -89,64 +89,194 @@ def _num(x: float) -> str:
 LOOPBACK_METRICS = "127.0.0.1:9464"
 
 OPTIONS: tuple[Option, ...] = (
-    Option("socket", "path", AUTO, "the daemon's Unix socket (auto: $XDG_RUNTIME_DIR/tandem/tandem.sock, "
-           "else /tmp/tandem-<uid>/tandem.sock)", auto=True),  # fmt: skip
-    Option("model", "str", "smollm2-135m", "preset name (see `tandem models list`) or path of a .gguf file; "
-           "a preset is pulled if missing", metavar="PRESET|PATH"),  # fmt: skip
-    Option("ctx_size", "int", AUTO, "context length in tokens (auto: the model's, capped at 8192)",
-           minimum=16, maximum=1 << 20, auto=True, metavar="N"),  # fmt: skip
-    Option("threads", "int", AUTO, "CPU threads for llama.cpp (auto: all cores)", minimum=1, maximum=1024,
-           auto=True, metavar="N"),  # fmt: skip
+    Option(
+        "socket",
+        "path",
+        AUTO,
+        "the daemon's Unix socket (auto: $XDG_RUNTIME_DIR/tandem/tandem.sock, else /tmp/tandem-<uid>/tandem.sock)",
+        auto=True,
+    ),
+    Option(
+        "model",
+        "str",
+        "smollm2-135m",
+        "preset name (see `tandem models list`) or path of a .gguf file; a preset is pulled if missing",
+        metavar="PRESET|PATH",
+    ),
+    Option(
+        "ctx_size",
+        "int",
+        AUTO,
+        "context length in tokens (auto: the model's, capped at 8192)",
+        minimum=16,
+        maximum=1 << 20,
+        auto=True,
+        metavar="N",
+    ),
+    Option(
+        "threads",
+        "int",
+        AUTO,
+        "CPU threads for llama.cpp (auto: all cores)",
+        minimum=1,
+        maximum=1024,
+        auto=True,
+        metavar="N",
+    ),
     Option("batch_size", "int", 512, "prompt tokens per llama_decode call", minimum=1, maximum=65536, metavar="N"),
-    Option("max_queue", "int", 16, "requests that may wait; more get a `busy` reply", minimum=0, maximum=100_000,
-           reload=True, metavar="N"),  # fmt: skip
-    Option("drafter", "str", "none", "speculative decoding: a small model with the target's tokenizer (its own "
-           "worker process), 'ngram' (prompt lookup, no model), or 'none'", metavar="PRESET|PATH|ngram|none"),  # fmt: skip
-    Option("draft_tokens", "int", 4, "tokens drafted per round; requests may override", minimum=0, maximum=16,
-           metavar="K"),  # fmt: skip
-    Option("draft_p_min", "float", 0.0, "end a draft early when the drafter's probability for its next guess is "
-           "below this; 0 = off", minimum=0.0, maximum=1.0, metavar="P"),  # fmt: skip
-    Option("governor", "bool", True, "with a drafter: draft only while drafting is measurably faster than plain "
-           "decoding, learned per task and kept in state_dir across restarts; off = draft every round"),  # fmt: skip
-    Option("governor_per_task", "bool", True, "keep one governor state per task (requests whose prompts start "
-           "with the same 16 tokens), so alternating tasks each keep their own mode; off = one state for all"),  # fmt: skip
-    Option("exact", "choice", "auto", "with a drafter: decode every step as a batch of >= 2 tokens, so drafting "
-           "never changes greedy output on a target whose one-token and batched kernels round differently "
-           "(probed at load); costs 25-45%% on steps without drafts. auto = on only where the probe finds the "
-           "target not batch-invariant",
-           choices=("auto", "on", "off")),  # fmt: skip
-    Option("cache_bytes", "size", AUTO, "prefix cache: keep the KV state of recent prompts, in pages, in this "
-           "much shared memory and restore it instead of prefilling a prompt's start again; both models' pages "
-           "count. 0 = off. auto: 1G, or half of the free space of /dev/shm if that is less",
-           auto=True, metavar="SIZE"),  # fmt: skip
-    Option("page_tokens", "int", 16, "prefix cache page size in tokens: a request reuses whole pages, so up to "
-           "N-1 tokens of a cached prefix are prefilled again", minimum=1, maximum=4096, metavar="N"),  # fmt: skip
-    Option("state_dir", "path", AUTO, "where the daemon keeps what it learns (the governor's state) "
-           "(auto: $XDG_STATE_HOME/tandem, else ~/.local/state/tandem)", auto=True, metavar="DIR"),  # fmt: skip
-    Option("worker_timeout", "float", 120.0, "seconds a model worker may go without a sign of life during a "
-           "request (it sends one every second while it works, also while it waits for the drafter) before it "
-           "is treated as hung: killed, restarted, and the request answered with an error", minimum=1.0,
-           maximum=86400.0, metavar="SECONDS"),  # fmt: skip
-    Option("client_queue", "int", 10_000, "replies queued for a client that does not read them (a stalled "
-           "editor) before it counts as gone: its running request is cancelled and further replies to it are "
-           "dropped; other clients are never held up by it", minimum=16, maximum=10_000_000, metavar="N"),  # fmt: skip
-    Option("flash_attn", "bool", True, "llama.cpp flash attention (with reference kernels, the batch-invariant "
-           "way to compute attention on a CPU; off = separate matmuls, whose rows differ with the batch)"),
-    Option("kernels", "choice", "reference", "llama.cpp CPU kernels: reference = ggml's row-by-row kernels, so a "
-           "token's logits do not depend on how many tokens were decoded with it (output never depends on the "
-           "prefix cache, the batch split or drafting); fast = its shape-specialised tiled kernels (faster long "
-           "prefills, but output can change with caching and drafting at near-ties)",
-           choices=("reference", "fast")),  # fmt: skip
-    Option("extra_buffers", "choice", "auto", "llama.cpp weight repacking/AMX buffers; auto = off with reference "
-           "kernels (repacked weights round one row differently from several) and on CPUs with AMX (they crash "
-           "there), else on", choices=("auto", "on", "off")),  # fmt: skip
-    Option("metrics_addr", "addr", LOOPBACK_METRICS, "Prometheus metrics endpoint (HTTP, GET /metrics); "
-           "loopback only unless metrics_allow_remote; port 0 picks a free port; off = no endpoint",
-           metavar="HOST:PORT|off"),  # fmt: skip
-    Option("metrics_allow_remote", "bool", False, "allow a metrics_addr that is not loopback (a warning is "
-           "logged: the metrics then leave this machine)"),  # fmt: skip
-    Option("log_level", "choice", "info", "the daemon's log level", choices=("debug", "info", "warning", "error"),
-           reload=True),  # fmt: skip
+    Option(
+        "max_queue",
+        "int",
+        16,
+        "requests that may wait; more get a `busy` reply",
+        minimum=0,
+        maximum=100_000,
+        reload=True,
+        metavar="N",
+    ),
+    Option(
+        "drafter",
+        "str",
+        "none",
+        "speculative decoding: a small model with the target's tokenizer (its own "
+        "worker process), 'ngram' (prompt lookup, no model), or 'none'",
+        metavar="PRESET|PATH|ngram|none",
+    ),
+    Option(
+        "draft_tokens", "int", 4, "tokens drafted per round; requests may override", minimum=0, maximum=16, metavar="K"
+    ),
+    Option(
+        "draft_p_min",
+        "float",
+        0.0,
+        "end a draft early when the drafter's probability for its next guess is below this; 0 = off",
+        minimum=0.0,
+        maximum=1.0,
+        metavar="P",
+    ),
+    Option(
+        "governor",
+        "bool",
+        True,
+        "with a drafter: draft only while drafting is measurably faster than plain "
+        "decoding, learned per task and kept in state_dir across restarts; off = draft every round",
+    ),
+    Option(
+        "governor_per_task",
+        "bool",
+        True,
+        "keep one governor state per task (requests whose prompts start "
+        "with the same 16 tokens), so alternating tasks each keep their own mode; off = one state for all",
+    ),
+    Option(
+        "exact",
+        "choice",
+        "auto",
+        "with a drafter: decode every step as a batch of >= 2 tokens, so drafting "
+        "never changes greedy output on a target whose one-token and batched kernels round differently "
+        "(probed at load); costs 25-45%% on steps without drafts. auto = on only where the probe finds the "
+        "target not batch-invariant",
+        choices=("auto", "on", "off"),
+    ),
+    Option(
+        "cache_bytes",
+        "size",
+        AUTO,
+        "prefix cache: keep the KV state of recent prompts, in pages, in this "
+        "much shared memory and restore it instead of prefilling a prompt's start again; both models' pages "
+        "count. 0 = off. auto: 1G, or half of the free space of /dev/shm if that is less",
+        auto=True,
+        metavar="SIZE",
+    ),
+    Option(
+        "page_tokens",
+        "int",
+        16,
+        "prefix cache page size in tokens: a request reuses whole pages, so up to "
+        "N-1 tokens of a cached prefix are prefilled again",
+        minimum=1,
+        maximum=4096,
+        metavar="N",
+    ),
+    Option(
+        "state_dir",
+        "path",
+        AUTO,
+        "where the daemon keeps what it learns (the governor's state) "
+        "(auto: $XDG_STATE_HOME/tandem, else ~/.local/state/tandem)",
+        auto=True,
+        metavar="DIR",
+    ),
+    Option(
+        "worker_timeout",
+        "float",
+        120.0,
+        "seconds a model worker may go without a sign of life during a "
+        "request (it sends one every second while it works, also while it waits for the drafter) before it "
+        "is treated as hung: killed, restarted, and the request answered with an error",
+        minimum=1.0,
+        maximum=86400.0,
+        metavar="SECONDS",
+    ),
+    Option(
+        "client_queue",
+        "int",
+        10_000,
+        "replies queued for a client that does not read them (a stalled "
+        "editor) before it counts as gone: its running request is cancelled and further replies to it are "
+        "dropped; other clients are never held up by it",
+        minimum=16,
+        maximum=10_000_000,
+        metavar="N",
+    ),
+    Option(
+        "flash_attn",
+        "bool",
+        True,
+        "llama.cpp flash attention (with reference kernels, the batch-invariant "
+        "way to compute attention on a CPU; off = separate matmuls, whose rows differ with the batch)",
+    ),
+    Option(
+        "kernels",
+        "choice",
+        "reference",
+        "llama.cpp CPU kernels: reference = ggml's row-by-row kernels, so a "
+        "token's logits do not depend on how many tokens were decoded with it (output never depends on the "
+        "prefix cache, the batch split or drafting); fast = its shape-specialised tiled kernels (faster long "
+        "prefills, but output can change with caching and drafting at near-ties)",
+        choices=("reference", "fast"),
+    ),
+    Option(
+        "extra_buffers",
+        "choice",
+        "auto",
+        "llama.cpp weight repacking/AMX buffers; auto = off with reference "
+        "kernels (repacked weights round one row differently from several) and on CPUs with AMX (they crash "
+        "there), else on",
+        choices=("auto", "on", "off"),
+    ),
+    Option(
+        "metrics_addr",
+        "addr",
+        LOOPBACK_METRICS,
+        "Prometheus metrics endpoint (HTTP, GET /metrics); "
+        "loopback only unless metrics_allow_remote; port 0 picks a free port; off = no endpoint",
+        metavar="HOST:PORT|off",
+    ),
+    Option(
+        "metrics_allow_remote",
+        "bool",
+        False,
+        "allow a metrics_addr that is not loopback (a warning is logged: the metrics then leave this machine)",
+    ),
+    Option(
+        "log_level",
+        "choice",
+        "info",
+        "the daemon's log level",
+        choices=("debug", "info", "warning", "error"),
+        reload=True,
+    ),
 )
 
 BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
@@ -219,7 +349,7 @@ def parse_value(option: Option, raw: Any, source: str) -> Any:
                 raise bad("negative")
             return raw
         if not isinstance(raw, str):
-            raise bad("write a fraction with a unit, as a string: \"1.5G\"")
+            raise bad('write a fraction with a unit, as a string: "1.5G"')
         try:
             return parse_size(raw)
         except (ValueError, OverflowError):
@@ -268,7 +398,6 @@ def default_state_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(base) / "tandem"
 
 
-
 def default_config_path(environ: Mapping[str, str] = os.environ) -> Path:
     base = environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "tandem" / "config.toml"
@@ -289,7 +418,9 @@ def read_file(path: Path, required: bool) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         if required:
-            raise ConfigError(f"the config file {path} does not exist; create it, or drop --config / TANDEM_CONFIG")
+            raise ConfigError(
+                f"the config file {path} does not exist; create it, or drop --config / TANDEM_CONFIG"
+            ) from None
         return {}
     except OSError as exc:
         raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None

@@ -153,7 +153,9 @@ class ModelDrafterClient(Drafter):
             return reply.tokens, None
         dists, at = [], 0
         for n in reply.q_lens:
-            dists.append(SparseDist(reply.q_ids[at : at + n].astype(np.int64), reply.q_probs[at : at + n].astype(np.float64)))
+            dists.append(
+                SparseDist(reply.q_ids[at : at + n].astype(np.int64), reply.q_probs[at : at + n].astype(np.float64))
+            )
             at += n
         return reply.tokens, dists
 
@@ -173,8 +175,14 @@ class ModelDrafterClient(Drafter):
         assert s is not None
         sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=self.seed)
         request = DraftRequest(
-            id=f"{self.nonce}:{self.request_id}", keep=keep, append=append, k=k, sampling=sampling, p_min=p_min,
-            new_request=new_request, **pages,
+            id=f"{self.nonce}:{self.request_id}",
+            keep=keep,
+            append=append,
+            k=k,
+            sampling=sampling,
+            p_min=p_min,
+            new_request=new_request,
+            **pages,
         )
         self.sock.send_multipart(encode(request))
         self.awaiting += 1

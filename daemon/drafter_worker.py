@@ -60,7 +60,9 @@ class Drafting:
         pt = self.page_tokens
         for start, offset in req.store:
             if start < 0 or start + pt > self.model.n_past or offset < 0 or offset + self.page_bytes > len(self.arena):
-                raise ValueError(f"cannot store the page at token {start} (holding {self.model.n_past}) at offset {offset}")
+                raise ValueError(
+                    f"cannot store the page at token {start} (holding {self.model.n_past}) at offset {offset}"
+                )
         if req.store:
             write_pages(self.model, self.arena, pt, [(s, o) for s, o in req.store], expect=self.layout)
         if req.restore:
@@ -83,9 +85,14 @@ class Drafting:
         if not req.append or model.n_past + len(req.append) >= model.n_ctx:
             # nothing to read, or no room in this drafter's context: no drafts this time
             return Drafted(
-                id=req.id, tokens=[], n_cached=model.n_past, q_ids=EMPTY_IDS, q_probs=EMPTY_PROBS, q_lens=[],
+                id=req.id,
+                tokens=[],
+                n_cached=model.n_past,
+                q_ids=EMPTY_IDS,
+                q_probs=EMPTY_PROBS,
+                q_lens=[],
                 page_bytes=self.page_bytes,
-            )  # fmt: skip
+            )
         logits = model.decode(req.append)[0]
         for i in range(req.k):
             if sampler.greedy:
@@ -116,7 +123,6 @@ class Drafting:
             q_lens=lens,
             page_bytes=self.page_bytes,
         )
-
 
 
 class DrafterLoop:

@@ -139,7 +139,8 @@ class Engine:
         if fim is None:
             raise RequestError(
                 ErrorCode.FIM_UNSUPPORTED,
-                f"this model has no fill-in-the-middle tokens in its vocabulary, so 'complete' cannot prompt it. {FIM_FIX}",
+                "this model has no fill-in-the-middle tokens in its vocabulary, so 'complete' cannot prompt it. "
+                f"{FIM_FIX}",
             )
         pre, suf, mid = fim
         head = model.tokenize("", add_special=True, parse_special=False)  # BOS, for models that want one

@@ -258,7 +258,16 @@ class Governor:
         """Raises ValueError (or KeyError/TypeError) for anything not written by to_dict."""
         if d["phase"] not in PHASES:
             raise ValueError(f"unknown phase {d['phase']!r}")
-        ints = ("left", "countdown", "interval", "since_refresh", "plain_rounds", "draft_rounds", "probes", "failed_probes")
+        ints = (
+            "left",
+            "countdown",
+            "interval",
+            "since_refresh",
+            "plain_rounds",
+            "draft_rounds",
+            "probes",
+            "failed_probes",
+        )
         if not all(type(d[k]) is int and d[k] >= 0 for k in ints):
             raise ValueError("counters must be non-negative integers")
         if not params.first_interval <= d["interval"] <= params.max_interval:
@@ -363,7 +372,9 @@ class GovernorBank:
             if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
                 raise ValueError(f"not a version {STATE_VERSION} governor state")
             if doc.get("identity") != self.identity:
-                log.warning("ignoring the governor state in %s: it is for %s, not %s", path, doc.get("identity"), self.identity)
+                log.warning(
+                    "ignoring the governor state in %s: it is for %s, not %s", path, doc.get("identity"), self.identity
+                )
                 return
             tasks = OrderedDict(
                 (str(k), Governor.from_dict(v, self.params, self.clock)) for k, v in doc["tasks"].items()

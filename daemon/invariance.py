@@ -28,9 +28,17 @@ def probe_key(model, config: WorkerConfig) -> str:
 
     st = model.path.stat()
     parts = (
-        str(model.path.resolve()), st.st_size, st.st_mtime_ns, config["kernels"], model.flash_attn, model.extra_buffers,
-        model.n_batch, model.n_threads, llama_cpp.__version__, llama_cpp.llama_print_system_info().decode(),
-    )  # fmt: skip
+        str(model.path.resolve()),
+        st.st_size,
+        st.st_mtime_ns,
+        config["kernels"],
+        model.flash_attn,
+        model.extra_buffers,
+        model.n_batch,
+        model.n_threads,
+        llama_cpp.__version__,
+        llama_cpp.llama_print_system_info().decode(),
+    )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
@@ -49,7 +57,11 @@ def probe_batch_invariance(model, config: WorkerConfig) -> dict[str, bool]:
         except Exception:  # unreadable, not JSON, nested too deep: probe again
             known = {}
         cached = known.get(key)
-        if isinstance(cached, dict) and set(cached) == PROBE_PATHS and all(isinstance(v, bool) for v in cached.values()):
+        if (
+            isinstance(cached, dict)
+            and set(cached) == PROBE_PATHS
+            and all(isinstance(v, bool) for v in cached.values())
+        ):
             return cached
     paths = model.batch_invariance()
     if path is not None and paths:
@@ -74,5 +86,7 @@ def invariance_fix(config: WorkerConfig, model) -> str:
         return "Use --flash-attn on (the default)."
     if model.extra_buffers:
         return "Try --extra-buffers off (weight repacking uses other kernels for one row than for several)."
-    return ("No setting is known to fix it for this model file (F16 weights use llamafile's tinyBLAS, whose "
-            "rows differ from its one-row kernel); Q4_K and Q4_1 models were measured batch-invariant.")
+    return (
+        "No setting is known to fix it for this model file (F16 weights use llamafile's tinyBLAS, whose "
+        "rows differ from its one-row kernel); Q4_K and Q4_1 models were measured batch-invariant."
+    )

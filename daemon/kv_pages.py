@@ -80,8 +80,10 @@ def parse(blob: bytes | memoryview) -> Parsed:
     n_stream, cell_count = r.unpack("II")
     if n_stream != 1:
         raise StateFormatError(f"expected one stream, found {n_stream}")
-    meta = np.frombuffer(r.take(12 * cell_count), dtype="<i4").reshape(cell_count, 3) if cell_count else np.zeros(
-        (0, 3), dtype="<i4"
+    meta = (
+        np.frombuffer(r.take(12 * cell_count), dtype="<i4").reshape(cell_count, 3)
+        if cell_count
+        else np.zeros((0, 3), dtype="<i4")
     )
     if cell_count and not (np.all(meta[:, 1] == 1) and np.all(meta[:, 0] == np.arange(cell_count))):
         raise StateFormatError("cells are not one sequence at positions 0, 1, 2, ... (n_seq_id != 1 or gaps)")
@@ -98,7 +100,9 @@ def parse(blob: bytes | memoryview) -> Parsed:
         if v_trans:
             v_type, elem, n_embd = r.unpack("iII")
             v_layout.append((v_type, elem, n_embd))
-            v.append(np.frombuffer(r.take(elem * n_embd * cell_count), dtype=np.uint8).reshape(n_embd, cell_count * elem))
+            v.append(
+                np.frombuffer(r.take(elem * n_embd * cell_count), dtype=np.uint8).reshape(n_embd, cell_count * elem)
+            )
         else:
             v_type, row = r.unpack("iQ")
             v_layout.append((v_type, row, 1))

@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import numpy as np
-
 import llama_cpp as llama
+import numpy as np
 from llama_cpp import _logger as llama_logger
 
 from .interfaces import DecodeAborted
@@ -89,7 +88,9 @@ def use_reference_kernels(on: bool) -> None:
     dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
     if not dev or base.ggml_backend_dev_name(dev) != b"CPU":
         raise ModelLoadError("llama.cpp has no CPU device to set reference kernels on")
-    set_ref_addr = base.ggml_backend_reg_get_proc_address(base.ggml_backend_dev_backend_reg(dev), b"ggml_backend_cpu_set_use_ref")
+    set_ref_addr = base.ggml_backend_reg_get_proc_address(
+        base.ggml_backend_dev_backend_reg(dev), b"ggml_backend_cpu_set_use_ref"
+    )
     if not set_ref_addr:
         raise ModelLoadError("this llama.cpp has no ggml_backend_cpu_set_use_ref")
     set_ref = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_bool)(set_ref_addr)
@@ -393,8 +394,6 @@ def reference_llama(path: Path | str, n_ctx: int, n_threads: Optional[int] = Non
     use_reference_kernels(True)
     llama.llama_cpp.llama_model_default_params = params
     try:
-        return llama.Llama(
-            str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **kwargs
-        )
+        return llama.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **kwargs)
     finally:
         llama.llama_cpp.llama_model_default_params = original

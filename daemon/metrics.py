@@ -43,15 +43,21 @@ class Metrics:
         """``live()`` returns the present: ``queue_depth``, ``active``, ``ready``,
         ``memory`` ({process: rss bytes}); it is called on each scrape."""
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("tandem_requests", "Requests by how they ended (finish reason, error or busy)", ["reason"], registry=r)
+        self.requests = Counter(
+            "tandem_requests", "Requests by how they ended (finish reason, error or busy)", ["reason"], registry=r
+        )
         for reason in REASONS:
             self.requests.labels(reason)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_prompt_tokens = Counter(
-            "tandem_cached_prompt_tokens", "Prompt tokens restored from the prefix cache instead of prefilled", registry=r
+            "tandem_cached_prompt_tokens",
+            "Prompt tokens restored from the prefix cache instead of prefilled",
+            registry=r,
         )
         self.generated_tokens = Counter("tandem_generated_tokens", "Tokens generated", registry=r)
-        self.draft_rounds = Counter("tandem_draft_rounds", "Speculative rounds: target passes that verified a draft", registry=r)
+        self.draft_rounds = Counter(
+            "tandem_draft_rounds", "Speculative rounds: target passes that verified a draft", registry=r
+        )
         self.drafted_tokens = Counter("tandem_drafted_tokens", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("tandem_accepted_tokens", "Draft tokens the target kept", registry=r)
         self.accepted_by_position = Counter(
@@ -60,18 +66,29 @@ class Metrics:
             ["position"],
             registry=r,
         )
-        self.acceptance_rate = Gauge("tandem_draft_acceptance_rate", "Accepted / drafted tokens since start", registry=r)
+        self.acceptance_rate = Gauge(
+            "tandem_draft_acceptance_rate", "Accepted / drafted tokens since start", registry=r
+        )
         self.governor_drafting = Gauge(
-            "tandem_governor_drafting", "1 while the governor drafts, 0 while it decodes plainly (latest task)", registry=r
+            "tandem_governor_drafting",
+            "1 while the governor drafts, 0 while it decodes plainly (latest task)",
+            registry=r,
         )
         self.governor_plain = Gauge(
-            "tandem_governor_plain_tokens_per_second", "The governor's moving average of plain decoding (latest task)", registry=r
+            "tandem_governor_plain_tokens_per_second",
+            "The governor's moving average of plain decoding (latest task)",
+            registry=r,
         )
         self.governor_draft = Gauge(
-            "tandem_governor_draft_tokens_per_second", "The governor's moving average of drafting (latest task)", registry=r
+            "tandem_governor_draft_tokens_per_second",
+            "The governor's moving average of drafting (latest task)",
+            registry=r,
         )
         self.ttft = Histogram(
-            "tandem_time_to_first_token_seconds", "From the worker taking a request to its first token", buckets=TTFT_BUCKETS, registry=r
+            "tandem_time_to_first_token_seconds",
+            "From the worker taking a request to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
         )
         self.token_latency = Histogram(
             "tandem_token_latency_seconds",
@@ -80,13 +97,19 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
-        self.cache_hits = Counter("tandem_prefix_cache_hits", "Requests that restored at least one cached page", registry=r)
+        self.cache_hits = Counter(
+            "tandem_prefix_cache_hits", "Requests that restored at least one cached page", registry=r
+        )
         self.cache_misses = Counter("tandem_prefix_cache_misses", "Requests that found no cached page", registry=r)
-        self.cache_evictions = Counter("tandem_prefix_cache_evictions", "Cached pages evicted to stay in budget", registry=r)
+        self.cache_evictions = Counter(
+            "tandem_prefix_cache_evictions", "Cached pages evicted to stay in budget", registry=r
+        )
         self.cache_bytes = Gauge("tandem_prefix_cache_bytes", "Bytes of shared memory holding cached pages", registry=r)
         self.cache_budget = Gauge("tandem_prefix_cache_budget_bytes", "The prefix cache's byte budget", registry=r)
         self.cache_pages = Gauge("tandem_prefix_cache_pages", "Cached pages (of every model)", registry=r)
-        self.restarts = Counter("tandem_worker_restarts", "Worker processes restarted after they died", ["role"], registry=r)
+        self.restarts = Counter(
+            "tandem_worker_restarts", "Worker processes restarted after they died", ["role"], registry=r
+        )
         for role in ROLES:
             self.restarts.labels(role)
         self._last_cache: Optional[tuple[int, int, int]] = None
@@ -191,7 +214,9 @@ class _Live(Collector):
         s = self.live()
         yield GaugeMetricFamily("tandem_queue_depth", "Requests waiting in the queue", value=s["queue_depth"])
         yield GaugeMetricFamily("tandem_active_requests", "Requests being decoded (0 or 1)", value=s["active"])
-        yield GaugeMetricFamily("tandem_ready", "1 when the models are loaded and requests are served", value=s["ready"])
+        yield GaugeMetricFamily(
+            "tandem_ready", "1 when the models are loaded and requests are served", value=s["ready"]
+        )
         mem = GaugeMetricFamily("tandem_resident_memory_bytes", "Resident memory (RSS) by process", labels=["process"])
         for process, rss in s["memory"].items():
             mem.add_metric([process], rss)

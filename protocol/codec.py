@@ -193,9 +193,7 @@ def decode(frames: list[bytes], *, replies: bool = False, table: Optional[dict] 
     the default decodes client->daemon requests; ``table`` (op -> class) selects
     another set, e.g. the internal drafter messages. Raises ProtocolError."""
     if len(frames) != 2:
-        raise ProtocolError(
-            ErrorCode.MALFORMED_MESSAGE, f"a message is 2 frames [op, msgpack body]; got {len(frames)}"
-        )
+        raise ProtocolError(ErrorCode.MALFORMED_MESSAGE, f"a message is 2 frames [op, msgpack body]; got {len(frames)}")
     op_frame, body_frame = frames
     if len(body_frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(

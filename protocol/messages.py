@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-
 PROTOCOL_VERSION: tuple[int, int] = (1, 0)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
@@ -88,7 +87,9 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 202  # the daemon is stopping
     CLIENT_TOO_SLOW = 203  # the client stopped reading and its send queue overflowed
     NOT_READY = 204  # the model is not loaded (yet, or it failed to load)
-    DRAFTER_DIED = 205  # the drafter worker died or hung during the request; it is restarted (or drafting is switched off)
+    DRAFTER_DIED = (
+        205  # the drafter worker died or hung during the request; it is restarted (or drafting is switched off)
+    )
 
 
 class Message:
@@ -270,7 +271,9 @@ class DraftStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the target kept
     acceptance_rate: Optional[float] = None  # accepted / drafted; None before the first draft
-    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i was accepted (0 to longest draft)
+    accepted_per_position: list[int] = field(
+        default_factory=list
+    )  # [i]: rounds whose draft i was accepted (0 to longest draft)
     tokens_per_round: Optional[float] = None  # mean tokens a round produced (accepted + the target's own)
 
     def add_round(self, drafted: int, accepted: int) -> None:
@@ -349,7 +352,9 @@ class Done(Message):
     governor: Optional[GovernorInfo] = None  # its task's governor after this request; None if not governed
     cache: Optional[CacheInfo] = None  # the prefix cache after this request; None without one
     serial: int = 0  # the request's place in the daemon's arrival order (1, 2, ...): it serves them in this order
-    batch_invariant: Optional[bool] = None  # the target's load probe: greedy output is independent of cache and drafting
+    batch_invariant: Optional[bool] = (
+        None  # the target's load probe: greedy output is independent of cache and drafting
+    )
 
 
 @dataclass

@@ -15,7 +15,6 @@ import pytest
 
 from tandem.client import Client, DaemonNotRunning
 
-
 MODEL_FIXTURES = {"smollm2_path", "coder_path"}  # every real model a test gets comes through one of these
 
 
@@ -87,7 +86,17 @@ class DaemonProcess:
         }
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.client.cli", "--socket", str(self.socket), "serve", "--model", str(model), *args],
+            [
+                sys.executable,
+                "-m",
+                "tandem.client.cli",
+                "--socket",
+                str(self.socket),
+                "serve",
+                "--model",
+                str(model),
+                *args,
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self.env,
@@ -192,10 +201,23 @@ class BridgeProcess:
         import threading
 
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.client.cli", "--socket", str(daemon.socket), "openai",
-             "--listen", "127.0.0.1:0", "--no-start", "--verbose", *args],
-            stderr=subprocess.PIPE, text=True, env=daemon.env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tandem.client.cli",
+                "--socket",
+                str(daemon.socket),
+                "openai",
+                "--listen",
+                "127.0.0.1:0",
+                "--no-start",
+                "--verbose",
+                *args,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=daemon.env,
+        )
         self.lines: list[str] = []
         first = self.proc.stderr.readline()
         self.lines.append(first)

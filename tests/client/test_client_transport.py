@@ -59,13 +59,19 @@ SHORT = 0.3  # seconds: the timeout of the tests that wait for a daemon that doe
 
 
 def hello_reply(msg: Hello) -> HelloReply:
-    return HelloReply(id=msg.id, protocol_version=list(PROTOCOL_VERSION), daemon_version="0.0-fake",
-                      model="fake-model", n_ctx=512)  # fmt: skip
+    return HelloReply(
+        id=msg.id, protocol_version=list(PROTOCOL_VERSION), daemon_version="0.0-fake", model="fake-model", n_ctx=512
+    )
 
 
 def done(request_id: str, text: str, reason: FinishReason = FinishReason.STOP, tokens: int = 1) -> Done:
-    return Done(id=request_id, text=text, finish_reason=reason, usage=Usage(4, tokens),
-                timings=Timings(0.01, 0.01, 0.02, 50.0, 0.0))  # fmt: skip
+    return Done(
+        id=request_id,
+        text=text,
+        finish_reason=reason,
+        usage=Usage(4, tokens),
+        timings=Timings(0.01, 0.01, 0.02, 50.0, 0.0),
+    )
 
 
 def chunks_then_done(request_id: str, *texts: str) -> list[Message]:
@@ -74,10 +80,23 @@ def chunks_then_done(request_id: str, *texts: str) -> list[Message]:
 
 
 def status_reply(request_id: str) -> StatusReply:
-    return StatusReply(id=request_id, state="ready", daemon_version="0.0-fake", pid=4242, uptime_seconds=1.5,
-                       socket_path="/fake", model=None, active=None, queue_length=2, max_queue=16,
-                       requests={"done_stop": 3}, tokens={"prompt": 10, "completion": 20},
-                       memory_rss_bytes={"daemon": 1}, worker_pids={"target": 4243}, worker_restarts=0)  # fmt: skip
+    return StatusReply(
+        id=request_id,
+        state="ready",
+        daemon_version="0.0-fake",
+        pid=4242,
+        uptime_seconds=1.5,
+        socket_path="/fake",
+        model=None,
+        active=None,
+        queue_length=2,
+        max_queue=16,
+        requests={"done_stop": 3},
+        tokens={"prompt": 10, "completion": 20},
+        memory_rss_bytes={"daemon": 1},
+        worker_pids={"target": 4243},
+        worker_restarts=0,
+    )
 
 
 class FakeDaemon:
@@ -171,9 +190,14 @@ def interleaves_two(script_state: list):
         if len(script_state) < 2:
             return None
         a, b = (m.id for m in script_state)
-        return [Chunk(id=b, text="b1", token_ids=[1]), Chunk(id=a, text="a1", token_ids=[2]),
-                Chunk(id=b, text="b2", token_ids=[3]), done(a, "a1"), Chunk(id=a, text="late", token_ids=[9]),
-                done(b, "b1b2", tokens=2)]  # fmt: skip
+        return [
+            Chunk(id=b, text="b1", token_ids=[1]),
+            Chunk(id=a, text="a1", token_ids=[2]),
+            Chunk(id=b, text="b2", token_ids=[3]),
+            done(a, "a1"),
+            Chunk(id=a, text="late", token_ids=[9]),
+            done(b, "b1b2", tokens=2),
+        ]
 
     return script
 
@@ -282,8 +306,13 @@ def test_an_invalid_request_is_refused_before_anything_is_sent(fake_daemon):
 
 @pytest.mark.parametrize("name", ["generate", "infill"])
 def test_an_error_reply_raises_request_failed_with_its_code(fake_daemon, name):
-    d = fake_daemon(lambda m: [Error.of(m.id, ErrorCode.FIM_UNSUPPORTED, "the model has no FIM tokens")]
-                    if isinstance(m, (Generate, Complete)) else None)  # fmt: skip
+    d = fake_daemon(
+        lambda m: (
+            [Error.of(m.id, ErrorCode.FIM_UNSUPPORTED, "the model has no FIM tokens")]
+            if isinstance(m, (Generate, Complete))
+            else None
+        )
+    )
     with Client(d.socket_path, timeout=5) as c:
         stream = getattr(c, name)("x")
         with pytest.raises(RequestFailed) as info:
@@ -308,8 +337,9 @@ def test_an_error_after_some_chunks_ends_the_stream_with_request_failed(fake_dae
 
 
 def test_an_error_without_an_id_reaches_the_waiting_request(fake_daemon):
-    d = fake_daemon(lambda m: [Error.of(None, ErrorCode.MALFORMED_MESSAGE, "no readable id")]
-                    if isinstance(m, Generate) else None)  # fmt: skip
+    d = fake_daemon(
+        lambda m: [Error.of(None, ErrorCode.MALFORMED_MESSAGE, "no readable id")] if isinstance(m, Generate) else None
+    )
     with Client(d.socket_path, timeout=5) as c:
         with pytest.raises(RequestFailed) as info:
             c.complete(prompt="x")
@@ -317,8 +347,13 @@ def test_an_error_without_an_id_reaches_the_waiting_request(fake_daemon):
 
 
 def test_busy_raises_queue_full_with_the_queue(fake_daemon):
-    d = fake_daemon(lambda m: [Busy(id=m.id, queue_length=9, max_queue=8, message="the queue is full; retry")]
-                    if isinstance(m, Generate) else None)  # fmt: skip
+    d = fake_daemon(
+        lambda m: (
+            [Busy(id=m.id, queue_length=9, max_queue=8, message="the queue is full; retry")]
+            if isinstance(m, Generate)
+            else None
+        )
+    )
     with Client(d.socket_path, timeout=5) as c:
         with pytest.raises(QueueFull, match="retry") as info:
             c.complete(prompt="x")
@@ -390,8 +425,10 @@ def test_stream_cancel_sends_cancel_and_reads_to_the_cancelled_done(fake_daemon)
         if isinstance(m, Generate):
             return [Chunk(id=m.id, text="x", token_ids=[1])]
         if isinstance(m, Cancel):
-            return [CancelReply(id=m.id, request_id=m.request_id, found=True),
-                    done(m.request_id, "x", FinishReason.CANCELLED)]  # fmt: skip
+            return [
+                CancelReply(id=m.id, request_id=m.request_id, found=True),
+                done(m.request_id, "x", FinishReason.CANCELLED),
+            ]
         return None
 
     d = fake_daemon(script)
@@ -416,8 +453,13 @@ def test_closing_an_unfinished_stream_cancels_it_without_waiting(fake_daemon):
 
 
 def test_cancel_returns_whether_the_daemon_found_the_request(fake_daemon):
-    d = fake_daemon(lambda m: [CancelReply(id=m.id, request_id=m.request_id, found=m.request_id == "known")]
-                    if isinstance(m, Cancel) else None)  # fmt: skip
+    d = fake_daemon(
+        lambda m: (
+            [CancelReply(id=m.id, request_id=m.request_id, found=m.request_id == "known")]
+            if isinstance(m, Cancel)
+            else None
+        )
+    )
     with Client(d.socket_path, timeout=5) as c:
         assert c.cancel("known") is True
         assert c.cancel("unknown") is False
@@ -446,8 +488,9 @@ def test_status_cache_clear_and_shutdown_return_their_replies(fake_daemon):
 
 
 def test_a_shutdown_refused_with_an_error_raises_request_failed(fake_daemon):
-    d = fake_daemon(lambda m: [Error.of(m.id, ErrorCode.SHUTTING_DOWN, "already stopping")]
-                    if isinstance(m, Shutdown) else None)  # fmt: skip
+    d = fake_daemon(
+        lambda m: [Error.of(m.id, ErrorCode.SHUTTING_DOWN, "already stopping")] if isinstance(m, Shutdown) else None
+    )
     with Client(d.socket_path, timeout=5) as c:
         with pytest.raises(RequestFailed, match="SHUTTING_DOWN"):
             c.shutdown()
@@ -474,8 +517,11 @@ def test_async_streamed_generate_yields_the_chunks_in_order_then_done(fake_daemo
 
 
 def test_async_error_reply_raises_request_failed(fake_daemon):
-    d = fake_daemon(lambda m: [Error.of(m.id, ErrorCode.PROMPT_TOO_LONG, "too long (--ctx-size)")]
-                    if isinstance(m, Generate) else None)  # fmt: skip
+    d = fake_daemon(
+        lambda m: (
+            [Error.of(m.id, ErrorCode.PROMPT_TOO_LONG, "too long (--ctx-size)")] if isinstance(m, Generate) else None
+        )
+    )
 
     async def main():
         async with AsyncClient(d.socket_path, timeout=5) as c:
@@ -490,8 +536,9 @@ def test_async_error_reply_raises_request_failed(fake_daemon):
 
 
 def test_async_busy_raises_queue_full(fake_daemon):
-    d = fake_daemon(lambda m: [Busy(id=m.id, queue_length=3, max_queue=2, message="full")]
-                    if isinstance(m, Generate) else None)  # fmt: skip
+    d = fake_daemon(
+        lambda m: [Busy(id=m.id, queue_length=3, max_queue=2, message="full")] if isinstance(m, Generate) else None
+    )
 
     async def main():
         async with AsyncClient(d.socket_path, timeout=5) as c:

@@ -31,8 +31,13 @@ from tandem.protocol import (
 
 
 def done(request_id: str, text: str = "ok") -> Done:
-    return Done(id=request_id, text=text, finish_reason=FinishReason.STOP, usage=Usage(2, 1),
-                timings=Timings(0.01, 0.01, 0.0, 0.0, 0.0))  # fmt: skip
+    return Done(
+        id=request_id,
+        text=text,
+        finish_reason=FinishReason.STOP,
+        usage=Usage(2, 1),
+        timings=Timings(0.01, 0.01, 0.0, 0.0, 0.0),
+    )
 
 
 # --------------------------------------------------------------------------- request builders
@@ -160,8 +165,9 @@ def test_raise_for_terminal_turns_busy_into_queue_full_with_the_queue():
     assert (info.value.queue_length, info.value.max_queue, str(info.value)) == (12, 16, "the queue is full (16)")
 
 
-@pytest.mark.parametrize("msg", [done("r1"), Chunk(id="r1", text="a", token_ids=[1]),
-                                 CancelReply(id="c", request_id="r1", found=True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "msg", [done("r1"), Chunk(id="r1", text="a", token_ids=[1]), CancelReply(id="c", request_id="r1", found=True)]
+)
 def test_raise_for_terminal_lets_other_messages_pass(msg):
     assert core.raise_for_terminal(msg) is None
 

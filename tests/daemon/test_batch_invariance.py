@@ -119,7 +119,9 @@ def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_p
     gguf.write_bytes(b"not really a model")
     state = tmp_path / "state" / "batch-invariance.json"
     defaults = {o.key: o.default for o in settings.OPTIONS}
-    config = WorkerConfig(role="target", model_name="m", model_path=str(gguf), settings=defaults, probe_cache=str(state))
+    config = WorkerConfig(
+        role="target", model_name="m", model_path=str(gguf), settings=defaults, probe_cache=str(state)
+    )
     verdict = {"restore": True, "verify": False, "one_token": True, "small_batches": True}
     model = CountingModel(gguf, verdict)
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1

@@ -33,7 +33,9 @@ def test_budget(monkeypatch, requested, free, expected):
 
 def test_more_than_shared_memory_holds_is_refused_and_says_what_to_do(monkeypatch):
     fake_free(monkeypatch, 2**30)
-    with pytest.raises(ServeError, match=r"--cache-bytes 2048 MiB is more than /dev/shm has free \(1024 MiB\).*--cache-bytes 0"):
+    with pytest.raises(
+        ServeError, match=r"--cache-bytes 2048 MiB is more than /dev/shm has free \(1024 MiB\).*--cache-bytes 0"
+    ):
         cache_budget(2 * 2**30)
 
 

@@ -119,7 +119,11 @@ def test_every_option_has_a_flag_an_environment_variable_and_help():
 def tandem(*args: str, env: dict) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     return subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", *args], capture_output=True, text=True, env={**full, **env}, timeout=60
+        [sys.executable, "-m", "tandem.client.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**full, **env},
+        timeout=60,
     )
 
 
@@ -130,7 +134,9 @@ def test_config_show_prints_each_value_with_its_source_as_a_valid_file(tmp_path)
     path.write_text('cache_bytes = "512M"\nmax_queue = 3\n')
     out = tandem("config", "show", "--max-queue", "8", env={"XDG_CONFIG_HOME": str(xdg), "TANDEM_DRAFTER": "ngram"})
     assert out.returncode == 0, out.stderr
-    lines = {line.split(" = ")[0]: line for line in out.stdout.splitlines() if " = " in line and not line.startswith("#")}
+    lines = {
+        line.split(" = ")[0]: line for line in out.stdout.splitlines() if " = " in line and not line.startswith("#")
+    }
     assert set(lines) == {o.key for o in config.OPTIONS}
     assert lines["max_queue"].startswith("max_queue = 8") and "# flag --max-queue" in lines["max_queue"]
     assert lines["drafter"].startswith('drafter = "ngram"') and "# environment TANDEM_DRAFTER" in lines["drafter"]

@@ -182,7 +182,10 @@ def test_prometheus_scrape_config_targets_the_default_address():
         assert any(re.fullmatch(r"\s*scrape_interval:\s*['\"]?5s['\"]?", line) for line in body)
         assert any(re.fullmatch(r"\s*metrics_path:\s*['\"]?/metrics['\"]?", line) for line in body)
         assert any(line.strip() == "static_configs:" for line in body)
-        targets = [re.findall(r"['\"]?([^'\"\s,\[\]]+)['\"]?", m.group(1)) for line in body
-                   if (m := re.fullmatch(r"\s*-?\s*targets:\s*\[(.*)\]", line))]  # fmt: skip
+        targets = [
+            re.findall(r"['\"]?([^'\"\s,\[\]]+)['\"]?", m.group(1))
+            for line in body
+            if (m := re.fullmatch(r"\s*-?\s*targets:\s*\[(.*)\]", line))
+        ]
         assert targets == [[LOOPBACK_METRICS]]
     assert "tandem status" in text  # the comment says where to see the address in use

@@ -39,9 +39,16 @@ def value(m: Metrics, name: str, **labels) -> float | None:
 
 
 def done(prompt=10, completion=5, cached=0, ttft=0.2, generation=0.4, draft=None, governor=None, cache=None) -> Done:
-    return Done(id="r", text="x", finish_reason=FinishReason.STOP, usage=Usage(prompt, completion, cached),
-                timings=Timings(ttft, 0.1, generation, 10.0, 0.0), draft=draft, governor=governor,
-                cache=cache)  # fmt: skip
+    return Done(
+        id="r",
+        text="x",
+        finish_reason=FinishReason.STOP,
+        usage=Usage(prompt, completion, cached),
+        timings=Timings(ttft, 0.1, generation, 10.0, 0.0),
+        draft=draft,
+        governor=governor,
+        cache=cache,
+    )
 
 
 def draft(rounds, drafted, accepted, per_position) -> DraftStats:
@@ -49,15 +56,35 @@ def draft(rounds, drafted, accepted, per_position) -> DraftStats:
 
 
 def governor(drafting=True, plain=20.0, drafted=30.0) -> GovernorInfo:
-    return GovernorInfo(task="t", tasks=1, phase="drafting" if drafting else "plain", drafting=drafting,
-                        plain_tokens_per_second=plain, draft_tokens_per_second=drafted, probe_interval=8,
-                        rounds_until_probe=0, probe_debt_seconds=0.0, plain_rounds=4, draft_rounds=4, probes=0,
-                        failed_probes=0)  # fmt: skip
+    return GovernorInfo(
+        task="t",
+        tasks=1,
+        phase="drafting" if drafting else "plain",
+        drafting=drafting,
+        plain_tokens_per_second=plain,
+        draft_tokens_per_second=drafted,
+        probe_interval=8,
+        rounds_until_probe=0,
+        probe_debt_seconds=0.0,
+        plain_rounds=4,
+        draft_rounds=4,
+        probes=0,
+        failed_probes=0,
+    )
 
 
 def cache(hits, misses, evictions, bytes_used=4096, budget=1 << 20, pages=2) -> CacheInfo:
-    return CacheInfo(page_tokens=16, pages=pages, bytes_used=bytes_used, bytes_budget=budget, hits=hits,
-                     misses=misses, tokens_from_cache=0, tokens_prefilled=0, evictions=evictions)  # fmt: skip
+    return CacheInfo(
+        page_tokens=16,
+        pages=pages,
+        bytes_used=bytes_used,
+        bytes_budget=budget,
+        hits=hits,
+        misses=misses,
+        tokens_from_cache=0,
+        tokens_prefilled=0,
+        evictions=evictions,
+    )
 
 
 # --------------------------------------------------------------------------- a fresh registry

@@ -33,7 +33,14 @@ def test_distribution_at_temperature_one_is_softmax():
 
 @pytest.mark.parametrize(
     "top_k,top_p,expected_ids",
-    [(2, 1.0, [0, 1]), (0, 0.5, [0]), (0, 0.6, [0, 1]), (0, 0.9, [0, 1, 2]), (2, 0.9, [0, 1]), (0, 1.0, [0, 1, 2, 3, 4])],
+    [
+        (2, 1.0, [0, 1]),
+        (0, 0.5, [0]),
+        (0, 0.6, [0, 1]),
+        (0, 0.9, [0, 1, 2]),
+        (2, 0.9, [0, 1]),
+        (0, 1.0, [0, 1, 2, 3, 4]),
+    ],
 )
 def test_top_k_and_top_p_truncate_and_renormalise(top_k, top_p, expected_ids):
     ids, probs = Sampler(1.0, top_k, top_p, 0).distribution(LOGITS)

@@ -71,7 +71,9 @@ def test_outside_systemd_everything_is_a_no_op():
 
 def test_a_watchdog_meant_for_another_process_is_ignored(listener):
     path, _ = listener
-    n = sdnotify.Notifier.from_environment({"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
+    n = sdnotify.Notifier.from_environment(
+        {"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"}
+    )
     assert n.enabled and n.watchdog_interval == 0
 
 

@@ -78,7 +78,12 @@ def _run(pieces, **rules):
     "pieces, rules, text, stopped_by",
     [
         # a blank line ends a completion; the newline before it is dropped
-        (["x = 1", "\n", "    ", "y", "\n", "  ", "\n", "z"], dict(stop_at_blank_line=True), "x = 1\n    y", BLANK_LINE),
+        (
+            ["x = 1", "\n", "    ", "y", "\n", "  ", "\n", "z"],
+            dict(stop_at_blank_line=True),
+            "x = 1\n    y",
+            BLANK_LINE,
+        ),
         (["a\n\nb"], dict(stop_at_blank_line=True), "a", BLANK_LINE),
         (["a\n\t \n"], dict(stop_at_blank_line=True), "a", BLANK_LINE),
         # an indented line is not blank; a trailing newline is released at the end

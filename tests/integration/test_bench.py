@@ -14,19 +14,36 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     out = tmp_path / "report"
     run = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--no-peers", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = (out / "REPORT.md").read_text()
-    for heading in ("## Machine and versions", "## Decoding", "## Latency as a streaming client sees it",
-                    "## Prefix cache", "## Memory", "## Plots"):  # fmt: skip
+    for heading in (
+        "## Machine and versions",
+        "## Decoding",
+        "## Latency as a streaming client sees it",
+        "## Prefix cache",
+        "## Memory",
+        "## Plots",
+    ):
         assert heading in report, heading
     assert "sha256 `" in report and "llama.cpp system info: `CPU :" in report
     for png in ("speedup_vs_k.png", "ttft_per_turn.png", "token_latency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     results = json.loads((out / "results.json").read_text())
     systems = set(next(iter(results["decoding"].values())))
-    assert systems >= {"plain", "model k=1", "model k=4", "model governed", "ngram k=4", "ngram governed", "llama-cpp-python"}
+    assert systems >= {
+        "plain",
+        "model k=1",
+        "model k=4",
+        "model governed",
+        "ngram k=4",
+        "ngram governed",
+        "llama-cpp-python",
+    }
     assert set(results["decoding"]) == {"json", "support", "story", "code", "edit"}
     # every request produced tokens; the speculative ones drafted; greedy outputs equal plain's in the table
     for kind in results["decoding"].values():

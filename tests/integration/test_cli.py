@@ -11,7 +11,6 @@ import time
 import pytest
 
 
-
 def tandem(*args: str, socket=None, env=None, input=None, timeout=120) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     full_env.pop("TANDEM_SOCKET", None)
@@ -37,7 +36,9 @@ def test_help_explains_the_commands():
 
 
 def test_run_json_matches_the_client(daemon, client):
-    out = tandem("run", "--raw", "--json", "--temperature", "0", "--max-tokens", "20", "The sky is", socket=daemon.socket)
+    out = tandem(
+        "run", "--raw", "--json", "--temperature", "0", "--max-tokens", "20", "The sky is", socket=daemon.socket
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert set(result) >= {"text", "finish_reason", "usage", "timings", "request_id"}
@@ -47,7 +48,15 @@ def test_run_json_matches_the_client(daemon, client):
 
 def test_run_streams_a_chat_answer(daemon, client):
     out = tandem(
-        "run", "--temperature", "0", "--max-tokens", "24", "--system", "Be brief.", "Name a fruit.", socket=daemon.socket
+        "run",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "24",
+        "--system",
+        "Be brief.",
+        "Name a fruit.",
+        socket=daemon.socket,
     )
     assert out.returncode == 0, out.stderr
     expected = client.complete(
@@ -80,7 +89,9 @@ def test_status_human_and_json(daemon):
 
 
 def test_chat_keeps_the_conversation(daemon):
-    out = tandem("chat", "--temperature", "0", "--max-tokens", "12", socket=daemon.socket, input="Hello!\nAnd again?\n/exit\n")
+    out = tandem(
+        "chat", "--temperature", "0", "--max-tokens", "12", socket=daemon.socket, input="Hello!\nAnd again?\n/exit\n"
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("> ") == 3  # two turns answered, then /exit
 
@@ -133,4 +144,3 @@ def test_models_list_and_bad_pull():
         assert name in out.stdout
     bad = tandem("models", "pull", "gpt-5")
     assert bad.returncode == 1 and "unknown preset" in bad.stderr and "smollm2-135m" in bad.stderr
-

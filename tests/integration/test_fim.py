@@ -15,11 +15,14 @@ SUFFIX = "\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 
 def source_file(functions: int) -> str:
     """A Python module of similar small functions (about 45 tokens each)."""
-    return "\n\n".join(
-        f"def scale_{i}(values, factor={i}):\n    \"\"\"Multiply each value by {i}.\"\"\"\n"
-        f"    return [v * factor for v in values]"
-        for i in range(functions)
-    ) + "\n"
+    return (
+        "\n\n".join(
+            f'def scale_{i}(values, factor={i}):\n    """Multiply each value by {i}."""\n'
+            f"    return [v * factor for v in values]"
+            for i in range(functions)
+        )
+        + "\n"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,9 @@ def test_the_same_file_with_the_cursor_moved_reuses_the_cached_prefix(coder):
 def test_line_rules(coder):
     with coder.client() as c:
         one = c.infill("import os\n\ndef list_python_files(path):\n", "", max_lines=1, max_tokens=64).wait()
-        many = c.infill("import os\n\ndef list_python_files(path):\n", "", stop_at_blank_line=False, max_tokens=48).wait()
+        many = c.infill(
+            "import os\n\ndef list_python_files(path):\n", "", stop_at_blank_line=False, max_tokens=48
+        ).wait()
     assert "\n" not in one.text and one.text.strip()
     assert one.finish_reason.value == "stop"
     assert many.text.count("\n") >= 1  # without a line limit it goes on past the first line

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-
 PHASES = {"measuring", "drafting", "refreshing", "plain", "probing"}
 PROMPT = "def fibonacci(n):"
 
@@ -60,16 +59,35 @@ def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(start_d
 
     out = subprocess.run(
         [sys.executable, "-m", "tandem.client.cli", "--socket", str(d.socket), "status"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("governor:"))
     assert "tok/s" in line and "2 task(s)" in line
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(d.socket), "run", "--raw", "--json",
-         "--temperature", "0", "--max-tokens", "8", "--draft", "off", PROMPT],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.client.cli",
+            "--socket",
+            str(d.socket),
+            "run",
+            "--raw",
+            "--json",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+            "--draft",
+            "off",
+            PROMPT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["draft"] is None and result["governor"] is None
@@ -114,6 +132,8 @@ def test_ngram_drafter_is_governed_too(start_daemon):
     d = start_daemon("--drafter", "ngram", "--ctx-size", "1024")
     code = "def area(width, height):\n    return width * height\n\n"
     with d.client() as client:
-        done = client.complete(prompt=f"Rewrite this code exactly:\n{code}\nRewritten:\n", max_tokens=40, temperature=0.0)
+        done = client.complete(
+            prompt=f"Rewrite this code exactly:\n{code}\nRewritten:\n", max_tokens=40, temperature=0.0
+        )
         assert done.governor is not None and done.governor.plain_rounds >= 2
         assert client.status().governor == done.governor

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-
 NVIM = shutil.which("nvim")
 PLUGIN = Path(__file__).resolve().parents[2] / "client" / "editors" / "nvim"
 
@@ -30,8 +29,22 @@ def bridge(bridge_process, coder_daemon):
 
 def nvim(path: Path, *commands: str, setup: str = "") -> subprocess.CompletedProcess:
     """Run headless Neovim on ``path`` with only this plugin loaded, then the commands."""
-    cmd = [NVIM, "--headless", "-u", "NONE", "-i", "NONE", "-n", "--cmd", f"set rtp^={PLUGIN}", str(path),
-           "-c", "runtime plugin/tandem.lua", "-c", f"lua require('tandem').setup({{ {setup} }})"]  # fmt: skip
+    cmd = [
+        NVIM,
+        "--headless",
+        "-u",
+        "NONE",
+        "-i",
+        "NONE",
+        "-n",
+        "--cmd",
+        f"set rtp^={PLUGIN}",
+        str(path),
+        "-c",
+        "runtime plugin/tandem.lua",
+        "-c",
+        f"lua require('tandem').setup({{ {setup} }})",
+    ]
     for c in commands:
         cmd += ["-c", c]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
@@ -114,7 +127,14 @@ def test_no_bridge_is_a_clear_error_not_a_hang(tmp_path):
     path = tmp_path / "x.py"
     path.write_text("x = ")
     last = tmp_path / "last.json"
-    r = nvim(path, "TandemComplete", WAIT, SAVE_LAST.format(out=last), "qa!", setup=f"url = 'http://127.0.0.1:{closed_port()}/v1'")
+    r = nvim(
+        path,
+        "TandemComplete",
+        WAIT,
+        SAVE_LAST.format(out=last),
+        "qa!",
+        setup=f"url = 'http://127.0.0.1:{closed_port()}/v1'",
+    )
     assert r.returncode == 0, r.stderr
     assert "tandem openai" in last.read_text()
     assert path.read_text() == "x = "

@@ -12,7 +12,6 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
-
 PREFIX = "def add(a, b):\n    return "
 SUFFIX = "\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 COUNTING = "Count from 1 to 1000, one number per line:\n1\n2\n3\n"
@@ -73,22 +72,34 @@ def test_completions_without_suffix_and_streamed(api, coder_daemon):
         done = c.complete(prompt="def fibonacci(n):", max_tokens=12, temperature=0)
     assert plain.choices[0].text == done.text
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 12
-    pieces = list(api.completions.create(model="any", prompt="def fibonacci(n):", max_tokens=12, temperature=0, stream=True))
+    pieces = list(
+        api.completions.create(model="any", prompt="def fibonacci(n):", max_tokens=12, temperature=0, stream=True)
+    )
     assert "".join(p.choices[0].text for p in pieces) == done.text
     assert pieces[-1].choices[0].finish_reason == "length"
-    fim = list(api.completions.create(model="any", prompt=PREFIX, suffix=SUFFIX, max_tokens=32, temperature=0, stream=True))
+    fim = list(
+        api.completions.create(model="any", prompt=PREFIX, suffix=SUFFIX, max_tokens=32, temperature=0, stream=True)
+    )
     assert "a + b" in "".join(p.choices[0].text for p in fim)
 
 
 def test_chat_streamed_and_not(api):
-    messages = [{"role": "system", "content": "Answer in one short sentence."}, {"role": "user", "content": "What is Python?"}]
+    messages = [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "What is Python?"},
+    ]
     whole = api.chat.completions.create(model="any", messages=messages, max_tokens=24, temperature=0)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     text = whole.choices[0].message.content
     assert text and whole.usage.completion_tokens > 0
     chunks = list(
         api.chat.completions.create(
-            model="any", messages=messages, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+            model="any",
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -96,7 +107,10 @@ def test_chat_streamed_and_not(api):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     parts = api.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": [{"type": "text", "text": "What is Python?"}]}], max_tokens=4, temperature=0
+        model="any",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is Python?"}]}],
+        max_tokens=4,
+        temperature=0,
     )
     assert parts.choices[0].message.content
 
@@ -130,7 +144,10 @@ def test_errors_have_openais_shape(api, bridge):
 
 
 def test_curl_sees_server_sent_events(bridge):
-    r = curl(bridge.url + "/chat/completions", data={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True})
+    r = curl(
+        bridge.url + "/chat/completions",
+        data={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True},
+    )
     events = [line for line in r.stdout.splitlines() if line]
     assert all(line.startswith("data: ") for line in events), r.stdout
     assert events[-1] == "data: [DONE]"
@@ -168,7 +185,9 @@ def test_a_client_that_disconnects_cancels_its_daemon_request(bridge, coder_daem
     wait_for(lambda: _cancelled(coder_daemon) == before + 1, 10)
     wait_for(lambda: not _running(coder_daemon), 10)
     # streamed: the openai client closes the stream after three events
-    stream = bridge.openai().completions.create(model="any", prompt=COUNTING, max_tokens=2000, temperature=0, stream=True)
+    stream = bridge.openai().completions.create(
+        model="any", prompt=COUNTING, max_tokens=2000, temperature=0, stream=True
+    )
     for i, _ in enumerate(stream):
         if i == 2:
             break
@@ -206,7 +225,18 @@ def test_busy_fim_unsupported_and_daemon_gone(bridge_process, start_daemon):
 
 def test_the_bridge_listens_on_loopback_only(coder_daemon):
     r = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(coder_daemon.socket), "openai", "--listen", "0.0.0.0:8642"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.client.cli",
+            "--socket",
+            str(coder_daemon.socket),
+            "openai",
+            "--listen",
+            "0.0.0.0:8642",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "not a loopback address" in r.stderr and "ssh -L" in r.stderr

@@ -22,7 +22,6 @@ from tandem.client import Client, RequestFailed
 from tandem.daemon import sdnotify
 from tandem.protocol import ErrorCode
 
-
 SYSTEM = "You are a terse assistant for a build system. Answer in one short sentence. " * 3
 
 
@@ -65,14 +64,20 @@ def test_metrics_agree_with_status_and_with_each_requests_done(start_daemon):
     assert value(m, "tandem_requests_total", reason="busy") == 0
     # tokens
     assert value(m, "tandem_prompt_tokens_total") == st.tokens["prompt"] == sum(x.usage.prompt_tokens for x in dones)
-    assert value(m, "tandem_generated_tokens_total") == st.tokens["completion"] == sum(x.usage.completion_tokens for x in dones)
+    assert (
+        value(m, "tandem_generated_tokens_total")
+        == st.tokens["completion"]
+        == sum(x.usage.completion_tokens for x in dones)
+    )
     cached = sum(x.usage.cached_tokens for x in dones)
     assert cached > 0 and value(m, "tandem_cached_prompt_tokens_total") == cached
     # drafting
     rounds = sum(x.draft.rounds for x in dones if x.draft)
     assert rounds > 0 and value(m, "tandem_draft_rounds_total") == st.draft.rounds == rounds
     assert value(m, "tandem_drafted_tokens_total") == st.draft.drafted == sum(x.draft.drafted for x in dones if x.draft)
-    assert value(m, "tandem_accepted_tokens_total") == st.draft.accepted == sum(x.draft.accepted for x in dones if x.draft)
+    assert (
+        value(m, "tandem_accepted_tokens_total") == st.draft.accepted == sum(x.draft.accepted for x in dones if x.draft)
+    )
     for i, n in enumerate(st.draft.accepted_per_position):
         if n:
             assert value(m, "tandem_accepted_tokens_by_position_total", position=str(i + 1)) == n
@@ -89,7 +94,9 @@ def test_metrics_agree_with_status_and_with_each_requests_done(start_daemon):
     # complete() does not stream: each request counts its tokens after the first at their mean
     later = sum(x.usage.completion_tokens - 1 for x in dones if x.usage.completion_tokens > 1)
     assert value(m, "tandem_token_latency_seconds_count") == later
-    assert value(m, "tandem_token_latency_seconds_sum") == pytest.approx(sum(x.timings.generation_seconds for x in dones))
+    assert value(m, "tandem_token_latency_seconds_sum") == pytest.approx(
+        sum(x.timings.generation_seconds for x in dones)
+    )
     assert value(m, "tandem_token_latency_seconds_bucket", le="+Inf") == value(m, "tandem_token_latency_seconds_count")
     # prefix cache
     assert value(m, "tandem_prefix_cache_hits_total") == st.cache.hits >= 2
@@ -226,9 +233,13 @@ def test_notify_ready_watchdog_reload_and_stop(daemon_process, short_tmpdir, smo
     cfg = work / "config.toml"
     cfg.write_text("max_queue = 5\n")
     d = daemon_process(
-        smollm2_path, "--ctx-size", "256", "--cache-bytes", "16M",
+        smollm2_path,
+        "--ctx-size",
+        "256",
+        "--cache-bytes",
+        "16M",
         env={"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "1000000", "TANDEM_CONFIG": str(cfg)},
-    )  # fmt: skip
+    )
     listener.daemon_socket = d.socket
     try:
         listener.wait_for("READY")

@@ -46,8 +46,10 @@ def test_multi_turn_chat_with_the_cache_equals_without(cached_daemon):
     assert c.pages > 0 and c.evictions == 0
     out = subprocess.run(
         [sys.executable, "-m", "tandem.client.cli", "--socket", str(cached_daemon.socket), "status"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "prompt tokens from cache" in out.stdout, out.stderr
 
 
@@ -99,8 +101,10 @@ def test_cache_clear_empties_it_after_which_requests_miss(cached_daemon):
         held = client.status().cache
         out = subprocess.run(
             [sys.executable, "-m", "tandem.client.cli", "--socket", str(cached_daemon.socket), "cache", "clear"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert f"cleared {held.pages:,} pages" in out.stdout
         st = client.status().cache
@@ -127,10 +131,22 @@ def test_a_daemon_started_with_cache_bytes_0_has_no_cache(start_daemon):
 
 def test_cache_bytes_larger_than_shared_memory_is_refused_with_the_fix(smollm2_path, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(tmp_path / "s"), "serve",
-         "--model", str(smollm2_path), "--cache-bytes", "100000G"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.client.cli",
+            "--socket",
+            str(tmp_path / "s"),
+            "serve",
+            "--model",
+            str(smollm2_path),
+            "--cache-bytes",
+            "100000G",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "more than /dev/shm has free" in out.stderr and "--cache-bytes 0" in out.stderr
 
@@ -145,9 +161,20 @@ def pair(smollm2_path):
 def test_the_drafter_keeps_its_own_pages_and_output_is_unchanged(start_daemon, pair):
     target, drafter = pair
     d = start_daemon(
-        "--drafter", str(drafter), "--ctx-size", "1024", "--draft-tokens", "4", "--governor", "off",
-        "--cache-bytes", "64M", "--page-tokens", "16", model=target,
-    )  # fmt: skip
+        "--drafter",
+        str(drafter),
+        "--ctx-size",
+        "1024",
+        "--draft-tokens",
+        "4",
+        "--governor",
+        "off",
+        "--cache-bytes",
+        "64M",
+        "--page-tokens",
+        "16",
+        model=target,
+    )
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name one kind of test."}]
     with d.client() as client:
         first = client.complete(messages=history, max_tokens=16, temperature=0.0)

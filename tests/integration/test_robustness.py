@@ -4,8 +4,8 @@ survives its worker dying; startup refuses what it cannot serve."""
 from __future__ import annotations
 
 import os
-import stat
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -16,7 +16,6 @@ import zmq
 
 from tandem.client import RequestFailed
 from tandem.protocol import ErrorCode, FinishReason, decode, endpoint
-
 
 
 @pytest.fixture
@@ -88,7 +87,16 @@ def test_worker_killed_mid_request_gives_typed_error_and_is_restarted(start_daem
 
 def test_second_daemon_on_the_same_socket_refuses(daemon, smollm2_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(daemon.socket), "serve", "--model", str(smollm2_path)],
+        [
+            sys.executable,
+            "-m",
+            "tandem.client.cli",
+            "--socket",
+            str(daemon.socket),
+            "serve",
+            "--model",
+            str(smollm2_path),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

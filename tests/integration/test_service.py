@@ -12,7 +12,6 @@ import pytest
 
 from tandem.client import service
 
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -48,10 +47,19 @@ def test_verification_catches_a_broken_unit(short_tmpdir):
 def test_the_unit_is_type_notify_with_a_watchdog_and_loopback_only():
     unit = service.render()
     for line in (
-        "Type=notify", "NotifyAccess=main", "WatchdogSec=", "Restart=on-failure", "ExecReload=/bin/kill -HUP $MAINPID",
-        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "IPAddressDeny=any", "IPAddressAllow=localhost",
-        "PrivateTmp=yes", "ProtectSystem=strict", "NoNewPrivileges=yes", "KillMode=mixed",
-    ):  # fmt: skip
+        "Type=notify",
+        "NotifyAccess=main",
+        "WatchdogSec=",
+        "Restart=on-failure",
+        "ExecReload=/bin/kill -HUP $MAINPID",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+        "IPAddressDeny=any",
+        "IPAddressAllow=localhost",
+        "PrivateTmp=yes",
+        "ProtectSystem=strict",
+        "NoNewPrivileges=yes",
+        "KillMode=mixed",
+    ):
         assert line in unit
     assert f"ExecStart={sys.executable} -m tandem.client.cli serve" in unit
 
@@ -76,7 +84,9 @@ def test_install_refuses_while_a_daemon_runs_outside_systemd(start_daemon, tmp_p
         assert c.status().state == "ready"  # untouched
 
 
-def test_install_and_uninstall_without_a_user_manager_write_the_unit_and_print_the_commands(short_tmpdir, tmp_path, smollm2_path):
+def test_install_and_uninstall_without_a_user_manager_write_the_unit_and_print_the_commands(
+    short_tmpdir, tmp_path, smollm2_path
+):
     if service.systemctl_works():
         pytest.fail("a systemd user manager answers here: this test would install a real service; run it in CI")
     env = {
@@ -90,7 +100,9 @@ def test_install_and_uninstall_without_a_user_manager_write_the_unit_and_print_t
     out = tandem("service", "install", env=env)
     assert out.returncode == 0, out.stderr
     assert unit.read_text() == service.render()
-    assert "systemctl --user daemon-reload" in out.stderr and "systemctl --user enable --now tandem.service" in out.stderr
+    assert (
+        "systemctl --user daemon-reload" in out.stderr and "systemctl --user enable --now tandem.service" in out.stderr
+    )
     out = tandem("service", "status", env=env)
     assert out.returncode == 0 and f"installed: {unit}" in out.stderr
     assert tandem("service", "unit", env=env).stdout == service.render()

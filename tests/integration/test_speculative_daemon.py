@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from fidelity import compare, load_corpus, reference_engine  # noqa: E402
 
@@ -28,7 +27,9 @@ def pair(smollm2_path):
 def spec_daemon(daemon_process, pair):
     target, drafter = pair
     # every round drafts (no governor), so these tests see drafting itself
-    d = daemon_process(target, "--drafter", str(drafter), "--ctx-size", "2048", "--draft-tokens", "4", "--governor", "off")
+    d = daemon_process(
+        target, "--drafter", str(drafter), "--ctx-size", "2048", "--draft-tokens", "4", "--governor", "off"
+    )
     d.wait_ready()
     yield d
     assert d.stop() == 0, d.log()
@@ -69,18 +70,42 @@ def test_draft_stats_in_done_status_and_run_json(spec_daemon):
         plain = client.complete(prompt="def fibonacci(n):", max_tokens=8, temperature=0.0, draft_tokens=0)
         assert plain.draft is None
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(spec_daemon.socket), "run", "--raw", "--json",
-         "--temperature", "0", "--max-tokens", "16", "def add(a, b):"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.client.cli",
+            "--socket",
+            str(spec_daemon.socket),
+            "run",
+            "--raw",
+            "--json",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "16",
+            "def add(a, b):",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)["draft"]
-    assert set(stats) == {"rounds", "drafted", "accepted", "acceptance_rate", "accepted_per_position", "tokens_per_round"}
+    assert set(stats) == {
+        "rounds",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "accepted_per_position",
+        "tokens_per_round",
+    }
 
 
 def test_seeded_sampling_with_the_drafter_reproduces(spec_daemon):
     with spec_daemon.client() as client:
-        runs = [client.complete(prompt="My favourite animal is", max_tokens=32, temperature=0.9, seed=11) for _ in range(2)]
+        runs = [
+            client.complete(prompt="My favourite animal is", max_tokens=32, temperature=0.9, seed=11) for _ in range(2)
+        ]
     assert runs[0].text == runs[1].text and runs[0].draft.rounds > 0
 
 
@@ -95,9 +120,14 @@ def test_sampling_distribution_with_and_without_the_drafter_match_chi_squared(sp
         for k in counts:
             for seed in range(n):
                 stream = client.generate(
-                    prompt="My favourite fruit is", max_tokens=3, temperature=1.0, top_k=4, seed=seed,
-                    draft_tokens=k, ignore_eos=True,
-                )  # fmt: skip
+                    prompt="My favourite fruit is",
+                    max_tokens=3,
+                    temperature=1.0,
+                    top_k=4,
+                    seed=seed,
+                    draft_tokens=k,
+                    ignore_eos=True,
+                )
                 ids = [t for c in stream for t in c.token_ids]
                 counts[k][tuple(ids[:2])] += 1
             if k:

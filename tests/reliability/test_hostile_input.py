@@ -22,15 +22,38 @@ FUZZ_FRAMES = 10_000
 # --------------------------------------------------------------------------- the codec, under hypothesis
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=40)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=40)
     | st.binary(max_size=40),
     lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=12), children, max_size=6),
     max_leaves=30,
-)  # fmt: skip
+)
 field_names = st.sampled_from(
-    ["id", "prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stream", "draft",
-     "draft_tokens", "cache", "request_id", "protocol_version", "ignore_eos", "role", "content", "x"]
-)  # fmt: skip
+    [
+        "id",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "stop",
+        "stream",
+        "draft",
+        "draft_tokens",
+        "cache",
+        "request_id",
+        "protocol_version",
+        "ignore_eos",
+        "role",
+        "content",
+        "x",
+    ]
+)
 bodies = st.dictionaries(field_names, msgpack_values, max_size=8)
 ops = st.sampled_from([o.value.encode() for o in Op]) | st.binary(max_size=12)
 
@@ -221,8 +244,10 @@ def test_ten_thousand_malformed_frames_get_errors_and_change_nothing(start_daemo
             sock.recv_multipart(zmq.NOBLOCK)  # nothing extra: exactly one reply each
         after = c.status()
         grown = rss(pid) - warm
-        print(f"\n{FUZZ_FRAMES} malformed frames: replies {codes}; daemon RSS {warm / 2**20:.1f} MiB -> "
-              f"{rss(pid) / 2**20:.1f} MiB")  # fmt: skip
+        print(
+            f"\n{FUZZ_FRAMES} malformed frames: replies {codes}; daemon RSS {warm / 2**20:.1f} MiB -> "
+            f"{rss(pid) / 2**20:.1f} MiB"
+        )
         # nothing changed: no request counted, queued or run; the same worker; memory back near where it was
         assert after.requests == before.requests and after.queue_length == 0 and after.active is None
         assert after.worker_pids == before.worker_pids and after.state == "ready"
@@ -252,7 +277,9 @@ def test_a_frame_over_the_hard_cap_drops_that_connection_only(start_daemon):
         ok.connect(endpoint(d.socket))
         ok.send_multipart(big)  # over the protocol's 4 MiB but under the cap: a typed answer
         reply = decode(ok.recv_multipart(), replies=True)
-        assert isinstance(reply, Error) and reply.code == ErrorCode.MESSAGE_TOO_LARGE  # id: not read from a body that size
+        assert (
+            isinstance(reply, Error) and reply.code == ErrorCode.MESSAGE_TOO_LARGE
+        )  # id: not read from a body that size
         ok.close()
         assert c.complete(prompt="Fine:", max_tokens=2).usage.completion_tokens >= 1
     bad.close()

@@ -44,7 +44,9 @@ def test_twenty_clients_a_thousand_requests_one_terminal_each_fifo_bounded_respo
             while sent < per_client or open_ids:
                 while sent < per_client and len(open_ids) < IN_FLIGHT:
                     rid = mine[sent]
-                    sock.send_multipart(encode(Generate(id=rid, prompt=f"Client {n} asks {sent}:", max_tokens=2, ignore_eos=True)))
+                    sock.send_multipart(
+                        encode(Generate(id=rid, prompt=f"Client {n} asks {sent}:", max_tokens=2, ignore_eos=True))
+                    )
                     open_ids.add(rid)
                     sent += 1
                 msg = decode(sock.recv_multipart(), replies=True)

@@ -19,7 +19,6 @@ import pytest
 from tandem.client import Client, DaemonNotRunning, RequestFailed
 from tandem.protocol import ErrorCode, FinishReason
 
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -70,9 +69,20 @@ def check_everyone_answered_and_nothing_left(d, clients, running, it, queued, st
 def serving(socket_path: Path, model: Path, *args: str):
     """`tandem serve` on ``socket_path``, ready; stopped (exit 0) afterwards."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket_path), "serve", "--model", str(model), *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.client.cli",
+            "--socket",
+            str(socket_path),
+            "serve",
+            "--model",
+            str(model),
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -107,8 +117,10 @@ def test_tandem_stop_with_a_running_request_and_a_full_queue(start_daemon, smoll
     d, *rest = busy_daemon(start_daemon)
     out = subprocess.run(
         [sys.executable, "-m", "tandem.client.cli", "--socket", str(d.socket), "stop"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "stopped the daemon" in out.stderr
     check_everyone_answered_and_nothing_left(d, *rest)
     restart_right_after(d, smollm2_path)
@@ -134,10 +146,20 @@ def test_a_socket_directory_others_can_write_is_refused(short_tmpdir, smollm2_pa
     directory = short_tmpdir()
     os.chmod(directory, 0o777)
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(directory / "t.sock"), "serve",
-         "--model", str(smollm2_path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.client.cli",
+            "--socket",
+            str(directory / "t.sock"),
+            "serve",
+            "--model",
+            str(smollm2_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "writable by other users (mode 0777)" in out.stderr and f"chmod 700 {directory}" in out.stderr
     assert not (directory / "t.sock").exists()

@@ -16,7 +16,6 @@ import pytest
 from tandem.client import RequestFailed
 from tandem.protocol import ErrorCode, FinishReason
 
-
 PREAMBLE = "You are a careful assistant for a build system. Keep answers short and exact. " * 6
 
 
@@ -95,7 +94,9 @@ def test_drafter_killed_mid_request_restarted_and_drafting_again(start_daemon, p
         list(queued)  # served meanwhile (plainly, or by then with the new drafter)
         assert queued.done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         assert queued.done.usage.completion_tokens > 0
-        new = wait_for(lambda: (pid := a.status().worker_pids.get("drafter")) not in (None, old) and pid, what="a new drafter")
+        new = wait_for(
+            lambda: (pid := a.status().worker_pids.get("drafter")) not in (None, old) and pid, what="a new drafter"
+        )
         wait_for(lambda: "(restarting)" not in a.status().drafter, what="the drafter back")
         again = a.complete(prompt="Count: 1 2 3 4 5 6 7 8", max_tokens=16, temperature=0.0, draft="on")
         assert again.draft is not None and again.draft.rounds > 0 and again.draft.drafted > 0
@@ -109,11 +110,14 @@ def test_a_drafter_that_keeps_dying_is_switched_off_and_plain_decoding_goes_on(s
     target, drafter = pair
     d = start_daemon("--drafter", str(drafter), "--ctx-size", "512", "--governor", "off", model=target)
     with d.client() as c:
-        for death in range(3):
+        for _ in range(3):
             pid = wait_for(lambda: c.status().worker_pids.get("drafter"), what="a drafter")
             wait_for(lambda: "(restarting)" not in c.status().drafter, what="the drafter ready")
             os.kill(pid, signal.SIGKILL)
-            wait_for(lambda: c.status().worker_pids.get("drafter") != pid or "(off" in c.status().drafter, what="death seen")
+            wait_for(
+                lambda pid=pid: c.status().worker_pids.get("drafter") != pid or "(off" in c.status().drafter,
+                what="death seen",
+            )
         st = wait_for(lambda: (s := c.status()) and "(off" in s.drafter and s, what="drafting off")
         assert "died 3 times within 10 minutes" in st.drafter and "drafter" not in st.worker_pids
         done = c.complete(prompt="Still answering:", max_tokens=8, ignore_eos=True, draft="on")
@@ -195,7 +199,7 @@ def test_ten_target_deaths_in_a_row_each_survived(start_daemon):
         first = c.complete(prompt=prompt, max_tokens=4, temperature=0.0)
         for n in range(1, 11):
             os.kill(c.status().worker_pids["target"], signal.SIGKILL)
-            wait_for(lambda: (s := c.status()).worker_restarts == n and s.state == "ready", what=f"restart {n}")
+            wait_for(lambda n=n: (s := c.status()).worker_restarts == n and s.state == "ready", what=f"restart {n}")
             done = c.complete(prompt=prompt, max_tokens=4, temperature=0.0)
             assert done.text == first.text and done.usage.cached_tokens > 0  # the same answer, from kept pages
         st = c.status()

@@ -1,2 +1,4 @@
-"""The tandem daemon: the front process (server.py), the model worker process
-(worker.py), and the logic they wrap (engine, sampler, textstream, chat)."""
+"""The tandem daemon, by process: the front (server.py, a shell around scheduler.py
+and supervisor.py), the workers (worker_main.py, by role: target_worker.py and
+drafter_worker.py), and the logic they wrap without sockets (engine, governor,
+speculative, sampler, textstream, the prefix cache)."""

@@ -2,7 +2,7 @@
 
 ``Scheduler`` holds admission, the queue, the one running request, cache clears
 waiting for the target, cancels, and every request's single terminal message.
-The shell (server.py) owns the sockets and the workers; it hands the scheduler
+The shell (server.py, with supervisor.py for the workers) owns the sockets; it hands the scheduler
 what clients ask and what the target worker says, and the scheduler answers
 through two callables: ``reply(identity, message)`` to a client, ``to_target(message)``
 to the target worker (both return False when the peer cannot take it). A test

@@ -140,6 +140,23 @@ def _short_tmpdir():
     return short_tmpdir
 
 
+def tandem_cli(socket: Path, *args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``tandem --socket SOCKET ARGS...`` as a user runs it, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.fixture(name="tandem_cli", scope="session")
+def _tandem_cli():
+    """``tandem_cli(socket, *args, timeout=60, env=None)``: run the CLI, get a CompletedProcess."""
+    return tandem_cli
+
+
 @pytest.fixture(scope="session")
 def daemon_process():
     """The DaemonProcess class: ``daemon_process(model, *serve_args, env=...)`` starts ``tandem serve``."""

@@ -323,3 +323,21 @@ def test_done_reports_update_the_governor_cache_and_draft_totals(h):
     h.worker_says(done("a", governor=governor, cache=cache, draft=stats))
     assert h.s.governor == governor and h.s.cache == cache
     assert h.s.counters.draft.rounds == 1 and h.s.counters.draft.accepted == 3
+
+
+def test_a_cancel_that_crosses_the_workers_done_finds_nothing_and_nothing_is_sent_twice(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    h.worker_says(done("a"))  # finished just before the cancel came
+    assert not h.s.cancel("a")
+    assert len(h.replies_to(b"C1")) == 1 and not any(isinstance(m, Cancel) for m in h.to_target)
+
+
+def test_a_cancel_racing_a_worker_death_gets_one_answer(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    assert h.s.cancel("a")  # sent to a target that is dying
+    h.s.abort(ErrorCode.WORKER_DIED, "the model worker died while serving this request", "the model worker died")
+    h.worker_says(done("a", reason=FinishReason.CANCELLED))  # a reply from the dead worker, drained late
+    (answer,) = h.replies_to(b"C1")
+    assert answer.code == ErrorCode.WORKER_DIED

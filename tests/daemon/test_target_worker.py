@@ -41,7 +41,7 @@ INFO = ModelInfo("scripted", "/scripted.gguf", 64, 64, 256, 1, False)
 class Worker:
     """A TargetLoop in a thread, and the daemon's end of its socket."""
 
-    def __init__(self, load):
+    def __init__(self, load, drafter: str = "none"):
         self.dir = Path(tempfile.mkdtemp(prefix="tdm-tw-", dir="/tmp"))
         self.ctx = zmq.Context()
         self.daemon = self.ctx.socket(zmq.PAIR)
@@ -49,7 +49,9 @@ class Worker:
         sock = self.ctx.socket(zmq.PAIR)
         sock.connect(f"ipc://{self.dir / 'w.ipc'}")
         defaults = {o.key: o.default for o in settings.OPTIONS}
-        config = WorkerConfig(role="target", model_name="scripted", model_path="/scripted.gguf", settings=defaults)
+        config = WorkerConfig(
+            role="target", model_name="scripted", model_path="/scripted.gguf", settings=defaults, drafter=drafter
+        )
         self.loop = TargetLoop(config, sock)
         self.load = load
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -61,7 +63,7 @@ class Worker:
             try:
                 self.loop.run()
             finally:
-                self.loop.sock.close(linger=0)
+                self.loop.sock.close(linger=2000)  # as the real worker: what it sent last is delivered
 
     def send(self, msg) -> None:
         self.daemon.send_multipart(encode(msg))
@@ -89,9 +91,9 @@ class Worker:
 def worker_on(scripted_model):
     started = []
 
-    def start(model=None, load=None):
+    def start(model=None, load=None, drafter="none"):
         model = model if model is not None else scripted_model(b"hello world")
-        w = Worker(load or (lambda config, drafter: (Engine(model, None, drafter), INFO)))
+        w = Worker(load or (lambda config, d: (Engine(model, None, d, draft_tokens=4), INFO)), drafter)
         started.append(w)
         return w
 
@@ -160,3 +162,15 @@ def test_a_model_that_does_not_load_is_one_error_and_the_loop_ends(worker_on):
     assert isinstance(err, Error) and err.code == ErrorCode.NOT_READY and "could not load the model" in err.message
     w.thread.join(5)
     assert not w.thread.is_alive()
+
+
+def test_drafter_state_messages_reach_any_drafter_and_the_ngram_drafter_serves_on(worker_on, scripted_model):
+    """The daemon's drafter_state goes to whatever drafter the engine has; the
+    n-gram drafter has no process to lose, so it ignores it (it once crashed here)."""
+    w = worker_on(scripted_model(b"abc abc abc abc"), drafter="ngram")
+    w.recv()
+    w.send(DrafterState(id="daemon", available=False))
+    w.send(DrafterState(id="daemon", available=True))
+    w.send(Generate(id="g", prompt="abc ", temperature=0.0, max_tokens=15))
+    done = w.until_terminal()[-1]
+    assert isinstance(done, Done) and done.text == "abc abc abc abc" and done.draft is not None

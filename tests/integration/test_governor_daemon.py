@@ -4,8 +4,6 @@ Q4_1 drafter: per-request modes, status, the CLI, and state kept across restarts
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -24,7 +22,7 @@ def greedy(client, **params):
     return client.complete(prompt=PROMPT, max_tokens=48, temperature=0.0, ignore_eos=True, **params)
 
 
-def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(start_daemon, pair):
+def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(tandem_cli, start_daemon, pair):
     target, drafter = pair
     d = start_daemon("--drafter", str(drafter), "--ctx-size", "1024", model=target)
     with d.client() as client:
@@ -57,36 +55,12 @@ def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(start_d
         other_task = client.complete(prompt="Once upon a time", max_tokens=16, temperature=0.0, ignore_eos=True)
         assert other_task.governor.tasks == 2 and other_task.governor.task != g.task
 
-    out = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(d.socket), "status"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = tandem_cli(d.socket, "status")
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("governor:"))
     assert "tok/s" in line and "2 task(s)" in line
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tandem.client.cli",
-            "--socket",
-            str(d.socket),
-            "run",
-            "--raw",
-            "--json",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "8",
-            "--draft",
-            "off",
-            PROMPT,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    out = tandem_cli(
+        d.socket, "run", "--raw", "--json", "--temperature", "0", "--max-tokens", "8", "--draft", "off", PROMPT
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

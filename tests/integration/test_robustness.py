@@ -85,22 +85,8 @@ def test_worker_killed_mid_request_gives_typed_error_and_is_restarted(start_daem
         assert st.requests["error"] == 1
 
 
-def test_second_daemon_on_the_same_socket_refuses(daemon, smollm2_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tandem.client.cli",
-            "--socket",
-            str(daemon.socket),
-            "serve",
-            "--model",
-            str(smollm2_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def test_second_daemon_on_the_same_socket_refuses(tandem_cli, daemon, smollm2_path):
+    proc = tandem_cli(daemon.socket, "serve", "--model", str(smollm2_path))
     assert proc.returncode == 1
     assert "already serving" in proc.stderr and "tandem stop" in proc.stderr
     with daemon.client() as c:

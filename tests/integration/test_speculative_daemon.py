@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -53,7 +52,7 @@ def test_greedy_with_the_drafter_equals_plain_greedy_on_the_corpus(spec_daemon, 
     assert result.identical.get(4, 0) == result.total[4] == 32, report
 
 
-def test_draft_stats_in_done_status_and_run_json(spec_daemon):
+def test_draft_stats_in_done_status_and_run_json(tandem_cli, spec_daemon):
     with spec_daemon.client() as client:
         before = client.status().draft
         done = client.complete(prompt="def fibonacci(n):", max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -69,26 +68,8 @@ def test_draft_stats_in_done_status_and_run_json(spec_daemon):
         assert after.memory_rss_bytes["drafter"] > 0 and "drafter" in after.worker_pids
         plain = client.complete(prompt="def fibonacci(n):", max_tokens=8, temperature=0.0, draft_tokens=0)
         assert plain.draft is None
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tandem.client.cli",
-            "--socket",
-            str(spec_daemon.socket),
-            "run",
-            "--raw",
-            "--json",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "16",
-            "def add(a, b):",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = ("run", "--raw", "--json", "--temperature", "0", "--max-tokens", "16", "def add(a, b):")
+    out = tandem_cli(spec_daemon.socket, *args, timeout=120)
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)["draft"]
     assert set(stats) == {

@@ -142,24 +142,10 @@ def test_a_crashed_daemon_leaves_nothing_that_blocks_the_next_start(start_daemon
             assert c.complete(prompt="Back:", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
 
 
-def test_a_socket_directory_others_can_write_is_refused(short_tmpdir, smollm2_path):
+def test_a_socket_directory_others_can_write_is_refused(tandem_cli, short_tmpdir, smollm2_path):
     directory = short_tmpdir()
     os.chmod(directory, 0o777)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tandem.client.cli",
-            "--socket",
-            str(directory / "t.sock"),
-            "serve",
-            "--model",
-            str(smollm2_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = tandem_cli(directory / "t.sock", "serve", "--model", str(smollm2_path))
     assert out.returncode == 1
     assert "writable by other users (mode 0777)" in out.stderr and f"chmod 700 {directory}" in out.stderr
     assert not (directory / "t.sock").exists()

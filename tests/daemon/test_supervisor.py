@@ -1,0 +1,193 @@
+"""Worker deaths through the supervisor with fake worker handles: one code path and
+one restart policy for both roles, what the running request is told, and each
+role's give-up (pure logic; real workers are killed in tests/reliability)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.daemon import config as settings
+from tandem.daemon.metrics import Metrics
+from tandem.daemon.restart_policy import RestartPolicy
+from tandem.daemon.scheduler import Scheduler
+from tandem.daemon.sdnotify import Notifier
+from tandem.daemon.server import ServeConfig
+from tandem.daemon.supervisor import DRAFTER_MAX_DEATHS, TARGET_MAX_DEATHS, Supervisor
+from tandem.protocol import Done, ErrorCode, FinishReason, Generate, ModelInfo, Timings, Usage, encode
+from tandem.protocol.internal import DrafterState, Ready
+
+INFO = ModelInfo("m", "/m.gguf", 64, 64, 256, 1, False)
+
+
+class FakeHandle:
+    """What the supervisor uses of a WorkerHandle: a process that can die."""
+
+    def __init__(self, role: str, policy: RestartPolicy):
+        self.role, self.policy = role, policy
+        self.sent: list = []
+        self.alive = True
+        self.sock = object()  # a channel: its death is noticed while it has one
+        self.sentinel = None
+        self.info = None  # until its ready
+        self.pid = 4242
+        self.process = None
+        self.started_at = 0.0
+        self.starts = 0
+        self.exit_code = -9
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.alive
+
+    def send(self, msg) -> bool:
+        self.sent.append(msg)
+        return self.alive
+
+    def reap(self):
+        self.sock, self.info = None, None
+        return self.exit_code
+
+    def start(self) -> None:
+        self.starts += 1
+        self.alive, self.sock, self.info = True, object(), None
+
+    def die(self, code: int = -9) -> None:
+        self.alive, self.exit_code = False, code
+
+
+class Harness:
+    def __init__(self, drafter: bool = False):
+        values = {o.key: o.default for o in settings.OPTIONS}
+        s = settings.Settings(values, {k: "default" for k in values}, Path("/nonexistent.toml"), False)
+        config = ServeConfig(
+            settings=s,
+            model_name="m",
+            model_path=Path("/m.gguf"),
+            socket_path=Path("/tmp/unused.sock"),
+            drafter_name="d" if drafter else "none",
+            drafter_path=Path("/d.gguf") if drafter else None,
+        )
+        self.replies: list = []
+        self.stopped = False
+        self.scheduler = Scheduler(
+            lambda i, m: self.replies.append(m) or True,
+            lambda i, f: True,
+            lambda m: self.sup.target.send(m),
+            Metrics(lambda: {}),
+            max_queue=8,
+        )
+        self.sup = Supervisor(
+            None, config, self.scheduler, self.scheduler.metrics, Notifier(None), lambda: self.stopped, self._stop
+        )
+        timeout = s.worker_timeout
+        self.sup.target = FakeHandle(
+            "target", RestartPolicy(TARGET_MAX_DEATHS, 600.0, timeout, self.sup._target_gave_up)
+        )
+        self.scheduler.on_request_done = self.sup.target.policy.forgive
+        if drafter:
+            policy = RestartPolicy(DRAFTER_MAX_DEATHS, 600.0, timeout, self.sup._drafter_gave_up)
+            self.sup.drafter = FakeHandle("drafter", policy)
+        for w in reversed(self.sup.workers):  # the drafter starts (and loads) first
+            self.sup._on_ready(w, Ready(id=w.role, model=INFO, pid=1))
+        assert self.sup.state == "ready"
+
+    def _stop(self):
+        self.stopped = True
+
+    def run_request(self, rid: str, **kw) -> None:
+        self.scheduler.admit(b"C", Generate(id=rid, prompt="hi", **kw))
+        assert self.sup.can_take_work and self.scheduler.start_next()
+        self.sup.target.policy.heard(1000.0)  # the shell does this when work starts
+
+    def restart_due(self, worker) -> None:
+        """Let the backoff pass and the restart happen; the restarted worker says ready."""
+        self.sup.check(worker.policy.restart_due)
+        self.sup._on_ready(worker, Ready(id=worker.role, model=INFO, pid=2))
+
+    def kill(self, worker, times: int = 1) -> None:
+        """Kill ``worker`` ``times`` times, each death noticed and its restart done."""
+        for _ in range(times):
+            worker.die()
+            self.sup.check(1000.0)
+            self.restart_due(worker)
+
+
+def finished(rid: str) -> Done:
+    return Done(rid, "x", FinishReason.STOP, Usage(1, 1), Timings(0.0, 0.0, 0.0, 0.0, 0.0))
+
+
+def test_a_target_death_answers_the_request_and_restarts_it_after_the_backoff():
+    h = Harness()
+    h.run_request("a")
+    h.sup.target.die()
+    h.sup.check(1000.0)
+    (err,) = h.replies
+    assert err.code == ErrorCode.WORKER_DIED and "died (exit code -9)" in err.message and "retried" in err.message
+    assert h.sup.state == "loading" and h.sup.target.policy.restarts == 1 and h.sup.target.starts == 0
+    h.restart_due(h.sup.target)
+    assert h.sup.target.starts == 1 and h.sup.state == "ready"
+
+
+def test_a_target_that_keeps_dying_without_finishing_a_request_fails_the_daemon():
+    h = Harness()
+    h.kill(h.sup.target, TARGET_MAX_DEATHS - 1)
+    h.sup.target.die()
+    h.sup.check(1000.0)
+    assert h.sup.state == "failed" and "died 5 times within 10 minutes" in h.sup.failure
+    assert "gave up restarting it" in h.scheduler.failure and not h.stopped  # it served before: it stays to say why
+
+
+def test_a_finished_request_forgives_earlier_target_deaths():
+    h = Harness()
+    h.kill(h.sup.target, TARGET_MAX_DEATHS - 1)
+    h.run_request("a")
+    h.scheduler.on_target_message(finished("a"), encode(finished("a")))
+    h.sup.target.die()
+    h.sup.check(1000.0)
+    assert h.sup.state == "loading"  # the count started again
+
+
+def test_a_drafter_death_answers_a_drafting_request_early_and_the_target_decodes_plainly():
+    h = Harness(drafter=True)
+    h.run_request("a", draft_tokens=4)
+    h.sup.drafter.die()
+    h.sup.check(1000.0)
+    (err,) = h.replies
+    assert err.code == ErrorCode.DRAFTER_DIED and "it is being restarted" in err.message
+    states = [m for m in h.sup.target.sent if isinstance(m, DrafterState)]
+    assert [s.available for s in states] == [False] and h.sup.state == "ready"
+    assert h.sup.drafter_note() == " (restarting)"
+    h.restart_due(h.sup.drafter)
+    assert [m.available for m in h.sup.target.sent if isinstance(m, DrafterState)] == [False, True]
+
+
+def test_a_drafter_that_keeps_dying_is_switched_off_and_serving_goes_on():
+    h = Harness(drafter=True)
+    h.kill(h.sup.drafter, DRAFTER_MAX_DEATHS - 1)
+    h.run_request("a", draft="off")  # not drafting: not answered for the drafter
+    h.sup.drafter.die()
+    h.sup.check(1000.0)
+    assert h.sup.drafter_off == "it died 3 times within 10 minutes" and h.sup.drafter.policy.restart_due is None
+    assert h.sup.state == "ready" and h.sup.can_take_work and h.scheduler.active is not None  # a goes on
+    assert not h.replies and h.sup.drafter_note() == " (off: it died 3 times within 10 minutes)"
+
+
+@pytest.mark.parametrize("role", ["target", "drafter"])
+def test_a_worker_killed_as_hung_says_so(role):
+    h = Harness(drafter=True)
+    h.run_request("a", draft_tokens=4)
+    worker = getattr(h.sup, role)
+    worker.policy.killed_as_hung("did not answer within 120 s (worker_timeout) and was killed")
+    worker.die()
+    h.sup.check(1000.0)
+    assert "did not answer within 120 s" in h.replies[0].message
+
+
+def test_a_death_while_the_models_load_fails_the_daemon_and_stops_it():
+    h = Harness()
+    h.sup.ever_ready = False
+    h.sup.target.die(code=1)
+    h.sup.check(1000.0)
+    assert h.sup.state == "failed" and h.stopped and "while loading /m.gguf" in h.sup.failure

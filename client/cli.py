@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"config file (default: $TANDEM_CONFIG, else {config.default_config_path()}; it need not exist)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serving_commands(sub)
+    _admin_commands(sub)
+    return parser
+
+
+def _serving_commands(sub) -> None:
+    """serve, and the commands that ask the model: run, chat, openai."""
 
     p = sub.add_parser(
         "serve",
@@ -108,12 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the prompt; - reads it from stdin")
     p.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text (no chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result instead of streaming")
-    p.add_argument(
-        "--model",
-        default=argparse.SUPPRESS,
-        help="model for a daemon started by this command (default: the configured model)",
-    )
-    p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
+    _autostart_args(p)
     _sampling_args(p)
 
     p = sub.add_parser(
@@ -121,12 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="interactive multi-turn chat",
         description="Chat in the terminal. /reset forgets, /exit (or Ctrl-D) leaves.",
     )
-    p.add_argument(
-        "--model",
-        default=argparse.SUPPRESS,
-        help="model for a daemon started by this command (default: the configured model)",
-    )
-    p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
+    _autostart_args(p)
     _sampling_args(p)
 
     p = sub.add_parser(
@@ -145,14 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="loopback address to listen on; port 0 picks a free one "
         "(default $TANDEM_OPENAI_LISTEN, else 127.0.0.1:8642)",
     )
-    p.add_argument(
-        "--model",
-        default=argparse.SUPPRESS,
-        help="model for a daemon started by this command (default: the configured model)",
-    )
-    p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
+    _autostart_args(p)
     p.add_argument("--verbose", action="store_true", help="log every HTTP request to stderr")
 
+
+def _admin_commands(sub) -> None:
+    """The commands that look after the daemon: status, stop, cache, config, service, models."""
     p = sub.add_parser("status", help="show the daemon's model, queue, uptime and memory")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
 
@@ -199,7 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
     pp = msub.add_parser("pull", help="download a preset model into the model store, verifying its sha256")
     pp.add_argument("name", help="preset name (see `tandem models list`)")
     msub.add_parser("list", help="list presets and downloaded models")
-    return parser
+
+
+def _autostart_args(p: argparse.ArgumentParser) -> None:
+    """For commands that start a daemon when none runs."""
+    p.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        help="model for a daemon started by this command (default: the configured model)",
+    )
+    p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
 
 
 # --------------------------------------------------------------------------- helpers

@@ -21,11 +21,11 @@ from typing import Optional
 import numpy as np
 import zmq
 
-from tandem.protocol import Error, ErrorCode, ModelInfo, ProtocolError, Shutdown, decode, encode
+from tandem.protocol import Error, ErrorCode, ProtocolError, Shutdown, decode, encode
 from tandem.protocol.internal import DRAFTER_REQUESTS, Drafted, DraftRequest, Ready
 
 from .sampler import Sampler
-from .worker_config import WorkerConfig, load_model
+from .worker_config import WorkerConfig, describe_model, load_model
 
 log = logging.getLogger("tandem.drafter")
 
@@ -141,7 +141,7 @@ class DrafterLoop:
         c = self.config
         try:
             model = load_model(c)
-            info = model_info(model, c)
+            info = describe_model(model, c, has_chat_template=False, vocab_digests=model.vocab_digests())
             arena = None
             if c.cache_shm:
                 from .page_store import map_arena
@@ -182,19 +182,6 @@ class DrafterLoop:
             why = f"the drafter failed: {type(exc).__name__}: {exc}"
             reply = Error.of(req.id if req is not None else None, ErrorCode.INTERNAL, why)
         self.drafts.send_multipart(encode(reply))
-
-
-def model_info(model, config: WorkerConfig) -> ModelInfo:
-    return ModelInfo(
-        name=config.model_name,
-        path=str(model.path),
-        n_ctx=model.n_ctx,
-        n_ctx_train=model.n_ctx_train,
-        n_vocab=model.n_vocab,
-        size_bytes=model.size_bytes,
-        has_chat_template=False,
-        vocab_digests=model.vocab_digests(),
-    )
 
 
 def _softmax_prob(logits: np.ndarray, token: int) -> float:

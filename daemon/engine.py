@@ -344,11 +344,4 @@ class Engine:
         return [*drafts[:n_accepted], own], timed
 
     def _cancelled_in_prefill(self, state: RequestState) -> Done:
-        elapsed = self.clock() - state.started
-        return Done(
-            id=state.req.id,
-            text="",
-            finish_reason=FinishReason.CANCELLED,
-            usage=Usage(prompt_tokens=len(state.tokens), completion_tokens=0),
-            timings=Timings(0.0, elapsed, 0.0, 0.0, 0.0),
-        )
+        return Done.cancelled(state.req.id, len(state.tokens), prompt_seconds=self.clock() - state.started)

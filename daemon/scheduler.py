@@ -29,11 +29,8 @@ from tandem.protocol import (
     DraftStats,
     Error,
     ErrorCode,
-    FinishReason,
     GovernorInfo,
     Message,
-    Timings,
-    Usage,
 )
 
 from .metrics import Metrics
@@ -288,15 +285,9 @@ class Scheduler:
             self._finish(job, self._cancelled_done(job))
 
     def _cancelled_done(self, job: Job) -> Done:
-        waited = self.clock() - job.enqueued_at
-        return Done(
-            id=job.request.id,
-            text="",
-            finish_reason=FinishReason.CANCELLED,
-            usage=Usage(prompt_tokens=0, completion_tokens=0),
-            timings=Timings(0.0, 0.0, 0.0, 0.0, waited),
-            serial=job.serial,
-        )
+        done = Done.cancelled(job.request.id, queued_seconds=self.clock() - job.enqueued_at)
+        done.serial = job.serial
+        return done
 
     def _finish(self, job: Job, terminal: Message) -> None:
         """Deliver a request's one terminal message and forget the request."""

@@ -37,7 +37,7 @@ from tandem.protocol.internal import WORKER_REQUESTS, DrafterHung, DrafterState,
 from .engine import Engine, RequestError
 from .interfaces import Drafter
 from .invariance import invariance_fix, probe_batch_invariance
-from .worker_config import WorkerConfig, load_model
+from .worker_config import WorkerConfig, describe_model, load_model
 
 log = logging.getLogger("tandem.worker")
 
@@ -62,13 +62,9 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
             )
         except ChatTemplateError as exc:
             log.warning("%s; chat requests will be refused", exc)
-    info = ModelInfo(
-        name=c.model_name,
-        path=str(model.path),
-        n_ctx=model.n_ctx,
-        n_ctx_train=model.n_ctx_train,
-        n_vocab=model.n_vocab,
-        size_bytes=model.size_bytes,
+    info = describe_model(
+        model,
+        c,
         has_chat_template=template is not None,
         vocab_digests=model.vocab_digests() if c.drafter == "model" else [],
         fim=model.fim_tokens() is not None,

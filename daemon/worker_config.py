@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from tandem.protocol import ModelInfo
+
 EXTRA_BUFFERS = {"auto": None, "on": True, "off": False}
 
 
@@ -42,6 +44,19 @@ class WorkerConfig:
     @property
     def governed(self) -> bool:
         return bool(self.settings["governor"]) and self.drafter != "none"
+
+
+def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
+    """What a worker tells the daemon about its loaded model; ``more``: its role's own fields."""
+    return ModelInfo(
+        name=config.model_name,
+        path=str(model.path),
+        n_ctx=model.n_ctx,
+        n_ctx_train=model.n_ctx_train,
+        n_vocab=model.n_vocab,
+        size_bytes=model.size_bytes,
+        **more,
+    )
 
 
 def load_model(config: WorkerConfig):

@@ -87,9 +87,8 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 202  # the daemon is stopping
     CLIENT_TOO_SLOW = 203  # the client stopped reading and its send queue overflowed
     NOT_READY = 204  # the model is not loaded (yet, or it failed to load)
-    DRAFTER_DIED = (
-        205  # the drafter worker died or hung during the request; it is restarted (or drafting is switched off)
-    )
+    # the drafter worker died or hung during the request; it is restarted (or drafting is switched off)
+    DRAFTER_DIED = 205
 
 
 class Message:
@@ -352,9 +351,21 @@ class Done(Message):
     governor: Optional[GovernorInfo] = None  # its task's governor after this request; None if not governed
     cache: Optional[CacheInfo] = None  # the prefix cache after this request; None without one
     serial: int = 0  # the request's place in the daemon's arrival order (1, 2, ...): it serves them in this order
-    batch_invariant: Optional[bool] = (
-        None  # the target's load probe: greedy output is independent of cache and drafting
-    )
+    # the target's load probe: greedy output is independent of cache and drafting
+    batch_invariant: Optional[bool] = None
+
+    @classmethod
+    def cancelled(
+        cls, request_id: str, prompt_tokens: int = 0, prompt_seconds: float = 0.0, queued_seconds: float = 0.0
+    ) -> "Done":
+        """A request cancelled before it produced a token (while queued, or in its prefill)."""
+        return cls(
+            id=request_id,
+            text="",
+            finish_reason=FinishReason.CANCELLED,
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0),
+            timings=Timings(0.0, prompt_seconds, 0.0, 0.0, queued_seconds),
+        )
 
 
 @dataclass

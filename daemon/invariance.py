@@ -24,8 +24,6 @@ PROBE_PATHS = {"restore", "verify", "one_token", "small_batches"}  # LlamaModel.
 def probe_key(model, config: WorkerConfig) -> str:
     """What the probe's verdict depends on: the model file, the kernels and
     their settings, the CPU's features as llama.cpp sees them, and its version."""
-    import llama_cpp
-
     st = model.path.stat()
     parts = (
         str(model.path.resolve()),
@@ -36,8 +34,7 @@ def probe_key(model, config: WorkerConfig) -> str:
         model.extra_buffers,
         model.n_batch,
         model.n_threads,
-        llama_cpp.__version__,
-        llama_cpp.llama_print_system_info().decode(),
+        *model.runtime(),
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 

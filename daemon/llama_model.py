@@ -289,6 +289,11 @@ class LlamaModel:
     def is_eog(self, token: int) -> bool:
         return bool(llama.llama_vocab_is_eog(self.vocab, token))
 
+    @staticmethod
+    def runtime() -> tuple[str, str]:
+        """llama.cpp as loaded: its binding's version and the CPU features it uses."""
+        return llama.__version__, llama.llama_print_system_info().decode()
+
     @property
     def bos_token(self) -> int:
         return int(llama.llama_vocab_bos(self.vocab))

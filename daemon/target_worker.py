@@ -191,7 +191,11 @@ class TargetLoop:
             except ProtocolError as exc:  # the daemon validated it; this is a bug
                 log.error("undecodable message from the daemon: %s", exc.message)
                 continue
-            self.handlers[type(msg)](msg)
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                log.error("unexpected %s message from the daemon", msg.op.value)
+                continue
+            handler(msg)
 
     def _drafter(self) -> Optional[Drafter]:
         kind = self.config.drafter

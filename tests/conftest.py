@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import shutil
 import signal
@@ -14,6 +15,15 @@ from pathlib import Path
 import pytest
 
 from tandem.client import Client, DaemonNotRunning
+
+if os.environ.get("TANDEM_TEST_WITHOUT_LLAMA_CPP"):  # as if llama-cpp-python were not installed
+
+    class _NoLlamaCpp(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "llama_cpp" or name.startswith("llama_cpp."):
+                raise ImportError("llama_cpp is blocked (TANDEM_TEST_WITHOUT_LLAMA_CPP)")
+
+    sys.meta_path.insert(0, _NoLlamaCpp())
 
 MODEL_FIXTURES = {"smollm2_path", "coder_path"}  # every real model a test gets comes through one of these
 

@@ -109,6 +109,10 @@ class CountingModel:
         self.probes += 1
         return dict(self.verdict)
 
+    @staticmethod
+    def runtime():
+        return "0.3.36", "CPU : AVX2 = 1 | (a stand-in)"
+
 
 def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_path):
     from tandem.daemon import config as settings

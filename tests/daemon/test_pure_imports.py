@@ -4,8 +4,12 @@ runtime (only llama_model.py, chat.py's compile step and the workers' loading lo
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 PURE = [
     "tandem.protocol",
@@ -60,3 +64,22 @@ def test_the_blocker_blocks():
         [sys.executable, "-c", BLOCK, "tandem.daemon.llama_model"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode != 0 and "llama_cpp is blocked" in out.stderr
+
+
+@pytest.mark.slow  # the model-free unit tests run again (about 15 s)
+def test_the_model_free_unit_tests_pass_without_llama_cpp():
+    """tests/daemon, tests/protocol and tests/client less the model tests, with llama_cpp blocked
+    (tests/conftest.py blocks it under TANDEM_TEST_WITHOUT_LLAMA_CPP)."""
+    root = Path(__file__).resolve().parents[2]
+    itself = "tests/daemon/test_pure_imports.py::test_the_model_free_unit_tests_pass_without_llama_cpp"
+    args = ["-q", "-m", "not model", *"-p no:cacheprovider -x tests/daemon tests/protocol tests/client".split()]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "--deselect", itself],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TANDEM_TEST_WITHOUT_LLAMA_CPP": "1"},
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout

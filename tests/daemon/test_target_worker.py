@@ -30,6 +30,7 @@ from tandem.protocol import (
     Generate,
     ModelInfo,
     Shutdown,
+    Status,
     decode,
     encode,
 )
@@ -144,6 +145,7 @@ def test_control_messages_without_a_cache_or_drafter_are_answered_or_ignored(wor
     w.recv()
     w.send(Cancel(id="c", request_id="nothing-running"))  # finished before it came: ignored
     w.send(DrafterState(id="daemon", available=False))  # no drafter: nothing to switch
+    w.send(Status(id="s"))  # decodable, but not the worker's to answer: logged, not fatal
     w.daemon.send_multipart([b"generate", b"\xc1"])  # undecodable: logged, not fatal
     w.send(CacheClear(id="k"))
     cleared = w.recv()

@@ -69,6 +69,7 @@ def check_decode(frames, **kw) -> None:
     assert decode(encode(msg), **kw) == msg
 
 
+@pytest.mark.slow  # fuzzing: seconds to tens of seconds
 @settings(max_examples=3000, deadline=None)
 @given(st.lists(st.binary(max_size=300), max_size=4))
 def test_any_bytes_decode_or_raise_protocol_error(frames):
@@ -76,6 +77,7 @@ def test_any_bytes_decode_or_raise_protocol_error(frames):
     check_decode(frames, replies=True)
 
 
+@pytest.mark.slow  # fuzzing: seconds to tens of seconds
 @settings(max_examples=1500, deadline=None)
 @given(ops, bodies)
 def test_any_msgpack_map_under_any_op_decodes_or_raises_protocol_error(op, body):
@@ -84,6 +86,7 @@ def test_any_msgpack_map_under_any_op_decodes_or_raises_protocol_error(op, body)
     check_decode(frames, replies=True)
 
 
+@pytest.mark.slow  # fuzzing: seconds to tens of seconds
 @settings(max_examples=800, deadline=None)
 @given(st.sampled_from(sorted(REQUESTS, key=lambda o: o.value)), bodies, st.data())
 def test_truncated_or_corrupted_requests_raise_protocol_error(op, body, data):

@@ -12,6 +12,19 @@ from tandem.daemon.speculative import SparseDist
 EOS = 0
 
 
+class FakeClock:
+    """A clock that moves only when told: ``clock()`` reads it, ``clock.advance(s)`` moves it."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class ScriptedModel:
     """Tokens are bytes: token t (1..255) is the byte t. Greedily, it continues
     the prompt with ``script``, then EOS, whatever it is fed (so drafts that
@@ -102,3 +115,8 @@ def scripted_model():
 def list_drafter():
     """The ListDrafter class: ``list_drafter(b"hello", wrong_at={2})`` is a drafter."""
     return ListDrafter
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()

@@ -26,18 +26,7 @@ from tandem.daemon.governor import (
 from tandem.protocol import Generate
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def rounds(g: Governor, clock: FakeClock, n: int, plain_tps: float, draft_tps: float, draft_tokens: int = 3):
+def rounds(g: Governor, clock, n: int, plain_tps: float, draft_tps: float, draft_tokens: int = 3):
     """Run n rounds at the given speeds; returns the phases the rounds ran in."""
     seen = []
     for _ in range(n):
@@ -47,11 +36,6 @@ def rounds(g: Governor, clock: FakeClock, n: int, plain_tps: float, draft_tps: f
         clock.advance(tokens / (draft_tps if g.drafting else plain_tps))
         g.end_round(tokens)
     return seen
-
-
-@pytest.fixture
-def clock():
-    return FakeClock()
 
 
 def test_moving_rate_is_the_mean_until_the_window_then_exponential():
@@ -248,7 +232,7 @@ def timed_model(scripted_model):
         """Each pass advances the clock: 10 ms for one token, 25 ms for 5 (a
         compute-bound CPU: verifying is not free)."""
 
-        def __init__(self, clock: FakeClock, script: bytes = SCRIPT):
+        def __init__(self, clock, script: bytes = SCRIPT):
             super().__init__(script, n_ctx=512)
             self.clock = clock
             self.widths: list[int] = []

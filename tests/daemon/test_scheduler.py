@@ -26,19 +26,11 @@ from tandem.protocol import (
 )
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Harness:
     """A scheduler, what it said to each client, and what it sent the target."""
 
-    def __init__(self, max_queue: int = 4, target_up: bool = True):
-        self.clock = Clock()
+    def __init__(self, clock, max_queue: int = 4, target_up: bool = True):
+        self.clock = clock
         self.replies: list[tuple[bytes, object]] = []
         self.relayed: list[tuple[bytes, list[bytes]]] = []
         self.to_target: list[object] = []
@@ -91,8 +83,8 @@ def done(rid: str, tokens: int = 3, reason: FinishReason = FinishReason.STOP, **
 
 
 @pytest.fixture
-def h() -> Harness:
-    return Harness()
+def h(clock) -> Harness:
+    return Harness(clock)
 
 
 def test_requests_run_one_at_a_time_in_arrival_order(h):
@@ -100,7 +92,7 @@ def test_requests_run_one_at_a_time_in_arrival_order(h):
         h.submit(b"C1", rid)
     assert h.s.start_next() and h.started() == ["a"]
     assert not h.s.start_next()  # the target is busy
-    h.clock.now += 2.0
+    h.clock.advance(2.0)
     assert h.worker_says(done("a"))
     h.s.start_next()
     h.worker_says(done("b"))
@@ -114,8 +106,8 @@ def test_requests_run_one_at_a_time_in_arrival_order(h):
     assert h.done_count == 3 and not h.s.jobs and not h.s.busy
 
 
-def test_a_full_queue_answers_busy_and_keeps_who_is_in_it():
-    h = Harness(max_queue=2)
+def test_a_full_queue_answers_busy_and_keeps_who_is_in_it(clock):
+    h = Harness(clock, max_queue=2)
     for rid in ("a", "b", "c"):
         h.submit(b"C1", rid)
     (busy,) = h.replies_to(b"C1")
@@ -142,7 +134,7 @@ def test_chunks_are_relayed_as_the_worker_encoded_them_and_counted(h):
     h.s.start_next()
     chunk = Chunk(id="a", text="he", token_ids=[1, 2])
     h.worker_says(chunk)
-    h.clock.now += 0.5
+    h.clock.advance(0.5)
     h.worker_says(Chunk(id="a", text="y", token_ids=[3]))
     assert h.relayed[0] == (b"C1", encode(chunk))
     assert h.s.active_request().completion_tokens == 3
@@ -161,7 +153,7 @@ def test_messages_about_no_request_of_ours_are_not_taken(h):
 def test_cancel_of_a_queued_request_answers_cancelled_at_once_and_it_never_starts(h):
     h.submit(b"C1", "a")
     h.submit(b"C1", "b")
-    h.clock.now += 1.5
+    h.clock.advance(1.5)
     assert h.s.cancel("b")
     (d,) = h.replies_to(b"C1")
     assert d.finish_reason == FinishReason.CANCELLED and d.id == "b" and d.timings.queued_seconds == 1.5
@@ -224,8 +216,8 @@ def test_a_cache_clear_runs_after_the_running_request_and_before_the_next(h):
     assert h.started() == ["a", "b"]
 
 
-def test_a_clear_the_target_cannot_take_is_answered_with_an_error():
-    h = Harness(target_up=False)
+def test_a_clear_the_target_cannot_take_is_answered_with_an_error(clock):
+    h = Harness(clock, target_up=False)
     h.s.clear_cache(b"C2", CacheClear(id="k"))
     h.s.start_next()
     (err,) = h.replies_to(b"C2")
@@ -285,8 +277,8 @@ def test_a_failed_daemon_answers_the_queue_and_refuses_new_work(h):
     assert "the daemon has failed" in h.replies_to(b"C2")[0].message
 
 
-def test_shutdown_with_a_full_queue_answers_everyone_once():
-    h = Harness(max_queue=8)
+def test_shutdown_with_a_full_queue_answers_everyone_once(clock):
+    h = Harness(clock, max_queue=8)
     for rid in "abcde":
         h.submit(b"C1", rid)
     h.s.clear_cache(b"C2", CacheClear(id="k"))

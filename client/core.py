@@ -23,6 +23,7 @@ from tandem.protocol import (
     Hello,
     Message,
     ProtocolError,
+    ResponseFormat,
     decode,
     default_socket_path,
     encode,
@@ -63,12 +64,24 @@ def generate_request(
             m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"]) for m in messages
         ]
     request_id = params.pop("request_id", None) or new_id()
+    params = _response_format(params)
     return _checked(Generate(id=request_id, prompt=prompt, messages=chat, **params))
 
 
 def complete_request(prefix: str, suffix: str = "", **params: Any) -> Complete:
     request_id = params.pop("request_id", None) or new_id()
     return _checked(Complete(id=request_id, prefix=prefix, suffix=suffix, **params))
+
+
+def _response_format(params: dict) -> dict:
+    """``response_format`` may be given as a map (OpenAI's shape): made a ResponseFormat."""
+    rf = params.get("response_format")
+    if isinstance(rf, dict):
+        try:
+            params = {**params, "response_format": ResponseFormat(**rf)}
+        except TypeError as exc:
+            raise InvalidRequest(f"invalid request: 'response_format': {exc}") from None
+    return params
 
 
 def _checked(req: Decoding) -> Any:

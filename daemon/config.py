@@ -179,6 +179,13 @@ OPTIONS: tuple[Option, ...] = (
         choices=("auto", "on", "off"),
     ),
     Option(
+        "jump_forward",
+        "bool",
+        True,
+        "with a response_format: read the tokens its grammar forces (a schema's fixed keys, closing braces) as "
+        "drafts, verified in one batch, instead of sampling them one by one; off = one by one",
+    ),
+    Option(
         "cache_bytes",
         "size",
         AUTO,

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+import numpy as np
+
 from tandem.protocol import (
     FIM_FIX,
     Chunk,
@@ -29,6 +31,7 @@ from tandem.protocol import (
 )
 
 from .chat import ChatTemplate, ChatTemplateError
+from .constraint import Constraint, ConstraintError
 from .governor import PLAIN, Governor, GovernorBank, task_key
 from .interfaces import DecodeAborted, Drafter, Model
 from .sampler import Sampler
@@ -37,6 +40,9 @@ from .textstream import TextStream
 
 if TYPE_CHECKING:
     from .page_store import PageStore
+
+
+MAX_FORCED = 16  # grammar-forced tokens read in one round
 
 
 @dataclass
@@ -55,6 +61,7 @@ class RequestState:
     stats: Optional[DraftStats]  # draft rounds, when it may draft
     cache: Optional["PageStore"]  # the prefix cache, when this request uses it
     started: float
+    constraint: Optional[Constraint] = None  # the response_format's grammar state; None: any text
     cached: int = 0  # prompt tokens restored from the prefix cache
     prefilled: float = 0.0
     first_token_at: float = 0.0
@@ -87,6 +94,8 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
         governors: Optional[GovernorBank] = None,
         cache: Optional["PageStore"] = None,
+        grammars=None,
+        jump_forward: bool = True,
     ):
         self.model = model
         self.chat_template = chat_template
@@ -98,6 +107,8 @@ class Engine:
         self.governors = governors  # None: draft every round
         self.cache = cache  # the prefix cache's pages of this model; None: no prefix cache
         self.batch_invariant: Optional[bool] = None  # the model's load probe (LlamaModel.batch_invariance)
+        self.grammars = grammars  # compiles response_format into a Constraint (constraint.Grammars); None: refused
+        self.jump_forward = jump_forward  # grammar-forced tokens are read as drafts
 
     def prompt_tokens(self, req: Decoding) -> list[int]:
         if isinstance(req, Complete):
@@ -170,6 +181,8 @@ class Engine:
             if state.cache is not None:
                 state.cache.release()
             return self._cancelled_in_prefill(state)
+        if state.constraint is not None:
+            logits = state.constraint.mask(logits)
         new_tokens = [state.sampler.sample(logits)]
         state.first_token_at = self.clock()
         while True:
@@ -185,6 +198,10 @@ class Engine:
         tokens = self.prompt_tokens(req)
         k = self.draft_tokens if req.draft_tokens is None else req.draft_tokens
         drafter = self.drafter if k > 0 and req.draft != "off" else None
+        constraint = self._constraint(req)
+        if constraint is not None and drafter is not None and req.temperature > 0 and not drafter.one_hot_q:
+            # its q is not masked by the grammar: min(1, p/q) would no longer sample the constrained p
+            drafter = None
         if isinstance(req, Complete):
             stream = TextStream(req.stop, req.stop_at_blank_line, req.max_lines)
         else:
@@ -198,10 +215,22 @@ class Engine:
             p_min=self.draft_p_min if req.draft_p_min is None else req.draft_p_min,
             drafter=drafter,
             governor=self._governor(req, tokens, k) if drafter is not None else None,
-            stats=DraftStats() if drafter is not None else None,
+            stats=DraftStats() if drafter is not None or constraint is not None else None,
             cache=self.cache if req.cache else None,
             started=started,
+            constraint=constraint,
         )
+
+    def _constraint(self, req: Decoding) -> Optional[Constraint]:
+        rf = req.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if self.grammars is None:
+            raise RequestError(ErrorCode.BAD_CONSTRAINT, "this daemon cannot constrain output (llguidance is missing)")
+        try:
+            return self.grammars.compile(rf)
+        except ConstraintError as exc:
+            raise RequestError(exc.code, str(exc)) from None
 
     def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
         """Restore what the prefix cache holds of the prompt, start the drafter,
@@ -237,6 +266,9 @@ class Engine:
             text += state.stream.push(model.piece(token))
             if state.stream.stopped_by is not None:
                 state.finish = FinishReason.STOP
+                break
+            if state.constraint is not None and (not state.constraint.consume(token) or state.constraint.stopped):
+                state.finish = FinishReason.STOP  # the grammar is complete (or, a bug, broken: see its error)
                 break
             if len(state.completion) >= req.max_tokens or len(state.tokens) + len(state.completion) >= model.n_ctx:
                 state.finish = FinishReason.LENGTH
@@ -274,7 +306,7 @@ class Engine:
                 else 0.0,
                 queued_seconds=0.0,
             ),
-            draft=state.stats if state.stats is not None and state.stats.rounds else None,
+            draft=state.stats if state.stats is not None and (state.stats.rounds or state.stats.forced) else None,
             governor=self.governors.info() if state.governor is not None and self.governors is not None else None,
             cache=self.cache.info() if self.cache is not None else None,
             batch_invariant=self.batch_invariant,
@@ -324,24 +356,58 @@ class Engine:
         room = min(state.k, state.req.max_tokens - len(state.completion) - 1, model.n_ctx - len(context))
         drafts: list[int] = []
         dists = None
-        if drafter is not None and room > 0:
+        constraint = state.constraint
+        forced_room = min(MAX_FORCED, state.req.max_tokens - len(state.completion) - 1, model.n_ctx - len(context))
+        forced = constraint.forced()[: max(forced_room, 0)] if constraint is not None and self.jump_forward else []
+        if forced:
+            # jump-forward: the grammar's only continuation, verified as drafts (no drafter needed)
+            drafts, dists = forced, [SparseDist.one_hot(t) for t in forced]
+        elif drafter is not None and room > 0:
             drafts, dists = drafter.propose(context, room, state.p_min)
-        counted = bool(drafts)
+            if constraint is not None and drafts:  # what the grammar forbids costs no target compute
+                n = constraint.valid_prefix(drafts)
+                drafts, dists = drafts[:n], dists[:n] if dists is not None else None
+        counted = bool(drafts) and not forced
         if not drafts and self.min_batch > 1 and model.n_ctx - len(context) >= 1:
             # Exact mode: this target's single-token kernels round differently from
             # its batched ones, so a step without drafts still reads two positions,
             # the second a guess (the last token again) verified like any draft.
-            drafts, dists = [context[-1]], [SparseDist.one_hot(context[-1])]
+            guess = context[-1]
+            if constraint is not None and not constraint.valid_prefix([guess]):
+                guess = int(np.flatnonzero(constraint.allowed())[0])  # any token the grammar allows
+            drafts, dists = [guess], [SparseDist.one_hot(guess)]
         n_before = model.n_past
         logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
+        if constraint is not None:
+            logits = self._masked(constraint, logits, drafts)
         timed = drafter is None or room > 0
         if not drafts:
             return [state.sampler.sample(logits[0])], timed
         n_accepted, own = verify(logits, drafts, dists, state.sampler)
+        if forced and state.stats is not None:
+            state.stats.forced += n_accepted
         model.truncate(n_before + 1 + n_accepted)
         if counted and state.stats is not None:
             state.stats.add_round(len(drafts), n_accepted)
         return [*drafts[:n_accepted], own], timed
+
+    def _masked(self, constraint: Constraint, logits: np.ndarray, drafts: list[int]) -> np.ndarray:
+        """Each row masked by the grammar's state after the drafts before it (the
+        drafts are all allowed: cut before the pass). A row after the grammar is
+        complete allows only the end token (that row's token is never taken)."""
+        rows = np.empty_like(logits)
+        consumed = 0
+        for i in range(len(drafts) + 1):
+            if constraint.stopped:
+                rows[i] = -np.inf
+                rows[i, self.model.eos_token] = 0.0
+            else:
+                rows[i] = constraint.mask(logits[i])
+            if i < len(drafts) and not constraint.stopped:
+                constraint.consume(drafts[i])
+                consumed += 1
+        constraint.rollback(consumed)
+        return rows
 
     def _cancelled_in_prefill(self, state: RequestState) -> Done:
         return Done.cancelled(state.req.id, len(state.tokens), prompt_seconds=self.clock() - state.started)

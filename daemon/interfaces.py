@@ -26,6 +26,7 @@ class Model(Protocol):
     n_ctx: int
     n_ctx_train: int
     n_past: int
+    eos_token: int
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]: ...
     def piece(self, token: int) -> bytes: ...
@@ -44,6 +45,8 @@ class Drafter:
     A subclass implements ``propose``; the rest has defaults that suit a drafter
     without state of its own (no KV cache, no process): nothing to start, always
     ready, no prefix-cache pages, never down."""
+
+    one_hot_q = False  # its proposals are deterministic (q is one-hot), so a grammar's mask cannot change q
 
     def begin(self, request_id: str, prompt: list[int], sampler: "Sampler", prefill: bool = True) -> None:
         """A new request; ``prefill``: start reading the prompt now (in parallel with the target)."""

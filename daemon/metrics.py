@@ -60,6 +60,9 @@ class Metrics:
         )
         self.drafted_tokens = Counter("tandem_drafted_tokens", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("tandem_accepted_tokens", "Draft tokens the target kept", registry=r)
+        self.forced_tokens = Counter(
+            "tandem_forced_tokens", "Tokens a response_format's grammar forced, read as free drafts", registry=r
+        )
         self.accepted_by_position = Counter(
             "tandem_accepted_tokens_by_position",
             "Rounds whose draft token at this position (1 = first guess) was accepted",
@@ -133,6 +136,8 @@ class Metrics:
             self.ttft.observe(done.timings.time_to_first_token_seconds)
         if not streamed and done.usage.completion_tokens > 1:
             self.tokens_relayed(done.usage.completion_tokens - 1, done.timings.generation_seconds)
+        if done.draft is not None and done.draft.forced:
+            self.forced_tokens.inc(done.draft.forced)
         if done.draft is not None and done.draft.rounds:
             d = done.draft
             self.draft_rounds.inc(d.rounds)

@@ -34,6 +34,7 @@ from tandem.protocol import (
 )
 from tandem.protocol.internal import WORKER_REQUESTS, DrafterHung, DrafterState, Progress, Ready
 
+from .constraint import Grammars
 from .engine import Engine, RequestError
 from .interfaces import Drafter
 from .invariance import invariance_fix, probe_batch_invariance
@@ -94,6 +95,8 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         min_batch,
         governors=governors,
         cache=page_store(model, c),
+        grammars=Grammars(model),
+        jump_forward=c["jump_forward"],
     )
     engine.batch_invariant = info.batch_invariant
     return engine, info

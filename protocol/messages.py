@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 0)
 """(major, minor). A client whose major differs is refused; minors are compatible:
@@ -82,6 +82,7 @@ class ErrorCode(enum.IntEnum):
     MESSAGE_TOO_LARGE = 106  # body over MAX_MESSAGE_BYTES
     CHAT_TEMPLATE = 107  # messages given but the model has no usable chat template
     FIM_UNSUPPORTED = 108  # complete sent but the model has no fill-in-the-middle tokens
+    BAD_CONSTRAINT = 109  # response_format does not compile (bad schema, regex or grammar)
     INTERNAL = 200  # a bug: the message says what failed
     WORKER_DIED = 201  # the model worker process died during the request; it is restarted
     SHUTTING_DOWN = 202  # the daemon is stopping
@@ -135,6 +136,35 @@ class Hello(Message):
             raise ValueError("'protocol_version' must be [major, minor]")
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+MAX_CONSTRAINT_CHARS = 256 * 1024
+
+
+@dataclass
+class ResponseFormat:
+    """What the output must be: ``text`` (anything), ``json_object`` (any JSON
+    object), ``json_schema`` (OpenAI's shape: ``json_schema`` = {name, schema,
+    strict}), ``regex`` (``pattern``) or ``grammar`` (a Lark grammar in ``lark``)."""
+
+    type: str
+    json_schema: Optional[dict[str, Any]] = None
+    pattern: Optional[str] = None
+    lark: Optional[str] = None
+
+    def check(self) -> None:
+        if self.type not in RESPONSE_FORMATS:
+            raise ValueError(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMATS)}, got {self.type!r}")
+        needs = {"json_schema": "json_schema", "regex": "pattern", "grammar": "lark"}.get(self.type)
+        if needs is not None and getattr(self, needs) is None:
+            raise ValueError(f"'response_format' of type {self.type!r} needs '{needs}'")
+        if self.type == "json_schema" and not isinstance(self.json_schema.get("schema"), dict):
+            raise ValueError("'response_format.json_schema.schema' must be a JSON Schema object")
+        for name in ("pattern", "lark"):
+            text = getattr(self, name)
+            if text is not None and len(text) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"'response_format.{name}' is over {MAX_CONSTRAINT_CHARS} characters")
+
+
 @dataclass
 class Decoding(Message):
     """What ``generate`` and ``complete`` share: how to sample, when to stop, drafting and caching."""
@@ -152,6 +182,7 @@ class Decoding(Message):
     draft_p_min: Optional[float] = None  # stop a draft when the drafter's probability falls below; None = daemon's
     draft: str = "auto"  # "auto": the governor decides each round; "on": draft every round; "off": never
     cache: bool = True  # use the prefix cache (if the daemon has one) for this request
+    response_format: Optional[ResponseFormat] = None  # constrain the output; None = any text
 
     def check(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -175,6 +206,8 @@ class Decoding(Message):
             raise ValueError(f"'draft_p_min' must be between 0 and 1, got {self.draft_p_min}")
         if self.draft not in DRAFT_MODES:
             raise ValueError(f"'draft' must be one of {', '.join(DRAFT_MODES)}, got {self.draft!r}")
+        if self.response_format is not None:
+            self.response_format.check()
 
 
 @dataclass
@@ -274,6 +307,7 @@ class DraftStats:
         default_factory=list
     )  # [i]: rounds whose draft i was accepted (0 to longest draft)
     tokens_per_round: Optional[float] = None  # mean tokens a round produced (accepted + the target's own)
+    forced: int = 0  # tokens the grammar forced (response_format), verified as drafts and kept; not in rounds
 
     def add_round(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -289,6 +323,7 @@ class DraftStats:
         self.rounds += other.rounds
         self.drafted += other.drafted
         self.accepted += other.accepted
+        self.forced += other.forced
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
         self.accepted_per_position = [
             (self.accepted_per_position[i] if i < len(self.accepted_per_position) else 0)

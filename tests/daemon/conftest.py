@@ -31,6 +31,7 @@ class ScriptedModel:
     match the script are accepted)."""
 
     n_ctx_train = 64
+    eos_token = EOS
 
     def __init__(self, script: bytes, n_ctx: int = 64):
         self.script = list(script)

@@ -79,6 +79,7 @@ def test_draft_stats_in_done_status_and_run_json(tandem_cli, spec_daemon):
         "acceptance_rate",
         "accepted_per_position",
         "tokens_per_round",
+        "forced",
     }
 
 

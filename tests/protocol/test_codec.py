@@ -47,6 +47,14 @@ REQUESTS = [
     ),
     P.Complete(id="f1", prefix="def add(a, b):\n    return ", suffix="\n\nprint(add(1, 2))\n"),
     P.Complete(id="f2", prefix="", max_lines=3, stop_at_blank_line=False, draft="off", cache=False),
+    P.Generate(
+        id="g3",
+        prompt="a person as JSON:",
+        response_format=P.ResponseFormat(
+            "json_schema", json_schema={"name": "p", "schema": {"type": "object"}, "strict": True}
+        ),
+    ),
+    P.Generate(id="g4", prompt="a date:", response_format=P.ResponseFormat("regex", pattern=r"\d{4}-\d{2}-\d{2}")),
     P.Cancel(id="c1", request_id="g1"),
     P.Status(id="s1"),
     P.Shutdown(id="x1"),
@@ -376,7 +384,7 @@ def test_protocol_md_documents_every_op_field_and_error_code():
     for code in ErrorCode:
         assert re.search(rf"\b{int(code)}\b.*`{code.name}`", doc), code
     tables = (P.REQUESTS, P.REPLIES, I.WORKER_REQUESTS, I.WORKER_REPLIES, I.DRAFTER_REQUESTS, I.DRAFTER_REPLIES)
-    nested = [P.DraftStats, P.GovernorInfo, P.CacheInfo, I.SamplingParams]
+    nested = [P.DraftStats, P.GovernorInfo, P.CacheInfo, P.ResponseFormat, I.SamplingParams]
     for cls in [*(cls for table in tables for cls in table.values()), *nested]:
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name}"

@@ -1,0 +1,116 @@
+"""response_format through the real daemon: constrained output always validates
+(checked with the jsonschema package), drafting and jump-forward never change
+greedy output, and a constraint that does not compile is a typed error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tandem.client import RequestFailed
+from tandem.protocol import ErrorCode, FinishReason
+
+CORPUS = json.loads((Path(__file__).resolve().parents[2] / "bench" / "corpus" / "extraction.json").read_text())
+SYSTEM = "Extract the facts from the user's text as one JSON object."
+
+
+def extract(client, item: dict, constrained: bool = True, **kw):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item["text"]}]
+    rf = {"type": "json_schema", "json_schema": {"name": "facts", "schema": item["schema"], "strict": True}}
+    if not constrained:  # the same request, the schema only asked for in words
+        messages[0]["content"] += " It must match this JSON Schema: " + json.dumps(item["schema"])
+    params = {"temperature": 0.0, "max_tokens": 200, **kw}
+    return client.complete(messages=messages, response_format=rf if constrained else None, **params)
+
+
+def valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+@pytest.mark.parametrize("which", ["smollm2", "coder"])
+def test_every_constrained_extraction_validates(which, request, capsys):
+    d = request.getfixturevalue("daemon" if which == "smollm2" else "coder_daemon")
+    constrained = unconstrained = 0
+    with d.client() as c:
+        for item in CORPUS:
+            done = extract(c, item)
+            assert done.finish_reason == FinishReason.STOP, (item["text"], done.text)
+            assert valid(done.text, item["schema"]), (item["text"], done.text)
+            assert done.draft is not None and done.draft.forced > 0  # the fixed keys were jumped over
+            constrained += 1
+            if which == "smollm2":
+                unconstrained += valid(extract(c, item, constrained=False).text, item["schema"])
+    with capsys.disabled():
+        rate = f", unconstrained {unconstrained}/{len(CORPUS)}" if which == "smollm2" else ""
+        print(f"\n{which}: constrained {constrained}/{len(CORPUS)} valid{rate}")
+
+
+def test_greedy_constrained_output_is_the_same_with_and_without_jump_forward_and_drafting(start_daemon):
+    plain = start_daemon("--ctx-size", "1024", "--jump-forward", "off")
+    fast = start_daemon("--ctx-size", "1024", "--drafter", "ngram", "--draft-tokens", "4")
+    items = CORPUS[:8]
+    with plain.client() as a, fast.client() as b:
+        for item in items:
+            one = extract(a, item)
+            assert one.draft is None or one.draft.forced == 0  # every token sampled one by one
+            for draft in ("on", "off"):
+                other = extract(b, item, draft=draft)
+                assert other.text == one.text, (item["text"], draft)
+                assert other.draft.forced > 0 and other.usage.completion_tokens == one.usage.completion_tokens
+
+
+def test_regex_and_grammar_constraints(daemon):
+    with daemon.client() as c:
+        date = c.complete(prompt="The date today is", max_tokens=20, temperature=0.9, seed=3,
+                          response_format={"type": "regex", "pattern": r" [0-9]{4}-[0-9]{2}-[0-9]{2}"})  # fmt: skip
+        assert date.finish_reason == FinishReason.STOP
+        assert len(date.text) == 11 and date.text[5] == "-" and date.text[1:5].isdigit()
+        lark = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
+        answer = c.complete(prompt="Is water wet?", max_tokens=20, temperature=0.0,
+                            response_format={"type": "grammar", "lark": lark})  # fmt: skip
+        assert answer.text in ("The answer is yes.", "The answer is no.")
+        obj = c.complete(prompt="A JSON object about a cat:", max_tokens=60, temperature=0.0,
+                         response_format={"type": "json_object"})  # fmt: skip
+        assert obj.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if obj.finish_reason == FinishReason.STOP:
+            assert isinstance(json.loads(obj.text), dict)
+
+
+def test_a_constrained_request_cut_by_max_tokens_says_length(daemon):
+    with daemon.client() as c:
+        item = CORPUS[0]
+        done = extract(c, item, max_tokens=5)
+        assert done.finish_reason == FinishReason.LENGTH and not valid(done.text, item["schema"])
+
+
+@pytest.mark.parametrize(
+    "rf,field",
+    [
+        ({"type": "regex", "pattern": "(unclosed"}, "response_format.pattern"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "json_schema.schema"),
+        ({"type": "grammar", "lark": "start: undefined_rule"}, "response_format.lark"),
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_refused_before_decoding(daemon, rf, field):
+    with daemon.client() as c:
+        before = c.status().tokens.get("completion", 0)
+        with pytest.raises(RequestFailed) as info:
+            c.complete(prompt="x", max_tokens=8, response_format=rf)
+        assert info.value.code == ErrorCode.BAD_CONSTRAINT and field in info.value.message
+        assert c.status().tokens.get("completion", 0) == before  # nothing was decoded
+        assert c.complete(prompt="Hello", max_tokens=3, temperature=0.0).usage.completion_tokens > 0
+
+
+def test_a_malformed_response_format_is_an_invalid_request(daemon):
+    with daemon.client() as c:
+        for rf in ({"type": "xml"}, {"type": "regex"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
+            with pytest.raises(Exception) as info:
+                c.complete(prompt="x", response_format=rf)
+            assert "response_format" in str(info.value)

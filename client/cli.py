@@ -54,6 +54,33 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _constraint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", type=Path, metavar="FILE", help="the answer is JSON matching this JSON Schema file")
+    g.add_argument("--json-object", action="store_true", help="the answer is one JSON object")
+    g.add_argument("--grammar", type=Path, metavar="FILE", help="the answer follows this Lark grammar file")
+    g.add_argument("--regex", metavar="PATTERN", help="the answer matches this regular expression")
+
+
+def _response_format(args) -> Optional[dict]:
+    """The run command's constraint flags as a response_format (None: any text)."""
+    try:
+        if args.json_schema is not None:
+            schema = json.loads(args.json_schema.read_text())
+            return {"type": "json_schema", "json_schema": {"name": args.json_schema.stem, "schema": schema}}
+        if args.grammar is not None:
+            return {"type": "grammar", "lark": args.grammar.read_text()}
+    except OSError as exc:
+        raise TandemError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise TandemError(f"{args.json_schema} is not JSON: {exc}") from None
+    if args.regex is not None:
+        return {"type": "regex", "pattern": args.regex}
+    if args.json_object:
+        return {"type": "json_object"}
+    return None
+
+
 def _serve_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("socket",)) -> None:
     """One flag per option of the settings schema (tandem.daemon.config); a flag
     not given is left out, so the environment and the config file can supply it."""
@@ -116,6 +143,7 @@ def _serving_commands(sub) -> None:
     p.add_argument("--raw", action="store_true", help="send PROMPT as plain completion text (no chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result instead of streaming")
     _autostart_args(p)
+    _constraint_args(p)
     _sampling_args(p)
 
     p = sub.add_parser(
@@ -282,6 +310,7 @@ def cmd_run(args) -> int:
                 {"role": "user", "content": prompt}
             ]
             request = dict(messages=messages)
+        request["response_format"] = _response_format(args)
         if args.json:
             done = client.complete(**request, **_params(args))
             print(json.dumps(_done_json(done), indent=2))

@@ -238,15 +238,28 @@ def chat_call(body: dict) -> Call:
     _refuse(body, "tools", "no tool calls")
     _refuse(body, "functions", "no function calls")
     _refuse(body, "tool_choice", "no tool calls", allowed=lambda v: v in (None, "none", "auto"))
-    _refuse(
-        body,
-        "response_format",
-        "output is plain text",
-        allowed=lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    )
     params = _sampling(body, MAX_TOKENS_LIMIT)  # the API's default: until the model stops or the context is full
+    response_format = _response_format(body)
+    if response_format is not None:
+        params["response_format"] = response_format
     start = lambda c: c.generate(messages=messages, **params)  # noqa: E731
     return Call("chat.completion", start, bool(_get(body, "stream", (bool,), False)), _include_usage(body))
+
+
+def _response_format(body: dict) -> Optional[dict]:
+    """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``), and
+    tandem's own ``regex`` and ``grammar``, as the daemon takes it."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            "'response_format' must be an object with a 'type': text, json_object, json_schema, regex or grammar",
+            param="response_format",
+        )
+    keys = {"type", "json_schema", "pattern", "lark"}
+    return {k: v for k, v in rf.items() if k in keys}
 
 
 def _include_usage(body: dict) -> bool:

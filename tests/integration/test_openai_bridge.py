@@ -240,3 +240,31 @@ def test_the_bridge_listens_on_loopback_only(coder_daemon):
         timeout=60,
     )
     assert r.returncode == 2 and "not a loopback address" in r.stderr and "ssh -L" in r.stderr
+
+
+def test_response_format_json_schema_through_the_openai_client(api):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "maximum": 150}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Maria is 34. Give her name and age as JSON."}]
+    r = api.chat.completions.create(model="any", messages=messages, temperature=0, response_format=rf)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.choices[0].finish_reason == "stop"
+    pieces = api.chat.completions.create(model="any", messages=messages, temperature=0, response_format=rf, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    assert streamed == r.choices[0].message.content
+    obj = api.chat.completions.create(
+        model="any", messages=messages, temperature=0, max_tokens=80, response_format={"type": "json_object"}
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as err:
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+        api.chat.completions.create(model="any", messages=messages, response_format=bad)
+    assert "json_schema.schema" in err.value.body["message"]

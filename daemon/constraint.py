@@ -132,11 +132,16 @@ class Grammars:
         tokenizer = self.tokenizer()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
-            raise ConstraintError(f"{_field(rf)} does not compile: {messages[0]}. {_fix(rf)}")
+            raise ConstraintError(_message(rf, messages[0]))
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ConstraintError(f"{_field(rf)} does not compile: {matcher.get_error()}. {_fix(rf)}")
+            raise ConstraintError(_message(rf, matcher.get_error()))
         return Constraint(matcher, self.model.n_vocab)
+
+
+def _message(rf: ResponseFormat, detail: str) -> str:
+    detail = " ".join(detail.split())  # llguidance's report spans lines, with a caret diagram
+    return f"{_field(rf)} does not compile ({detail}). {_fix(rf)}"
 
 
 def _field(rf: ResponseFormat) -> str:

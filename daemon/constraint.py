@@ -51,7 +51,7 @@ def grammar_for(rf: ResponseFormat) -> Optional[str]:
         schema, field = rf.json_schema.get("schema"), "response_format.json_schema.schema"
     try:
         return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         raise ConstraintError(f"{field} is not a usable JSON Schema: {exc}") from None
 
 
@@ -65,6 +65,7 @@ class Constraint:
     def allowed(self) -> np.ndarray:
         """A boolean mask over the vocabulary: the tokens the grammar allows next."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        self.check()
         return np.unpackbits(bits, bitorder="little")[: self.n_vocab].astype(bool)
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
@@ -75,11 +76,21 @@ class Constraint:
         return out
 
     def consume(self, token: int) -> bool:
-        return self.matcher.consume_token(token)
+        """Take ``token``; False when the grammar does not allow it."""
+        ok = self.matcher.consume_token(token)
+        self.check()
+        return ok
 
     def rollback(self, n: int) -> None:
-        if n:
-            self.matcher.rollback(n)
+        if n and not self.matcher.rollback(n):
+            self.check()
+            raise ConstraintError(f"llguidance could not take back {n} tokens")
+
+    def check(self) -> None:
+        """Raise ConstraintError if the matcher failed (a limit of llguidance's, or
+        a token it refused): its state then says 'stopped' though nothing matched."""
+        if self.matcher.is_error():
+            raise ConstraintError(f"the response_format's grammar failed while decoding: {self.matcher.get_error()}")
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar accepts from here, in order."""
@@ -87,7 +98,9 @@ class Constraint:
 
     def forced(self) -> list[int]:
         """Tokens the grammar allows as the only continuation from here (llguidance's fast-forward)."""
-        return list(self.matcher.compute_ff_tokens())
+        forced = list(self.matcher.compute_ff_tokens())
+        self.check()
+        return forced
 
     @property
     def stopped(self) -> bool:
@@ -116,7 +129,10 @@ class Grammars:
             from llguidance.llamacpp import lltokenizer_from_vocab
 
             started = time.perf_counter()
-            self._tokenizer = lltokenizer_from_vocab(self.model.vocab, n_vocab=self.model.n_vocab)
+            # every end-of-generation token ends a complete grammar (a chat model's end of turn
+            # is often not the vocabulary's eos token)
+            ends = [t for t in range(self.model.n_vocab) if self.model.is_eog(t)] or None
+            self._tokenizer = lltokenizer_from_vocab(self.model.vocab, n_vocab=self.model.n_vocab, eos_token=ends)
             log.info("llguidance tokenizer built from the vocabulary in %.2f s", time.perf_counter() - started)
         return self._tokenizer
 
@@ -129,14 +145,15 @@ class Grammars:
             return None
         from llguidance import LLMatcher
 
-        tokenizer = self.tokenizer()
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if is_error:
-            raise ConstraintError(_message(rf, messages[0]))
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(self.tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(_message(rf, matcher.get_error()))
-        return Constraint(matcher, self.model.n_vocab)
+        constraint = Constraint(matcher, self.model.n_vocab)
+        try:
+            constraint.allowed()  # the first mask: some limits only show here, and then before decoding
+        except ConstraintError as exc:
+            raise ConstraintError(_message(rf, str(exc))) from None
+        return constraint
 
 
 def _message(rf: ResponseFormat, detail: str) -> str:

@@ -181,17 +181,22 @@ class Engine:
             if state.cache is not None:
                 state.cache.release()
             return self._cancelled_in_prefill(state)
-        if state.constraint is not None:
-            logits = state.constraint.mask(logits)
-        new_tokens = [state.sampler.sample(logits)]
-        state.first_token_at = self.clock()
-        while True:
-            self._take(state, new_tokens, emit)
-            if state.finish is None and should_cancel():
-                state.finish = FinishReason.CANCELLED
-            if state.finish is not None:
-                return self._finish(state, emit)
-            new_tokens = self._next_round(state)
+        try:
+            if state.constraint is not None:
+                logits = state.constraint.mask(logits)
+            new_tokens = [state.sampler.sample(logits)]
+            state.first_token_at = self.clock()
+            while True:
+                self._take(state, new_tokens, emit)
+                if state.finish is None and should_cancel():
+                    state.finish = FinishReason.CANCELLED
+                if state.finish is not None:
+                    return self._finish(state, emit)
+                new_tokens = self._next_round(state)
+        except ConstraintError as exc:  # llguidance failed mid-request: the output would not match
+            if state.cache is not None:
+                state.cache.release()
+            raise RequestError(exc.code, str(exc)) from None
 
     def _begin(self, req: Decoding) -> RequestState:
         started = self.clock()
@@ -267,9 +272,12 @@ class Engine:
             if state.stream.stopped_by is not None:
                 state.finish = FinishReason.STOP
                 break
-            if state.constraint is not None and (not state.constraint.consume(token) or state.constraint.stopped):
-                state.finish = FinishReason.STOP  # the grammar is complete (or, a bug, broken: see its error)
-                break
+            if state.constraint is not None:
+                if not state.constraint.consume(token):
+                    raise ConstraintError(f"the grammar refused token {token}, which it had allowed")
+                if state.constraint.stopped:
+                    state.finish = FinishReason.STOP  # the grammar is complete
+                    break
             if len(state.completion) >= req.max_tokens or len(state.tokens) + len(state.completion) >= model.n_ctx:
                 state.finish = FinishReason.LENGTH
                 break
@@ -380,7 +388,7 @@ class Engine:
         logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
         if constraint is not None:
             logits = self._masked(constraint, logits, drafts)
-        timed = drafter is None or room > 0
+        timed = (drafter is None or room > 0) and not forced  # a forced round is neither plain nor drafting
         if not drafts:
             return [state.sampler.sample(logits[0])], timed
         n_accepted, own = verify(logits, drafts, dists, state.sampler)
@@ -404,7 +412,8 @@ class Engine:
             else:
                 rows[i] = constraint.mask(logits[i])
             if i < len(drafts) and not constraint.stopped:
-                constraint.consume(drafts[i])
+                if not constraint.consume(drafts[i]):
+                    raise ConstraintError(f"the grammar refused draft {drafts[i]}, which it had allowed")
                 consumed += 1
         constraint.rollback(consumed)
         return rows

@@ -157,10 +157,14 @@ class ResponseFormat:
         needs = {"json_schema": "json_schema", "regex": "pattern", "grammar": "lark"}.get(self.type)
         if needs is not None and getattr(self, needs) is None:
             raise ValueError(f"'response_format' of type {self.type!r} needs '{needs}'")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError("'response_format.json_schema' must be a map: {name, schema, strict}")
         if self.type == "json_schema" and not isinstance(self.json_schema.get("schema"), dict):
             raise ValueError("'response_format.json_schema.schema' must be a JSON Schema object")
         for name in ("pattern", "lark"):
             text = getattr(self, name)
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"'response_format.{name}' must be a string")
             if text is not None and len(text) > MAX_CONSTRAINT_CHARS:
                 raise ValueError(f"'response_format.{name}' is over {MAX_CONSTRAINT_CHARS} characters")
 

@@ -34,6 +34,7 @@ def valid(text: str, schema: dict) -> bool:
         return False
 
 
+@pytest.mark.model  # its daemon fixture is looked up by name, so tests/conftest.py cannot see it
 @pytest.mark.parametrize("which", ["smollm2", "coder"])
 def test_every_constrained_extraction_validates(which, request, capsys):
     d = request.getfixturevalue("daemon" if which == "smollm2" else "coder_daemon")
@@ -131,3 +132,22 @@ def test_the_cli_takes_a_schema_file_a_grammar_file_and_a_regex(tandem_cli, daem
     assert out.returncode == 0 and out.stdout.strip().isdigit() and len(out.stdout.strip()) == 3
     out = tandem_cli(daemon.socket, "run", "--json-schema", str(tmp_path / "missing.json"), "x")
     assert out.returncode != 0 and "missing.json" in out.stderr
+
+
+def test_a_grammar_llguidance_fails_on_is_an_error_not_a_finished_answer(daemon):
+    """llguidance's limits show as an error state that reads as 'stopped': the
+    daemon must not report that as a complete, matching output."""
+    with daemon.client() as c:
+        with pytest.raises(RequestFailed) as info:
+            c.complete(prompt="x", max_tokens=8, response_format={"type": "grammar", "lark": 'start: "a" start'})
+        assert info.value.code == ErrorCode.BAD_CONSTRAINT and "response_format" in info.value.message
+        assert c.complete(prompt="Hello", max_tokens=3, temperature=0.0).usage.completion_tokens > 0
+
+
+def test_response_format_fields_of_the_wrong_type_are_refused_by_the_client(daemon):
+    from tandem.client import InvalidRequest
+
+    with daemon.client() as c:
+        for rf in ({"type": "json_schema", "json_schema": "x"}, {"type": "regex", "pattern": 5}, {"kind": "x"}):
+            with pytest.raises(InvalidRequest, match="response_format"):
+                c.complete(prompt="x", response_format=rf)

@@ -23,16 +23,19 @@ import numpy as np
 
 from tandem.protocol import ErrorCode, ResponseFormat
 
+from .interfaces import RequestError
+
 log = logging.getLogger("tandem.worker")
 
 # compact JSON: a small model given free whitespace can pad an object with newlines until max_tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class ConstraintError(Exception):
-    """The response_format cannot be compiled; the message names the field and the fix."""
+class ConstraintError(RequestError):
+    """The response_format cannot be compiled, or its matcher failed; the message names the field and the fix."""
 
-    code = ErrorCode.BAD_CONSTRAINT
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.BAD_CONSTRAINT, message)
 
 
 def grammar_for(rf: ResponseFormat) -> Optional[str]:

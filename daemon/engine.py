@@ -33,7 +33,7 @@ from tandem.protocol import (
 from .chat import ChatTemplate, ChatTemplateError
 from .constraint import Constraint, ConstraintError
 from .governor import PLAIN, Governor, GovernorBank, task_key
-from .interfaces import DecodeAborted, Drafter, Model
+from .interfaces import DecodeAborted, Drafter, Model, RequestError
 from .sampler import Sampler
 from .speculative import SparseDist, verify
 from .textstream import TextStream
@@ -71,15 +71,6 @@ class RequestState:
 
     def context(self) -> list[int]:
         return self.tokens + self.completion
-
-
-class RequestError(Exception):
-    """The request cannot be served as given; ends it with an ``error`` reply."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Engine:
@@ -193,10 +184,10 @@ class Engine:
                 if state.finish is not None:
                     return self._finish(state, emit)
                 new_tokens = self._next_round(state)
-        except ConstraintError as exc:  # llguidance failed mid-request: the output would not match
+        except ConstraintError:  # llguidance failed mid-request: the output would not match
             if state.cache is not None:
                 state.cache.release()
-            raise RequestError(exc.code, str(exc)) from None
+            raise
 
     def _begin(self, req: Decoding) -> RequestState:
         started = self.clock()
@@ -231,11 +222,8 @@ class Engine:
         if rf is None or rf.type == "text":
             return None
         if self.grammars is None:
-            raise RequestError(ErrorCode.BAD_CONSTRAINT, "this daemon cannot constrain output (llguidance is missing)")
-        try:
-            return self.grammars.compile(rf)
-        except ConstraintError as exc:
-            raise RequestError(exc.code, str(exc)) from None
+            raise ConstraintError("this daemon cannot constrain output (llguidance is missing)")
+        return self.grammars.compile(rf)
 
     def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
         """Restore what the prefix cache holds of the prompt, start the drafter,
@@ -360,13 +348,15 @@ class Engine:
         whether it ran as asked (False: no room left to draft in it)."""
         model, context = self.model, state.context()
         # room for drafts: before max_tokens (the round adds one token of its own)
-        # and inside the context (the target reads the pending token + k drafts)
-        room = min(state.k, state.req.max_tokens - len(state.completion) - 1, model.n_ctx - len(context))
+        # and inside the context (the target reads the pending token + the drafts)
+        left = min(state.req.max_tokens - len(state.completion) - 1, model.n_ctx - len(context))
+        room = min(state.k, left)
         drafts: list[int] = []
         dists = None
         constraint = state.constraint
-        forced_room = min(MAX_FORCED, state.req.max_tokens - len(state.completion) - 1, model.n_ctx - len(context))
-        forced = constraint.forced()[: max(forced_room, 0)] if constraint is not None and self.jump_forward else []
+        forced = (
+            constraint.forced()[: max(min(MAX_FORCED, left), 0)] if constraint is not None and self.jump_forward else []
+        )
         if forced:
             # jump-forward: the grammar's only continuation, verified as drafts (no drafter needed)
             drafts, dists = forced, [SparseDist.one_hot(t) for t in forced]

@@ -8,11 +8,14 @@ llama.cpp, so the engine, the governor and their tests import no model runtime.
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from tandem.protocol import ErrorCode
+
     from .page_store import PageStore
     from .sampler import Sampler
     from .speculative import SparseDist
@@ -20,6 +23,15 @@ if TYPE_CHECKING:
 
 class DecodeAborted(Exception):
     """``abort()`` returned True between two batches of a long decode."""
+
+
+class RequestError(Exception):
+    """The request cannot be served as given; ends it with an ``error`` reply."""
+
+    def __init__(self, code: "ErrorCode", message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class Model(Protocol):
@@ -39,7 +51,7 @@ class Model(Protocol):
     ) -> np.ndarray: ...
 
 
-class Drafter:
+class Drafter(abc.ABC):
     """Proposes tokens for the target to verify.
 
     A subclass implements ``propose``; the rest has defaults that suit a drafter
@@ -51,10 +63,10 @@ class Drafter:
     def begin(self, request_id: str, prompt: list[int], sampler: "Sampler", prefill: bool = True) -> None:
         """A new request; ``prefill``: start reading the prompt now (in parallel with the target)."""
 
+    @abc.abstractmethod
     def propose(self, context: list[int], k: int, p_min: float) -> tuple[list[int], Optional[list["SparseDist"]]]:
         """Up to ``k`` tokens to follow ``context``, and their distributions q
         (None at temperature 0)."""
-        raise NotImplementedError
 
     def sync(self, context: list[int]) -> None:
         """Catch up on ``context`` without drafting (before the first drafting

@@ -35,8 +35,8 @@ from tandem.protocol import (
 from tandem.protocol.internal import WORKER_REQUESTS, DrafterHung, DrafterState, Progress, Ready
 
 from .constraint import Grammars
-from .engine import Engine, RequestError
-from .interfaces import Drafter
+from .engine import Engine
+from .interfaces import Drafter, RequestError
 from .invariance import invariance_fix, probe_batch_invariance
 from .worker_config import WorkerConfig, describe_model, load_model
 

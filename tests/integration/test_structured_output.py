@@ -69,16 +69,23 @@ def test_greedy_constrained_output_is_the_same_with_and_without_jump_forward_and
 
 def test_regex_and_grammar_constraints(daemon):
     with daemon.client() as c:
-        date = c.complete(prompt="The date today is", max_tokens=20, temperature=0.9, seed=3,
-                          response_format={"type": "regex", "pattern": r" [0-9]{4}-[0-9]{2}-[0-9]{2}"})  # fmt: skip
+        date = c.complete(
+            prompt="The date today is",
+            max_tokens=20,
+            temperature=0.9,
+            seed=3,
+            response_format={"type": "regex", "pattern": r" [0-9]{4}-[0-9]{2}-[0-9]{2}"},
+        )
         assert date.finish_reason == FinishReason.STOP
         assert len(date.text) == 11 and date.text[5] == "-" and date.text[1:5].isdigit()
         lark = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
-        answer = c.complete(prompt="Is water wet?", max_tokens=20, temperature=0.0,
-                            response_format={"type": "grammar", "lark": lark})  # fmt: skip
+        answer = c.complete(
+            prompt="Is water wet?", max_tokens=20, temperature=0.0, response_format={"type": "grammar", "lark": lark}
+        )
         assert answer.text in ("The answer is yes.", "The answer is no.")
-        obj = c.complete(prompt="A JSON object about a cat:", max_tokens=60, temperature=0.0,
-                         response_format={"type": "json_object"})  # fmt: skip
+        obj = c.complete(
+            prompt="A JSON object about a cat:", max_tokens=60, temperature=0.0, response_format={"type": "json_object"}
+        )
         assert obj.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         if obj.finish_reason == FinishReason.STOP:
             assert isinstance(json.loads(obj.text), dict)

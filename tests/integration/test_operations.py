@@ -243,7 +243,11 @@ def test_notify_ready_watchdog_reload_and_stop(daemon_process, short_tmpdir, smo
     listener.daemon_socket = d.socket
     try:
         listener.wait_for("READY")
-        # READY=1 only once the models are loaded and the socket answers
+        # READY=1 only once the models are loaded and the socket answers; the listener
+        # records READY before its status request returns, so wait for that answer
+        deadline = time.monotonic() + 10
+        while not listener.state_at_ready and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert listener.state_at_ready == ["ready"]
         assert "STATUS" in listener.messages[0][1] and "loading" in listener.messages[0][1]["STATUS"]
         with d.client() as c:

@@ -41,6 +41,7 @@ from .core import (
     MessageLike,
     ReplyRouter,
     StreamState,
+    check_daemon_speaks,
     check_socket_exists,
     complete_request,
     generate_request,
@@ -137,8 +138,9 @@ class AsyncClient:
     async def generate(
         self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params
     ) -> "AsyncStream":
-        await self.connect()
+        hello = await self.connect()
         req = generate_request(prompt, messages, **params)
+        check_daemon_speaks(hello, req)
         await self._send(req)
         return AsyncStream(self, req.id)
 

@@ -40,6 +40,7 @@ from .core import (
     MessageLike,
     ReplyRouter,
     StreamState,
+    check_daemon_speaks,
     check_socket_exists,
     complete_request,
     generate_request,
@@ -140,8 +141,9 @@ class Client:
     ) -> "Stream":
         """Start a generation; iterate the returned Stream for chunks, then read ``.done``.
         Params: max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, request_id."""
-        self.connect()
+        hello = self.connect()
         req = generate_request(prompt, messages, **params)
+        check_daemon_speaks(hello, req)
         self._send(req)
         return Stream(self, req.id)
 

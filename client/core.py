@@ -24,9 +24,11 @@ from tandem.protocol import (
     Message,
     ProtocolError,
     ResponseFormat,
+    Tool,
     decode,
     default_socket_path,
     encode,
+    from_map,
 )
 
 from .errors import DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError
@@ -60,12 +62,35 @@ def generate_request(
 ) -> Generate:
     chat = None
     if messages is not None:
-        chat = [
-            m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"]) for m in messages
-        ]
+        chat = [_as(ChatMessage, m, f"messages[{i}]") for i, m in enumerate(messages)]
+    if params.get("tools") is not None:
+        params["tools"] = [_as(Tool, t, f"tools[{i}]") for i, t in enumerate(params["tools"])]
     request_id = params.pop("request_id", None) or new_id()
     params = _response_format(params)
     return _checked(Generate(id=request_id, prompt=prompt, messages=chat, **params))
+
+
+def check_daemon_speaks(hello: Any, req: Decoding) -> None:
+    """Refuse to send what an older daemon would silently ignore (its minor is below 1.1)."""
+    version = tuple(hello.protocol_version[:2])
+    used = [name for name in ("response_format", "tools") if getattr(req, name, None)]
+    if used and version < (1, 1):
+        raise InvalidRequest(
+            f"the daemon speaks protocol {version[0]}.{version[1]}, which ignores {' and '.join(used)}: "
+            "restart it from this tandem (tandem service restart, or stop it and run tandem serve)"
+        )
+
+
+def _as(cls: type, value: Any, where: str) -> Any:
+    """A message, tool, ... given as a map (OpenAI's shape) made the protocol's dataclass."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"invalid request: '{where}' must be a map or a {cls.__name__}")
+    try:
+        return from_map(cls, value, where + ".")
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid request: {exc}") from None
 
 
 def complete_request(prefix: str, suffix: str = "", **params: Any) -> Complete:

@@ -168,11 +168,11 @@ def _chat_messages(body: dict) -> list[dict]:
                 HTTPStatus.BAD_REQUEST, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]"
             )
         role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(
                 HTTPStatus.BAD_REQUEST,
-                f"messages[{i}] has role {m['role']!r}; tandem takes system, developer, user and assistant "
-                "(no tool or function calls)",
+                f"messages[{i}] has role {m['role']!r}; tandem takes system, developer, user, assistant and tool "
+                "(the legacy 'function' role: send tool calls and tool results instead)",
                 param=f"messages[{i}].role",
             )
         content = m.get("content")
@@ -195,8 +195,69 @@ def _chat_messages(body: dict) -> list[dict]:
                 f"messages[{i}].content must be a string or an array of text parts",
                 param=f"messages[{i}].content",
             )
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"messages[{i}] is a tool result without a 'tool_call_id' (the id of the call it answers)",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            message["tool_call_id"] = m["tool_call_id"]
+            if isinstance(m.get("name"), str):
+                message["name"] = m["name"]
+        out.append(message)
     return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} must be an array of tool calls", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(call.get("id"), str)):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f'{where}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
+                param=f"{where}[{j}]",
+            )
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):  # some clients send the object itself
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        out.append({"id": call["id"], "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def _tools(body: dict) -> dict:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as the daemon takes them."""
+    tools = _get(body, "tools", (list,))
+    if not tools:
+        choice = body.get("tool_choice")
+        if choice not in (None, "none", "auto"):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "'tool_choice' is given but 'tools' is not", param="tool_choice")
+        return {}
+    out = []
+    for i, tool in enumerate(tools):
+        if not (isinstance(tool, dict) and tool.get("type", "function") == "function"):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f'tools[{i}] must be {{"type": "function", "function": {{"name", "description", "parameters"}}}}',
+                param=f"tools[{i}]",
+            )
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"tools[{i}].function must be an object", param=f"tools[{i}]")
+        out.append({"type": "function", "function": fn})
+    params: dict[str, Any] = {"tools": out}
+    if body.get("tool_choice") is not None:
+        params["tool_choice"] = body["tool_choice"]
+    if body.get("parallel_tool_calls") is not None:
+        params["parallel_tool_calls"] = _get(body, "parallel_tool_calls", (bool,))
+    return params
 
 
 @dataclass
@@ -235,10 +296,10 @@ def completions_call(body: dict) -> Call:
 
 def chat_call(body: dict) -> Call:
     messages = _chat_messages(body)
-    _refuse(body, "tools", "no tool calls")
-    _refuse(body, "functions", "no function calls")
-    _refuse(body, "tool_choice", "no tool calls", allowed=lambda v: v in (None, "none", "auto"))
+    _refuse(body, "functions", "the legacy 'functions' are not taken: send them as 'tools'")
+    _refuse(body, "function_call", "the legacy 'function_call' is not taken: send 'tool_choice'")
     params = _sampling(body, MAX_TOKENS_LIMIT)  # the API's default: until the model stops or the context is full
+    params.update(_tools(body))
     response_format = _response_format(body)
     if response_format is not None:
         params["response_format"] = response_format
@@ -268,7 +329,26 @@ def _include_usage(body: dict) -> bool:
 
 
 def _finish(reason: FinishReason) -> str:
-    return "length" if reason == FinishReason.LENGTH else "stop"
+    return {FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls"}.get(reason, "stop")
+
+
+def _openai_calls(done) -> list[dict]:
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        for c in done.tool_calls
+    ]
+
+
+def _call_delta(d) -> dict:
+    """A streamed tool-call piece, as OpenAI streams it: the first has id, type and name."""
+    if d.id is not None:
+        return {
+            "index": d.index,
+            "id": d.id,
+            "type": "function",
+            "function": {"name": d.name, "arguments": d.arguments},
+        }
+    return {"index": d.index, "function": {"arguments": d.arguments}}
 
 
 def _usage(done) -> dict:
@@ -452,7 +532,11 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, call: Call, request_id: str, done) -> dict:
         reply = self._envelope(call, request_id)
         if call.kind == "chat.completion":
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None}
+            message: dict[str, Any] = {"role": "assistant", "content": done.text}
+            if done.tool_calls:
+                message["content"] = done.text or None
+                message["tool_calls"] = _openai_calls(done)
+            choice = {"index": 0, "message": message, "logprobs": None}
         else:
             choice = {"index": 0, "text": done.text, "logprobs": None}
         choice["finish_reason"] = _finish(done.finish_reason)
@@ -495,6 +579,11 @@ class Handler(BaseHTTPRequestHandler):
                 start()
                 if chunk.text:
                     self._send_event(event(chunk.text))
+                if chat and chunk.tool_calls:
+                    e = self._envelope(call, stream.request_id, chunk=True)
+                    delta = {"tool_calls": [_call_delta(d) for d in chunk.tool_calls]}
+                    e["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+                    self._send_event(e)
         except ApiError as exc:
             if not started:
                 raise

@@ -7,9 +7,7 @@ when a template is compiled, so the engine imports no model runtime.
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from tandem.protocol import ChatMessage
+from typing import Optional, Sequence
 
 
 class ChatTemplateError(Exception):
@@ -26,10 +24,11 @@ class ChatTemplate:
         except Exception as exc:  # jinja2 raises TemplateSyntaxError and friends
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
 
-    def render(self, messages: Sequence[ChatMessage]) -> tuple[str, bool]:
-        """-> (prompt text, whether BOS/EOS should still be added when tokenizing)."""
+    def render(self, messages: Sequence[dict], tools: Optional[list[dict]] = None) -> tuple[str, bool]:
+        """``messages`` as the template's maps (tools.message_dicts), ``tools`` in OpenAI's
+        shape -> (prompt text, whether BOS/EOS should still be added when tokenizing)."""
         try:
-            result = self._formatter(messages=[{"role": m.role, "content": m.content} for m in messages])
+            result = self._formatter(messages=list(messages), tools=tools or None)
         except Exception as exc:  # templates raise on roles they do not support, etc.
             raise ChatTemplateError(f"the model's chat template rejected these messages: {exc}") from None
         return result.prompt, not result.added_special

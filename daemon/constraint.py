@@ -146,22 +146,34 @@ class Grammars:
         grammar = grammar_for(rf)
         if grammar is None:
             return None
+        return self._matcher(grammar, _field(rf), _fix(rf))
+
+    def compile_tools(self, lark: str) -> Constraint:
+        """The constraint of a request's tool calls (tools.ToolPlan.grammar)."""
+        return self._matcher(
+            lark,
+            "tools[].function.parameters",
+            "Give each tool's parameters as a JSON Schema of an object that llguidance supports: "
+            "https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md",
+        )
+
+    def _matcher(self, grammar: str, field: str, fix: str) -> Constraint:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise ConstraintError(_message(rf, matcher.get_error()))
+            raise ConstraintError(_message(field, fix, matcher.get_error()))
         constraint = Constraint(matcher, self.model.n_vocab)
         try:
             constraint.allowed()  # the first mask: some limits only show here, and then before decoding
         except ConstraintError as exc:
-            raise ConstraintError(_message(rf, str(exc))) from None
+            raise ConstraintError(_message(field, fix, str(exc))) from None
         return constraint
 
 
-def _message(rf: ResponseFormat, detail: str) -> str:
+def _message(field: str, fix: str, detail: str) -> str:
     detail = " ".join(detail.split())  # llguidance's report spans lines, with a caret diagram
-    return f"{_field(rf)} does not compile ({detail}). {_fix(rf)}"
+    return f"{field} does not compile ({detail}). {fix}"
 
 
 def _field(rf: ResponseFormat) -> str:

@@ -26,7 +26,9 @@ from tandem.protocol import (
     DraftStats,
     ErrorCode,
     FinishReason,
+    Generate,
     Timings,
+    ToolCallDelta,
     Usage,
 )
 
@@ -37,6 +39,8 @@ from .interfaces import DecodeAborted, Drafter, Model, RequestError
 from .sampler import Sampler
 from .speculative import SparseDist, verify
 from .textstream import TextStream
+from .tools import GENERIC, CallOpener, ToolCallParser, ToolPlan, detect_format, make_plan, message_dicts, tool_dict
+from .tools import with_generic_prompt as _generic_prompt
 
 if TYPE_CHECKING:
     from .page_store import PageStore
@@ -62,6 +66,10 @@ class RequestState:
     cache: Optional["PageStore"]  # the prefix cache, when this request uses it
     started: float
     constraint: Optional[Constraint] = None  # the response_format's grammar state; None: any text
+    tools: Optional[ToolPlan] = None  # the request's tools (not with tool_choice none)
+    parser: Optional[ToolCallParser] = None  # with tools: splits the output into text and calls
+    pending: Optional[CallOpener] = None  # tool_choice auto: the calls' grammar, from the token that opens one
+    content: str = ""  # with tools: the text outside the calls, as streamed
     cached: int = 0  # prompt tokens restored from the prefix cache
     prefilled: float = 0.0
     first_token_at: float = 0.0
@@ -100,8 +108,19 @@ class Engine:
         self.batch_invariant: Optional[bool] = None  # the model's load probe (LlamaModel.batch_invariance)
         self.grammars = grammars  # compiles response_format into a Constraint (constraint.Grammars); None: refused
         self.jump_forward = jump_forward  # grammar-forced tokens are read as drafts
+        # the tool-call syntax the chat template teaches (tools.py)
+        self.tool_format = detect_format(chat_template.template if chat_template is not None else None)
 
-    def prompt_tokens(self, req: Decoding) -> list[int]:
+    def tool_plan(self, req: Decoding) -> Optional[ToolPlan]:
+        if not isinstance(req, Generate):
+            return None
+        return make_plan(req, self.tool_format, self._single_token)
+
+    def _single_token(self, text: str) -> Optional[int]:
+        tokens = self.model.tokenize(text, add_special=False, parse_special=True)
+        return tokens[0] if len(tokens) == 1 else None
+
+    def prompt_tokens(self, req: Decoding, plan: Optional[ToolPlan] = None) -> list[int]:
         if isinstance(req, Complete):
             tokens = self.fim_prompt(req)
         elif req.messages is not None:
@@ -111,8 +130,14 @@ class Engine:
                     "this model has no chat template in its GGUF file; send 'prompt' (plain text) instead of "
                     "'messages' (CLI: tandem run --raw)",
                 )
+            messages = message_dicts(req.messages, self.tool_format)
+            tools = None
+            if plan is not None and self.tool_format == GENERIC:
+                messages = _generic_prompt(messages, plan.tools)
+            elif plan is not None:
+                tools = [tool_dict(t) for t in plan.tools]
             try:
-                text, add_special = self.chat_template.render(req.messages)
+                text, add_special = self.chat_template.render(messages, tools)
             except ChatTemplateError as exc:
                 raise RequestError(ErrorCode.CHAT_TEMPLATE, str(exc)) from None
             tokens = self.model.tokenize(text, add_special=add_special, parse_special=True)
@@ -191,10 +216,11 @@ class Engine:
 
     def _begin(self, req: Decoding) -> RequestState:
         started = self.clock()
-        tokens = self.prompt_tokens(req)
+        plan = self.tool_plan(req)
+        tokens = self.prompt_tokens(req, plan)
         k = self.draft_tokens if req.draft_tokens is None else req.draft_tokens
         drafter = self.drafter if k > 0 and req.draft != "off" else None
-        constraint = self._constraint(req)
+        constraint, pending = self._constraint(req, plan)
         if constraint is not None and drafter is not None and req.temperature > 0 and not drafter.one_hot_q:
             # its q is not masked by the grammar: min(1, p/q) would no longer sample the constrained p
             drafter = None
@@ -211,19 +237,42 @@ class Engine:
             p_min=self.draft_p_min if req.draft_p_min is None else req.draft_p_min,
             drafter=drafter,
             governor=self._governor(req, tokens, k) if drafter is not None else None,
-            stats=DraftStats() if drafter is not None or constraint is not None else None,
+            stats=DraftStats() if drafter is not None or constraint is not None or pending is not None else None,
             cache=self.cache if req.cache else None,
             started=started,
             constraint=constraint,
+            tools=plan,
+            parser=plan.parser() if plan is not None else None,
+            pending=pending,
         )
 
-    def _constraint(self, req: Decoding) -> Optional[Constraint]:
+    def _constraint(self, req: Decoding, plan: Optional[ToolPlan]) -> tuple[Optional[Constraint], Optional[CallOpener]]:
+        """(the constraint from the first token, the one that starts when a tool call opens)."""
         rf = req.response_format
-        if rf is None or rf.type == "text":
-            return None
+        text = rf is None or rf.type == "text"
+        if text and plan is None:
+            return None, None
+        if not text and plan is not None:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                "give either 'tools' or a 'response_format' other than text, not both (or tool_choice 'none')",
+            )
         if self.grammars is None:
             raise ConstraintError("this daemon cannot constrain output (llguidance is missing)")
-        return self.grammars.compile(rf)
+        if plan is None:
+            constraint = self.grammars.compile(rf)
+        else:
+            compiled = {kind: self.grammars.compile_tools(g) for kind, g in plan.grammars().items()}
+            if "start" not in compiled:
+                return None, CallOpener(plan, compiled, self.model.piece)
+            constraint = compiled["start"]
+        forced = constraint.forced()
+        if len(forced) >= req.max_tokens:
+            raise ConstraintError(
+                f"the output must start with {len(forced)} tokens the grammar fixes, so it cannot end within "
+                f"max_tokens {req.max_tokens}: raise max_tokens (to {len(forced) + 64} or more)"
+            )
+        return constraint, None
 
     def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
         """Restore what the prefix cache holds of the prompt, start the drafter,
@@ -250,6 +299,7 @@ class Engine:
         req, model = state.req, self.model
         accepted_ids: list[int] = []
         text = ""
+        opened = False
         for token in new_tokens:
             if model.is_eog(token) and not req.ignore_eos:
                 state.finish = FinishReason.STOP
@@ -266,11 +316,35 @@ class Engine:
                 if state.constraint.stopped:
                     state.finish = FinishReason.STOP  # the grammar is complete
                     break
+            if state.pending is not None:
+                state.constraint = state.pending.opens(token, first=len(state.completion) == 1)
+                opened = state.constraint is not None
             if len(state.completion) >= req.max_tokens or len(state.tokens) + len(state.completion) >= model.n_ctx:
                 state.finish = FinishReason.LENGTH
                 break
+            if opened:
+                break
+        if opened and state.finish is None:
+            self._open_call(state, cut=len(accepted_ids) < len(new_tokens))
+        deltas: list[ToolCallDelta] = []
+        if state.parser is not None:
+            text, deltas = state.parser.feed(text)
+            state.content += text
         if req.stream and accepted_ids:
-            emit(Chunk(id=req.id, text=text, token_ids=accepted_ids))
+            emit(Chunk(id=req.id, text=text, token_ids=accepted_ids, tool_calls=deltas))
+
+    def _open_call(self, state: RequestState, cut: bool) -> None:
+        """tool_choice auto: the model opened a call; what follows is constrained to the
+        tools' calls. Tokens the round verified after the opening one are dropped
+        (they were not constrained): the target forgets them too."""
+        state.pending = None
+        if state.stats is None:
+            state.stats = DraftStats()
+        if cut:
+            self.model.truncate(len(state.context()) - 1)
+        drafter = state.drafter
+        if drafter is not None and state.req.temperature > 0 and not drafter.one_hot_q:
+            state.drafter = state.governor = None  # its q is not masked by the grammar (see _begin)
 
     def _next_round(self, state: RequestState) -> list[int]:
         if state.governor is None:
@@ -285,13 +359,24 @@ class Engine:
                 self.drafter.store(state.context())
             state.cache.release()
         tail = state.stream.flush()
-        if tail and req.stream:
-            emit(Chunk(id=req.id, text=tail, token_ids=[]))
+        deltas: list[ToolCallDelta] = []
+        text = state.stream.text
+        finish = state.finish
+        if state.parser is not None:
+            tail, deltas = state.parser.feed(tail)
+            rest, more = state.parser.finish()
+            tail, deltas = tail + rest, deltas + more
+            state.content += tail
+            text = state.content
+            if state.parser.calls and finish == FinishReason.STOP:
+                finish = FinishReason.TOOL_CALLS
+        if (tail or deltas) and req.stream:
+            emit(Chunk(id=req.id, text=tail, token_ids=[], tool_calls=deltas))
         generation_seconds = self.clock() - state.first_token_at
         return Done(
             id=req.id,
-            text=state.stream.text,
-            finish_reason=state.finish,
+            text=text,
+            finish_reason=finish,
             usage=Usage(prompt_tokens=len(state.tokens), completion_tokens=len(completion), cached_tokens=state.cached),
             timings=Timings(
                 time_to_first_token_seconds=state.first_token_at - state.started,
@@ -306,6 +391,7 @@ class Engine:
             governor=self.governors.info() if state.governor is not None and self.governors is not None else None,
             cache=self.cache.info() if self.cache is not None else None,
             batch_invariant=self.batch_invariant,
+            tool_calls=list(state.parser.calls) if state.parser is not None else [],
         )
 
     def _governor(self, req: Decoding, tokens: list[int], k: int) -> Optional[Governor]:

@@ -162,13 +162,14 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return {_convert(k, key_tp, path): _convert(v, val_tp, f"{path}.{k}") for k, v in value.items()}
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
-            return _from_map(tp, value, path + ".")
+            return from_map(tp, value, path + ".")
     else:
         raise TypeError(f"codec cannot convert to {tp!r}")
     raise ValueError(f"'{path}' must be {_type_name(tp)}, got {type(value).__name__}")
 
 
-def _from_map(cls: type, body: dict, prefix: str = "") -> Any:
+def from_map(cls: type, body: dict, prefix: str = "") -> Any:
+    """A dataclass from a map, type-checked field by field as the wire is (ValueError names the field)."""
     hints = _hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -218,7 +219,7 @@ def decode(frames: list[bytes], *, replies: bool = False, table: Optional[dict] 
             ErrorCode.UNKNOWN_OP, f"unknown op {op_frame[:40]!r}; known ops: {known}", request_id
         ) from None
     try:
-        msg = _from_map(cls, body)
+        msg = from_map(cls, body)
         if isinstance(getattr(msg, "id", None), str) and not 1 <= len(msg.id) <= MAX_ID_CHARS:
             raise ValueError(f"'id' must have 1 to {MAX_ID_CHARS} characters")
         check = getattr(msg, "check", None)

@@ -19,10 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
-their defaults."""
+their defaults. 1.1 added response_format, tools and tool calls: a client refuses
+to send those to a 1.0 daemon, which would ignore them."""
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest message body the daemon accepts (bytes of msgpack)."""
@@ -34,6 +35,9 @@ MAX_MESSAGES = 4096
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_DRAFT_TOKENS = 16
 MAX_LINES = 10_000
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 64
+TOOL_CHOICES = ("none", "auto", "required")
 DRAFT_MODES = ("auto", "on", "off")
 FIM_FIX = (
     "Serve a code model that has them (tandem serve --model qwen2.5-coder-1.5b), "
@@ -67,6 +71,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # the model ended its turn (end-of-generation token) or a stop string matched
     LENGTH = "length"  # max_tokens reached, or the context is full
     CANCELLED = "cancelled"  # a cancel request, the client going away, or daemon shutdown
+    TOOL_CALLS = "tool_calls"  # the model called tools (done.tool_calls) and ended its turn
 
 
 class ErrorCode(enum.IntEnum):
@@ -100,9 +105,55 @@ class Message:
 
 
 @dataclass
+class FunctionCall:
+    name: str
+    arguments: str  # the arguments object as JSON text, exactly as the model wrote it
+
+
+@dataclass
+class ToolCall:
+    """A call the model made (OpenAI's shape): in ``done.tool_calls``, and in an
+    assistant message of the history when it is sent back."""
+
+    id: str  # "call_..." (made by the daemon); a tool message answers it by tool_call_id
+    function: FunctionCall
+    type: str = "function"
+
+
+@dataclass
 class ChatMessage:
-    role: str  # "system", "user", "assistant" (whatever the model's template knows)
-    content: str
+    role: str  # "system", "user", "assistant", "tool" (whatever the model's template knows)
+    content: str = ""
+    tool_calls: Optional[list[ToolCall]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = None  # tool: which call this is the result of
+    name: Optional[str] = None  # tool: the function's name (some templates show it)
+
+
+@dataclass
+class FunctionSpec:
+    name: str  # letters, digits, '_' and '-', at most 64 characters
+    description: str = ""
+    parameters: Optional[dict[str, Any]] = None  # a JSON Schema of the arguments object; None = no arguments
+    strict: Optional[bool] = None  # accepted for OpenAI's shape; calls are always constrained to the schema
+
+
+@dataclass
+class Tool:
+    """A tool the model may call (OpenAI's function-tool shape)."""
+
+    function: FunctionSpec
+    type: str = "function"
+
+
+@dataclass
+class ToolCallDelta:
+    """A streamed piece of a tool call (in ``chunk.tool_calls``): the first piece of
+    a call has its ``id`` and ``name``; the next ones add to its ``arguments`` text."""
+
+    index: int  # the call's place in done.tool_calls (0, 1, ...)
+    arguments: str = ""
+    id: Optional[str] = None
+    name: Optional[str] = None
 
 
 @dataclass
@@ -219,6 +270,11 @@ class Generate(Decoding):
     op: ClassVar[Op] = Op.GENERATE
     prompt: Optional[str] = None  # plain completion prompt (no chat template)
     messages: Optional[list[ChatMessage]] = None  # chat, rendered with the GGUF's template
+    tools: Optional[list[Tool]] = None  # tools the model may call (needs messages)
+    # "auto" (the default with tools): the model answers or calls; "none": it answers in text;
+    # "required": it calls at least one tool; {"type": "function", "function": {"name": N}}: it calls N
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True  # False: at most one call per turn
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -227,7 +283,69 @@ class Generate(Decoding):
             raise ValueError("'messages' is empty: give at least one {role, content}")
         if self.messages is not None and len(self.messages) > MAX_MESSAGES:
             raise ValueError(f"'messages' has {len(self.messages)} entries; the limit is {MAX_MESSAGES}")
+        self._check_tools()
         super().check()
+
+    def tool_choice_name(self) -> Optional[str]:
+        """'none', 'auto', 'required', or the one function's name; None without tools."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice
+        if choice is None:
+            return "auto"
+        if isinstance(choice, str):
+            return choice
+        return choice["function"]["name"]
+
+    def _check_tools(self) -> None:
+        if self.tools is None:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise ValueError("'tool_choice' names a tool choice but 'tools' is missing: give the tools too")
+            return
+        if self.messages is None:
+            raise ValueError("'tools' needs 'messages' (chat): a plain 'prompt' has no template to show them")
+        if len(self.tools) > MAX_TOOLS:
+            raise ValueError(f"'tools' has {len(self.tools)} entries; the limit is {MAX_TOOLS}")
+        names = set()
+        for i, tool in enumerate(self.tools):
+            if tool.type != "function":
+                raise ValueError(f"'tools[{i}].type' must be 'function', got {tool.type!r}")
+            name = tool.function.name
+            if not (
+                1 <= len(name) <= MAX_TOOL_NAME_CHARS and all(c.isascii() and (c.isalnum() or c in "_-") for c in name)
+            ):
+                raise ValueError(
+                    f"'tools[{i}].function.name' must be 1 to {MAX_TOOL_NAME_CHARS} letters, digits, '_' or '-', "
+                    f"got {name!r}"
+                )
+            if name in names:
+                raise ValueError(f"'tools[{i}].function.name' {name!r} is given twice: tool names must be unique")
+            names.add(name)
+            params = tool.function.parameters
+            if params is not None and params.get("type", "object") != "object":
+                raise ValueError(
+                    f"'tools[{i}].function.parameters' must be a JSON Schema of an object "
+                    f"(type 'object'), got type {params.get('type')!r}"
+                )
+        choice = self.tool_choice
+        if isinstance(choice, str):
+            if choice not in TOOL_CHOICES:
+                raise ValueError(
+                    f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+                    f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}'
+                )
+        elif choice is not None:
+            fn = choice.get("function") if isinstance(choice, dict) else None
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+                raise ValueError(
+                    '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "function": {"name": '
+                    f"...}}}}, got {str(choice)[:80]}"
+                )
+            if fn["name"] not in names:
+                raise ValueError(
+                    f"'tool_choice' names the function {fn['name']!r}, which is not in 'tools' "
+                    f"(they are: {', '.join(sorted(names))})"
+                )
 
 
 @dataclass
@@ -297,6 +415,7 @@ class Chunk(Message):
     id: str
     text: str  # new text since the previous chunk (may be empty while text is held back)
     token_ids: list[int]  # tokens generated since the previous chunk
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # new pieces of tool calls (with tools)
 
 
 @dataclass
@@ -382,7 +501,7 @@ class CacheInfo:
 class Done(Message):
     op: ClassVar[Op] = Op.DONE
     id: str
-    text: str  # the whole completion (the chunks' texts concatenated)
+    text: str  # the whole completion (the chunks' texts concatenated): with tools, the text outside the calls
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
@@ -392,6 +511,7 @@ class Done(Message):
     serial: int = 0  # the request's place in the daemon's arrival order (1, 2, ...): it serves them in this order
     # the target's load probe: greedy output is independent of cache and drafting
     batch_invariant: Optional[bool] = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the calls the model made (finish_reason tool_calls)
 
     @classmethod
     def cancelled(

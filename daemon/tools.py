@@ -1,0 +1,471 @@
+"""Tool calls: showing a request's ``tools`` to the model, constraining its calls, parsing them.
+
+A model writes tool calls in the syntax its chat template taught it. The
+template's source says which (``detect_format``):
+
+- ``hermes``: the template takes ``tools`` and asks for
+  ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`` (Qwen2.5, Hermes,
+  and most open chat models since);
+- ``llama3``: the template takes ``tools`` and the model answers with the bare
+  object ``{"name": N, "parameters": {...}}`` (Llama 3.1 to 3.3);
+- ``generic``: the template knows no tools (SmolLM2). tandem describes the tools
+  in the system message and asks for the hermes markup, and converts tool calls
+  and results in the history to text the template can show.
+
+A ``ToolPlan`` is one request's tools. Its ``grammar`` is a Lark grammar for
+llguidance whose calls are the tools' JSON Schemas: with ``tool_choice``
+``required`` or a named function the whole answer is that grammar; with
+``auto`` the model writes freely until it opens a call (the single token that
+opens one, ``trigger``), and from there the call is constrained. Its
+``parser`` turns the output into the answer's text and streamed tool-call
+pieces. The arguments are compact JSON (``", "`` and ``": "``), exactly what the
+templates' ``tojson`` writes back, so a history that re-sends the calls
+renders the tokens the model generated and the prefix cache keeps hitting.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from tandem.protocol import ChatMessage, ErrorCode, FunctionCall, Generate, Tool, ToolCall, ToolCallDelta
+
+from .constraint import JSON_OPTIONS
+from .interfaces import RequestError
+
+HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+GENERIC_PROMPT = (
+    "You can call these tools. Each is described by a JSON object:\n<tools>\n{tools}\n</tools>\n\n"
+    "To call a tool, answer with only this, one block per call:\n"
+    '<tool_call>\n{{"name": <tool name>, "arguments": <the arguments as a JSON object>}}\n</tool_call>\n'
+    "Each result comes back in <tool_response></tool_response>."
+)
+
+
+def detect_format(template: Optional[str]) -> str:
+    """The tool-call syntax a chat template teaches its model."""
+    if not template or "tools" not in template:
+        return GENERIC
+    if OPEN in template:
+        return HERMES
+    if PYTHON_TAG in template or "ipython" in template or '"parameters"' in template:
+        return LLAMA3
+    return GENERIC
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_dict(tool: Tool) -> dict:
+    """The OpenAI shape a template's ``tools`` loop expects."""
+    fn: dict[str, Any] = {"name": tool.function.name}
+    if tool.function.description:
+        fn["description"] = tool.function.description
+    fn["parameters"] = tool.function.parameters if tool.function.parameters is not None else _NO_ARGUMENTS
+    return {"type": "function", "function": fn}
+
+
+_NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object that lists its properties closed to others (where it
+    does not say): a call has the arguments the tool declares, as llama-server's
+    grammars and OpenAI's strict mode make it, not keys a small model invents."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not", "if", "then", "else")
+
+
+def _arguments(call: ToolCall, where: str) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST,
+            f"{where}.function.arguments is not JSON ({call.function.arguments[:60]!r}); "
+            "send back the arguments text the call came with",
+        ) from None
+
+
+def message_dicts(messages: Sequence[ChatMessage], fmt: str) -> list[dict]:
+    """The history as the template's ``messages``. For the native formats the
+    calls' arguments are objects again (the templates write them with tojson);
+    for ``generic`` the calls and results become text the template can show."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.tool_calls or []
+        if fmt == GENERIC:
+            if m.role == "assistant" and calls:
+                blocks = [
+                    _hermes_block(c, _arguments(c, f"messages[{i}].tool_calls[{j}]")) for j, c in enumerate(calls)
+                ]
+                text = "\n".join(([m.content] if m.content else []) + blocks)
+                out.append({"role": "assistant", "content": text})
+            elif m.role == "tool":
+                out.append({"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"})
+            else:
+                out.append({"role": m.role, "content": m.content})
+            continue
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if calls:
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c, f"messages[{i}].tool_calls[{j}]")},
+                }
+                for j, c in enumerate(calls)
+            ]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _hermes_block(call: ToolCall, arguments: Any) -> str:
+    body = json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
+    return f"{OPEN}\n{body}\n{CLOSE}"
+
+
+def with_generic_prompt(messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
+    """The tools described in the system message (a new one if there is none)."""
+    described = "\n".join(json.dumps(tool_dict(t), ensure_ascii=False) for t in tools)
+    prompt = GENERIC_PROMPT.format(tools=described)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+@dataclass
+class ToolPlan:
+    """One request's tools: how the model is shown them, and what its calls may be."""
+
+    format: str
+    tools: list[Tool]
+    choice: str  # "auto", "required" or a function's name ("none" never gets a plan)
+    parallel: bool
+    open_token: Optional[int] = None  # the single token that opens a call (hermes), when the vocabulary has one
+    close_token: Optional[int] = None
+    python_tag: Optional[int] = None  # llama3's <|python_tag|> token, when the vocabulary has one
+
+    @property
+    def forced(self) -> bool:
+        """The whole answer is calls (required, or a named function)."""
+        return self.choice != "auto"
+
+    @property
+    def args_key(self) -> str:
+        return "parameters" if self.format == LLAMA3 else "arguments"
+
+    def call_schema(self) -> dict:
+        """A call: {"name": <one of the tools>, "arguments": <that tool's parameters>}."""
+        tools = [t for t in self.tools if self.choice in ("auto", "required") or t.function.name == self.choice]
+        options = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    self.args_key: closed(_NO_ARGUMENTS if t.function.parameters is None else t.function.parameters),
+                },
+                "required": ["name", self.args_key],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return {**schema, "x-guidance": JSON_OPTIONS}
+
+    def grammars(self) -> dict[str, str]:
+        """Lark grammars (llguidance's dialect) of the answer, by when they start:
+        ``start`` constrains it from the first token; with ``auto`` there is none, and
+        ``tagged`` starts at the token that opens a call, ``bare`` at a first token
+        that opens a JSON object (Qwen2.5-Coder often writes its call untagged).
+        Each covers the call from its first token, the one that opened it."""
+        body = "body: %json " + json.dumps(self.call_schema())
+        bare = f"start: body\n{body}\n"
+        if self.format == LLAMA3:
+            if self.forced:
+                return {"start": bare}
+            lazy = {"bare": bare}
+            if self.python_tag is not None:
+                lazy["tagged"] = f"start: <[{self.python_tag}]> body\n{body}\n"
+            return lazy
+        open_ = f"<[{self.open_token}]>" if self.open_token is not None else json.dumps(OPEN)
+        close = f"<[{self.close_token}]>" if self.close_token is not None else json.dumps(CLOSE)
+        more = ' ("\\n" call)*' if self.parallel else ""
+        call = f'call: {open_} "\\n" body "\\n" {close}'
+        calls = f"start: call{more}\n{call}\n{body}\n"
+        if self.forced:
+            return {"start": calls}
+        if self.open_token is not None:
+            return {"tagged": calls, "bare": bare}
+        # no one token opens a call (a generic prompt to a small vocabulary): text that does not start one, or calls
+        return {"start": f"start: TEXT | call{more}\nTEXT: /[^<][\\s\\S]*/\n{call}\n{body}\n"}
+
+    def parser(self) -> "ToolCallParser":
+        if self.format == LLAMA3:
+            return Llama3Parser({t.function.name for t in self.tools})
+        return HermesParser()
+
+
+def make_plan(req: Generate, fmt: str, token_of) -> Optional[ToolPlan]:
+    """The request's plan, or None when it has no tools or ``tool_choice`` is ``none``.
+    ``token_of(text)`` is the single token ``text`` is in the vocabulary, or None."""
+    choice = req.tool_choice_name()
+    if choice is None or choice == "none":
+        return None
+    plan = ToolPlan(format=fmt, tools=list(req.tools or []), choice=choice, parallel=req.parallel_tool_calls)
+    if fmt in (HERMES, GENERIC):
+        plan.open_token, plan.close_token = token_of(OPEN), token_of(CLOSE)
+        if plan.open_token is None or plan.close_token is None:
+            plan.open_token = plan.close_token = None
+    else:
+        plan.python_tag = token_of(PYTHON_TAG)
+    return plan
+
+
+class CallOpener:
+    """tool_choice auto: the constraint that takes over when the model opens a call,
+    with the token that opened it already consumed (None: this token opens none)."""
+
+    def __init__(self, plan: ToolPlan, compiled: dict, piece):
+        self.open_token = plan.open_token if plan.format != LLAMA3 else plan.python_tag
+        self.tagged = compiled.get("tagged")
+        self.bare = compiled.get("bare")
+        self.piece = piece  # token -> bytes
+
+    def opens(self, token: int, first: bool):
+        if token == self.open_token and self.tagged is not None:
+            constraint = self.tagged
+        elif first and self.bare is not None and self.piece(token).lstrip().startswith(b"{"):
+            constraint = self.bare
+        else:
+            return None
+        if not constraint.valid_prefix([token]):  # e.g. '{\n': not the compact JSON of a call
+            return None
+        constraint.consume(token)
+        return constraint
+
+
+# --------------------------------------------------------------------------- parsing the output
+
+
+@dataclass
+class ToolCallParser:
+    """Splits the streamed output into the answer's text and tool-call pieces."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        raise NotImplementedError
+
+
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+class HermesParser(ToolCallParser):
+    """``text <tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call> ...``: each call's
+    name is streamed as soon as it is written, then its arguments piece by piece."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buf = ""  # text not yet classified
+        self.in_call = False
+        self.bare = False  # the call is a JSON object without tags, at the start of the answer
+        self.started = False  # something other than whitespace was seen
+        self.held = ""  # whitespace after a call: text only if something else follows
+        self._reset_call()
+
+    def _reset_call(self) -> None:
+        self.name: Optional[str] = None
+        self.call_id = ""
+        self.args = ""
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.args_done = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self.buf += text
+        content, deltas = "", []
+        if not self.started and self.buf.strip():
+            self.started = True
+            if self.buf.lstrip().startswith("{"):
+                self.in_call = self.bare = True
+                self._reset_call()
+        while True:
+            if not self.in_call:
+                i = self.buf.find(OPEN)
+                if i < 0:
+                    keep = _partial_suffix(self.buf, OPEN)
+                    content += self._text(self.buf[: len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep :]
+                    return content, deltas
+                content += self._text(self.buf[:i])
+                self.held = ""
+                self.buf = self.buf[i + len(OPEN) :]
+                self.in_call = True
+                self._reset_call()
+            if not self._call_step(deltas):
+                return content, deltas
+
+    def _text(self, text: str) -> str:
+        if not self.calls and not self.in_call:
+            return text
+        self.held += text  # after a call: only whitespace so far, or real text
+        if self.held.strip():
+            text, self.held = self.held, ""
+            return text
+        return ""
+
+    def _call_step(self, deltas: list[ToolCallDelta]) -> bool:
+        """Advance inside a call; True when the call closed (the loop goes on)."""
+        if self.name is None:
+            m = _HEAD.match(self.buf)
+            if m is not None and m.end() == len(self.buf):
+                m = None  # more space may follow the colon: wait for the value's first character
+            if m is None:
+                close = self.buf.find(CLOSE) if not self.bare else -1
+                if close >= 0:  # a call in another shape (unconstrained): parse it whole
+                    self._whole(self.buf[:close], deltas)
+                    self.buf = self.buf[close + len(CLOSE) :]
+                    self.in_call = False
+                    return True
+                return False
+            self.name = json.loads(f'"{m.group(1)}"')
+            self.call_id = new_call_id()
+            deltas.append(ToolCallDelta(index=len(self.calls), id=self.call_id, name=self.name))
+            self.buf = self.buf[m.end() :]
+        if not self.args_done:
+            n = self._scan(self.buf)
+            piece, self.buf = self.buf[:n], self.buf[n:]
+            self.args += piece
+            if piece:
+                deltas.append(ToolCallDelta(index=len(self.calls), arguments=piece))
+            if not self.args_done:
+                return False
+        end, word = (self.buf.find("}"), "}") if self.bare else (self.buf.find(CLOSE), CLOSE)
+        if end < 0:
+            return False
+        self.buf = self.buf[end + len(word) :]
+        self.in_call = self.bare = False
+        self.calls.append(ToolCall(id=self.call_id, function=FunctionCall(self.name, self.args)))
+        return True
+
+    def _scan(self, text: str) -> int:
+        """How much of ``text`` belongs to the arguments value (a JSON object)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.args_done = True
+                    return i + 1
+            elif self.depth == 0 and not ch.isspace():
+                self.args_done = True  # not an object: a scalar stands for itself, up to the comma or brace
+                return i
+        return len(text)
+
+    def _whole(self, text: str, deltas: list[ToolCallDelta]) -> None:
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict):
+            call = ToolCall(new_call_id(), FunctionCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+            deltas.append(ToolCallDelta(len(self.calls), call.function.arguments, call.id, call.function.name))
+            self.calls.append(call)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "", []
+        if self.in_call:
+            if self.name is not None and self.args_done:  # the model ended without the closing tag
+                self.calls.append(ToolCall(id=self.call_id, function=FunctionCall(self.name, self.args)))
+            elif self.name is None:
+                self._whole(self.buf, deltas)
+                if self.bare and not self.calls:
+                    content = self.buf  # an answer that is JSON, not a call
+            # else: cut off in the arguments (max_tokens); the pieces streamed so far stay incomplete
+        elif self.buf:
+            content = self._text(self.buf)
+        self.buf = ""
+        return content, deltas
+
+
+class Llama3Parser(ToolCallParser):
+    """The answer is either text or one bare ``{"name": N, "parameters": {...}}``: an answer
+    that starts with ``{`` is held until it ends, then parsed."""
+
+    def __init__(self, names: set[str]):
+        super().__init__()
+        self.names = names
+        self.buf = ""
+        self.holding: Optional[bool] = None  # None: nothing but whitespace seen yet
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self.holding is False:
+            return text, []
+        self.buf += text
+        start = self.buf.lstrip()
+        if not start:
+            return "", []
+        self.holding = start.startswith("{")
+        if self.holding:
+            return "", []
+        text, self.buf = self.buf, ""
+        return text, []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        text, self.buf = self.buf, ""
+        try:
+            obj = json.loads(text) if self.holding else None
+        except ValueError:
+            obj = None
+        args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+        if isinstance(obj, dict) and obj.get("name") in self.names and isinstance(args, dict):
+            call = ToolCall(new_call_id(), FunctionCall(obj["name"], json.dumps(args, ensure_ascii=False)))
+            self.calls.append(call)
+            return "", [ToolCallDelta(0, call.function.arguments, call.id, call.function.name)]
+        return text, []
+
+
+def _partial_suffix(text: str, word: str) -> int:
+    """The length of the longest end of ``text`` that begins ``word`` (held back: it may become ``word``)."""
+    for n in range(min(len(word) - 1, len(text)), 0, -1):
+        if word.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,222 @@
+"""Tool calls without a model: the template's syntax, the history the template sees,
+the request checks, and the streaming parser (fed every possible split)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.daemon.interfaces import RequestError
+from tandem.daemon.tools import (
+    GENERIC,
+    HERMES,
+    LLAMA3,
+    HermesParser,
+    Llama3Parser,
+    ToolPlan,
+    closed,
+    detect_format,
+    message_dicts,
+    with_generic_prompt,
+)
+from tandem.protocol import ChatMessage, FunctionCall, FunctionSpec, Generate, Tool, ToolCall
+
+WEATHER = Tool(
+    FunctionSpec(
+        "get_weather",
+        "The weather in a city",
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    )
+)
+TIME = Tool(FunctionSpec("get_time"))
+
+
+def test_the_templates_syntax_is_detected():
+    qwen = "{%- if tools %}{{ tool | tojson }} <tool_call>\\n{...}</tool_call>{%- endif %}"
+    llama = '{%- if tools %}{{- \'{"name": function name, "parameters": dictionary}\' }}<|python_tag|>{% endif %}'
+    assert detect_format(qwen) == HERMES
+    assert detect_format(llama) == LLAMA3
+    assert detect_format("{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}") == GENERIC
+    assert detect_format(None) == GENERIC
+
+
+def feed_all(parser, text: str, cuts: list[int]):
+    content, deltas, last = "", [], 0
+    for cut in [*cuts, len(text)]:
+        c, d = parser.feed(text[last:cut])
+        content, deltas, last = content + c, deltas + d, cut
+    c, d = parser.finish()
+    return content + c, deltas + d
+
+
+CALLS = (
+    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\"is {x}"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+)
+
+
+@pytest.mark.parametrize("cut", range(len(CALLS) + 1))
+def test_hermes_calls_parse_the_same_however_the_text_is_split(cut):
+    content, deltas = feed_all(HermesParser(), CALLS, [cut])
+    assert content == "Let me look.\n"
+    parser_calls = _calls(deltas)
+    assert parser_calls == [("get_weather", '{"city": "Par\\"is {x}"}'), ("get_time", "{}")]
+    assert [json.loads(a) for _, a in parser_calls] == [{"city": 'Par"is {x}'}, {}]
+
+
+def test_hermes_parser_streams_the_name_first_then_argument_pieces():
+    parser = HermesParser()
+    assert parser.feed("<tool_call>\n") == ("", [])
+    _, deltas = parser.feed('{"name": "get_weather", "arguments": {"ci')
+    assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", ""), (0, None, '{"ci')]
+    assert deltas[0].id.startswith("call_")
+    _, deltas = parser.feed('ty": "Oslo"}}\n</tool_call>')
+    assert [d.arguments for d in deltas] == ['ty": "Oslo"}']
+    assert parser.calls[0].function == FunctionCall("get_weather", '{"city": "Oslo"}')
+    assert parser.calls[0].id == _first_id(parser)
+
+
+def _first_id(parser):
+    return parser.calls[0].id
+
+
+def _calls(deltas):
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if d.id is not None:
+            calls[d.index] = [d.name, ""]
+        calls[d.index][1] += d.arguments
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_a_call_cut_off_by_max_tokens_is_not_a_call():
+    parser = HermesParser()
+    content, deltas = feed_all(parser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os', [])
+    assert content == "" and parser.calls == []
+    assert _calls(deltas) == [("get_weather", '{"city": "Os')]  # what was streamed stays streamed
+
+
+def test_text_without_calls_passes_through_even_if_it_looks_like_a_tag():
+    content, deltas = feed_all(HermesParser(), "a <tool no> b <tool_c", [3, 9])
+    assert content == "a <tool no> b <tool_c" and deltas == []
+
+
+def test_an_unconstrained_call_in_another_key_order_is_still_parsed():
+    parser = HermesParser()
+    content, _ = feed_all(
+        parser, '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call>', []
+    )
+    assert content == ""
+    assert parser.calls[0].function == FunctionCall("get_weather", '{"city": "Rome"}')
+
+
+def test_llama3_answers_are_text_or_one_call():
+    parser = Llama3Parser({"get_weather"})
+    content, deltas = feed_all(parser, ' {"name": "get_weather", "parameters": {"city": "Oslo"}}', [5])
+    assert content == "" and parser.calls[0].function == FunctionCall("get_weather", '{"city": "Oslo"}')
+    parser = Llama3Parser({"get_weather"})
+    content, _ = feed_all(parser, "It is sunny.", [2])
+    assert content == "It is sunny." and parser.calls == []
+    parser = Llama3Parser({"get_weather"})
+    content, _ = feed_all(parser, '{"not": "a call"}', [])
+    assert content == '{"not": "a call"}' and parser.calls == []
+
+
+HISTORY = [
+    ChatMessage("user", "Weather in Oslo?"),
+    ChatMessage("assistant", "", tool_calls=[ToolCall("call_1", FunctionCall("get_weather", '{"city": "Oslo"}'))]),
+    ChatMessage("tool", "sunny", tool_call_id="call_1", name="get_weather"),
+]
+
+
+def test_the_history_is_shown_to_a_tool_template_with_argument_objects():
+    out = message_dicts(HISTORY, HERMES)
+    assert out[1]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    ]
+    assert out[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"}
+
+
+def test_a_template_without_tools_sees_calls_and_results_as_text():
+    out = with_generic_prompt(message_dicts(HISTORY, GENERIC), [WEATHER])
+    assert out[0]["role"] == "system" and '"get_weather"' in out[0]["content"] and "<tool_call>" in out[0]["content"]
+    assert out[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    }
+    assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+
+
+def test_arguments_that_are_not_json_are_a_typed_error_naming_the_field():
+    bad = [ChatMessage("assistant", "", tool_calls=[ToolCall("c", FunctionCall("get_weather", "{city: Oslo"))])]
+    with pytest.raises(RequestError, match=r"messages\[0\]\.tool_calls\[0\]\.function\.arguments is not JSON"):
+        message_dicts(bad, HERMES)
+
+
+def _generate(**kw):
+    return Generate(id="r", messages=[ChatMessage("user", "hi")], **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not in 'tools'"),
+        (dict(tools=[WEATHER], tool_choice="always"), "must be one of none, auto, required"),
+        (dict(tool_choice="required"), "'tools' is missing"),
+        (dict(tools=[Tool(FunctionSpec("bad name"))]), "letters, digits"),
+        (dict(tools=[WEATHER, WEATHER]), "given twice"),
+        (dict(tools=[Tool(FunctionSpec("f", parameters={"type": "array"}))]), "Schema of an object"),
+        (dict(tools=[Tool(FunctionSpec("f"), type="retrieval")]), "must be 'function'"),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _generate(**kw).check()
+
+
+def test_tools_need_messages():
+    with pytest.raises(ValueError, match="needs 'messages'"):
+        Generate(id="r", prompt="hi", tools=[WEATHER]).check()
+
+
+def test_the_grammar_constrains_names_and_arguments_per_tool():
+    plan = ToolPlan(HERMES, [WEATHER, TIME], "required", parallel=False, open_token=7, close_token=8)
+    grammar = plan.grammars()["start"]
+    assert grammar.startswith("start: call\n") and "<[7]>" in grammar and "<[8]>" in grammar
+    schema = json.loads(grammar.split("%json ", 1)[1])
+    names = [o["properties"]["name"]["const"] for o in schema["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+    no_arguments = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert schema["anyOf"][1]["properties"]["arguments"] == no_arguments
+    named = ToolPlan(HERMES, [WEATHER, TIME], "get_time", parallel=True).grammars()["start"]
+    assert '"get_weather"' not in named and '("\\n" call)*' in named and '"<tool_call>"' in named
+    auto = ToolPlan(HERMES, [WEATHER], "auto", parallel=True, open_token=7, close_token=8).grammars()
+    assert set(auto) == {"tagged", "bare"} and auto["bare"].startswith("start: body\n")
+    assert "TEXT" in ToolPlan(GENERIC, [WEATHER], "auto", parallel=True).grammars()["start"]
+    assert ToolPlan(LLAMA3, [WEATHER], "required", parallel=True).grammars()["start"].startswith("start: body\n")
+
+
+def test_an_untagged_call_at_the_start_is_a_call():
+    parser = HermesParser()
+    content, deltas = feed_all(parser, ' {"name": "get_weather", "arguments": {"city": "Oslo"}}', [3, 20])
+    assert content == "" and parser.calls[0].function == FunctionCall("get_weather", '{"city": "Oslo"}')
+    parser = HermesParser()
+    content, _ = feed_all(parser, '{"answer": 42}', [4])
+    assert content == '{"answer": 42}' and parser.calls == []
+
+
+def test_tool_arguments_are_closed_to_keys_the_schema_does_not_declare():
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}}, "c": {"type": "string"}},
+        "$defs": {"d": {"type": "object", "properties": {}}},
+        "anyOf": [{"properties": {"e": {}}}],
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]["c"]
+    opened = {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}}
+    assert closed(opened) == opened  # what the schema says stays
+    assert "additionalProperties" not in schema  # the request's own schema is not changed

@@ -1,0 +1,146 @@
+"""An agent's tool loop through the bridge, driven by clients nobody on this project
+wrote: the official ``openai`` package (streamed calls, results fed back) and the
+``llm`` CLI's tool support (it runs the tool itself and sends the result back)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def bridge(coder_daemon, bridge_process):
+    b = bridge_process(coder_daemon)
+    yield b
+    assert b.stop() == 0, "".join(b.lines)
+
+
+def streamed_call(client, messages, **kw):
+    """One streamed turn, accumulated as an agent does: (text, tool calls, finish_reason)."""
+    text, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model="tandem", messages=messages, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        text += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            if d.id:
+                calls[d.index] = {
+                    "id": d.id,
+                    "type": "function",
+                    "function": {"name": d.function.name, "arguments": ""},
+                }
+            calls[d.index]["function"]["arguments"] += d.function.arguments or ""
+    return text, [calls[i] for i in sorted(calls)], finish
+
+
+def test_openai_client_tool_loop_streamed_with_results_fed_back(bridge):
+    client = bridge.openai()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    text, calls, finish = streamed_call(client, messages, tools=[WEATHER], temperature=0, max_tokens=100)
+    assert finish == "tool_calls" and len(calls) == 1, (text, calls)
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    args = json.loads(calls[0]["function"]["arguments"])
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    messages += [
+        {"role": "assistant", "content": text or None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18 degrees celsius and sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model="tandem", messages=messages, tools=[WEATHER], temperature=0, max_tokens=60
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert "18" in choice.message.content, choice.message.content
+    assert answer.usage.prompt_tokens_details.cached_tokens > 0  # the first turn, re-rendered, hit the cache
+
+
+def test_openai_client_non_streamed_calls_parse(bridge):
+    client = bridge.openai()
+    reply = client.chat.completions.create(
+        model="tandem",
+        messages=[{"role": "user", "content": "Weather in Oslo and in Rome?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=120,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_bad_tools_are_400s_naming_the_field(bridge):
+    import openai
+
+    client = bridge.openai()
+    with pytest.raises(openai.BadRequestError, match="not in 'tools'"):
+        client.chat.completions.create(
+            model="tandem",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "rm_rf"}},
+        )
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        client.chat.completions.create(model="tandem", messages=[{"role": "tool", "content": "x"}], tools=[WEATHER])
+
+
+def llm_cli() -> str:
+    exe = shutil.which("llm") or str(Path(sys.executable).with_name("llm"))
+    if not Path(exe).exists():
+        pytest.fail("the llm CLI is not installed: pip install -e '.[test]' installs it")
+    return exe
+
+
+def test_llm_cli_runs_a_tool_through_the_bridge(bridge, short_tmpdir):
+    home = short_tmpdir
+    (home / "extra-openai-models.yaml").write_text(
+        f"- model_id: tandem\n  model_name: tandem\n  api_base: {bridge.url}\n  supports_tools: true\n"
+    )
+    env = {**os.environ, "LLM_USER_PATH": str(home), "OPENAI_API_KEY": "unused"}
+    functions = "def city_temperature(city: str) -> str:\n    return f'It is 21 degrees in {city}.'\n"
+    out = subprocess.run(
+        [
+            llm_cli(),
+            "-m",
+            "tandem",
+            "--functions",
+            functions,
+            "--td",  # tools debug: show each call and its result
+            "-o",
+            "temperature",
+            "0",
+            "What is the temperature in Lisbon? Use the tool.",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    shown = out.stdout + out.stderr
+    assert "city_temperature" in shown and "Lisbon" in shown, shown
+    assert "21 degrees" in shown, shown  # the tool ran, and its result went back to the model

@@ -251,7 +251,7 @@ def _tools(body: dict) -> dict:
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise ApiError(HTTPStatus.BAD_REQUEST, f"tools[{i}].function must be an object", param=f"tools[{i}]")
-        out.append({"type": "function", "function": fn})
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})  # null: absent
     params: dict[str, Any] = {"tools": out}
     if body.get("tool_choice") is not None:
         params["tool_choice"] = body["tool_choice"]

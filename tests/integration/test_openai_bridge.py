@@ -130,8 +130,10 @@ def test_errors_have_openais_shape(api, bridge):
     with pytest.raises(openai.BadRequestError) as err:
         api.chat.completions.create(model="any", messages=[{"role": "user", "content": "word " * 3000}], max_tokens=4)
     assert err.value.body["code"] == "context_length_exceeded" and "--ctx-size" in err.value.body["message"]
-    with pytest.raises(openai.BadRequestError, match="tool"):
-        api.chat.completions.create(model="any", messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}])
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):  # a tool result must say which call
+        api.chat.completions.create(model="any", messages=[{"role": "tool", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="role 'function'"):
+        api.chat.completions.create(model="any", messages=[{"role": "function", "content": "x", "name": "f"}])
     with pytest.raises(openai.NotFoundError):
         api.embeddings.create(model="any", input="x")
     # what a browser or a confused client sends

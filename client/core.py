@@ -71,12 +71,11 @@ def generate_request(
 
 
 def check_daemon_speaks(hello: Any, req: Decoding) -> None:
-    """Refuse to send what an older daemon would silently ignore (its minor is below 1.1)."""
+    """Refuse to send tools to a daemon that would silently ignore them (its minor is below 1.1)."""
     version = tuple(hello.protocol_version[:2])
-    used = [name for name in ("response_format", "tools") if getattr(req, name, None)]
-    if used and version < (1, 1):
+    if getattr(req, "tools", None) and version < (1, 1):
         raise InvalidRequest(
-            f"the daemon speaks protocol {version[0]}.{version[1]}, which ignores {' and '.join(used)}: "
+            f"the daemon speaks protocol {version[0]}.{version[1]}, which ignores tools: "
             "restart it from this tandem (tandem service restart, or stop it and run tandem serve)"
         )
 

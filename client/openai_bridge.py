@@ -339,6 +339,17 @@ def _openai_calls(done) -> list[dict]:
     ]
 
 
+def _call_deltas(deltas) -> list[dict]:
+    """One entry per call in a chunk, as OpenAI sends them (pieces of the same call merged)."""
+    out: list[dict] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d.index:
+            out[-1]["function"]["arguments"] += d.arguments
+        else:
+            out.append(_call_delta(d))
+    return out
+
+
 def _call_delta(d) -> dict:
     """A streamed tool-call piece, as OpenAI streams it: the first has id, type and name."""
     if d.id is not None:
@@ -581,7 +592,7 @@ class Handler(BaseHTTPRequestHandler):
                     self._send_event(event(chunk.text))
                 if chat and chunk.tool_calls:
                     e = self._envelope(call, stream.request_id, chunk=True)
-                    delta = {"tool_calls": [_call_delta(d) for d in chunk.tool_calls]}
+                    delta = {"tool_calls": _call_deltas(chunk.tool_calls)}
                     e["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
                     self._send_event(e)
         except ApiError as exc:

@@ -146,7 +146,7 @@ class Grammars:
         grammar = grammar_for(rf)
         if grammar is None:
             return None
-        return self._matcher(grammar, _field(rf), _fix(rf))
+        return self._matcher(grammar, field_name(rf), _fix(rf))
 
     def compile_tools(self, lark: str) -> Constraint:
         """The constraint of a request's tool calls (tools.ToolPlan.grammar)."""
@@ -176,7 +176,8 @@ def _message(field: str, fix: str, detail: str) -> str:
     return f"{field} does not compile ({detail}). {fix}"
 
 
-def _field(rf: ResponseFormat) -> str:
+def field_name(rf: ResponseFormat) -> str:
+    """The request field that holds ``rf``'s constraint, for error messages."""
     return {
         "json_schema": "response_format.json_schema.schema",
         "regex": "response_format.pattern",

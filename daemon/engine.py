@@ -33,7 +33,7 @@ from tandem.protocol import (
 )
 
 from .chat import ChatTemplate, ChatTemplateError
-from .constraint import Constraint, ConstraintError
+from .constraint import Constraint, ConstraintError, field_name
 from .governor import PLAIN, Governor, GovernorBank, task_key
 from .interfaces import DecodeAborted, Drafter, Model, RequestError
 from .sampler import Sampler
@@ -221,9 +221,6 @@ class Engine:
         k = self.draft_tokens if req.draft_tokens is None else req.draft_tokens
         drafter = self.drafter if k > 0 and req.draft != "off" else None
         constraint, pending = self._constraint(req, plan)
-        if constraint is not None and drafter is not None and req.temperature > 0 and not drafter.one_hot_q:
-            # its q is not masked by the grammar: min(1, p/q) would no longer sample the constrained p
-            drafter = None
         if isinstance(req, Complete):
             stream = TextStream(req.stop, req.stop_at_blank_line, req.max_lines)
         else:
@@ -268,9 +265,10 @@ class Engine:
             constraint = compiled["start"]
         forced = constraint.forced()
         if len(forced) >= req.max_tokens:
+            where = "tools (the call's fixed start)" if plan is not None else field_name(rf)
             raise ConstraintError(
-                f"the output must start with {len(forced)} tokens the grammar fixes, so it cannot end within "
-                f"max_tokens {req.max_tokens}: raise max_tokens (to {len(forced) + 64} or more)"
+                f"{where}: the output must start with {len(forced)} tokens the grammar fixes, so it cannot end "
+                f"within max_tokens {req.max_tokens}: raise max_tokens (to {len(forced) + 64} or more)"
             )
         return constraint, None
 
@@ -342,9 +340,6 @@ class Engine:
             state.stats = DraftStats()
         if cut:
             self.model.truncate(len(state.context()) - 1)
-        drafter = state.drafter
-        if drafter is not None and state.req.temperature > 0 and not drafter.one_hot_q:
-            state.drafter = state.governor = None  # its q is not masked by the grammar (see _begin)
 
     def _next_round(self, state: RequestState) -> list[int]:
         if state.governor is None:
@@ -461,9 +456,13 @@ class Engine:
                 guess = int(np.flatnonzero(constraint.allowed())[0])  # any token the grammar allows
             drafts, dists = [guess], [SparseDist.one_hot(guess)]
         n_before = model.n_past
+        allowed = self._masks(constraint, drafts) if constraint is not None else None
         logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
-        if constraint is not None:
-            logits = self._masked(constraint, logits, drafts)
+        if allowed is not None:
+            rows = self._padded(allowed, logits.shape[1])
+            logits = np.where(rows, logits, np.float32(-np.inf))
+            if dists is not None:
+                dists = [_restricted(q, rows[i]) for i, q in enumerate(dists)]
         timed = (drafter is None or room > 0) and not forced  # a forced round is neither plain nor drafting
         if not drafts:
             return [state.sampler.sample(logits[0])], timed
@@ -475,18 +474,16 @@ class Engine:
             state.stats.add_round(len(drafts), n_accepted)
         return [*drafts[:n_accepted], own], timed
 
-    def _masked(self, constraint: Constraint, logits: np.ndarray, drafts: list[int]) -> np.ndarray:
-        """Each row masked by the grammar's state after the drafts before it (the
-        drafts are all allowed: cut before the pass). A row after the grammar is
-        complete allows only the end token (that row's token is never taken)."""
-        rows = np.empty_like(logits)
+    def _masks(self, constraint: Constraint, drafts: list[int]) -> list[Optional[np.ndarray]]:
+        """What the grammar allows at each row of the round: row i after the drafts
+        before it (they are all allowed: cut before the pass). Computed while no
+        pass runs, so the target's rows and the drafter's q are masked alike. A row
+        after the grammar is complete allows only the end token (that row's token
+        is never taken)."""
+        rows: list[Optional[np.ndarray]] = []
         consumed = 0
         for i in range(len(drafts) + 1):
-            if constraint.stopped:
-                rows[i] = -np.inf
-                rows[i, self.model.eos_token] = 0.0
-            else:
-                rows[i] = constraint.mask(logits[i])
+            rows.append(None if constraint.stopped else constraint.allowed())
             if i < len(drafts) and not constraint.stopped:
                 if not constraint.consume(drafts[i]):
                     raise ConstraintError(f"the grammar refused draft {drafts[i]}, which it had allowed")
@@ -494,5 +491,26 @@ class Engine:
         constraint.rollback(consumed)
         return rows
 
+    def _padded(self, masks: list[Optional[np.ndarray]], width: int) -> np.ndarray:
+        out = np.zeros((len(masks), width), dtype=bool)
+        for i, allowed in enumerate(masks):
+            if allowed is None:
+                out[i, self.model.eos_token] = True
+            else:
+                out[i, : len(allowed)] = allowed[:width]
+        return out
+
     def _cancelled_in_prefill(self, state: RequestState) -> Done:
         return Done.cancelled(state.req.id, len(state.tokens), prompt_seconds=self.clock() - state.started)
+
+
+def _restricted(q: SparseDist, allowed: np.ndarray) -> SparseDist:
+    """The drafter's q given that its draft is one the grammar allows: q on the allowed
+    tokens, renormalised. A draft that was allowed is distributed exactly so (the
+    forbidden ones were cut, and a round without a draft samples p itself), so
+    min(1, p/q) and max(0, p - q) still sample the constrained p exactly."""
+    keep = allowed[q.ids]
+    if keep.all():
+        return q
+    probs = q.probs[keep]
+    return SparseDist(q.ids[keep], probs / probs.sum())

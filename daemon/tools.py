@@ -12,13 +12,15 @@ template's source says which (``detect_format``):
   in the system message and asks for the hermes markup, and converts tool calls
   and results in the history to text the template can show.
 
-A ``ToolPlan`` is one request's tools. Its ``grammar`` is a Lark grammar for
+A ``ToolPlan`` is one request's tools. Its ``grammars`` are Lark grammars for
 llguidance whose calls are the tools' JSON Schemas: with ``tool_choice``
-``required`` or a named function the whole answer is that grammar; with
+``required`` or a named function the whole answer is constrained; with
 ``auto`` the model writes freely until it opens a call (the single token that
-opens one, ``trigger``), and from there the call is constrained. Its
-``parser`` turns the output into the answer's text and streamed tool-call
-pieces. The arguments are compact JSON (``", "`` and ``": "``), exactly what the
+opens one, or a first token that opens a JSON object: ``CallOpener``), and
+from there the call is constrained. Its ``parser`` turns the output into the
+answer's text and streamed tool-call pieces; a call that names no tool or has
+no arguments object (possible only where the output was not constrained) is
+not reported. The arguments are compact JSON (``", "`` and ``": "``), exactly what the
 templates' ``tojson`` writes back, so a history that re-sends the calls
 renders the tokens the model generated and the prefix cache keeps hitting.
 """
@@ -72,6 +74,16 @@ def tool_dict(tool: Tool) -> dict:
     return {"type": "function", "function": fn}
 
 
+def _dump(value: Any) -> str:
+    """Compact JSON as the templates write it; escaped where the text would not be valid UTF-8 (a lone surrogate)."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value)
+    return text
+
+
 _NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 
@@ -87,12 +99,14 @@ def closed(schema: Any) -> Any:
     for key in ("properties", "$defs", "definitions", "patternProperties"):
         if isinstance(out.get(key), dict):
             out[key] = {name: closed(sub) for name, sub in out[key].items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    combined = any(k in out for k in _COMBINATORS)  # closing here or in a branch would change what they mean
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out and not combined:
         out["additionalProperties"] = False
     return out
 
 
-_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not", "if", "then", "else")
+_SUBSCHEMAS = ("items", "prefixItems")
+_COMBINATORS = ("anyOf", "oneOf", "allOf", "not", "if", "then", "else")
 
 
 def _arguments(call: ToolCall, where: str) -> Any:
@@ -224,9 +238,8 @@ class ToolPlan:
         return {"start": f"start: TEXT | call{more}\nTEXT: /[^<][\\s\\S]*/\n{call}\n{body}\n"}
 
     def parser(self) -> "ToolCallParser":
-        if self.format == LLAMA3:
-            return Llama3Parser({t.function.name for t in self.tools})
-        return HermesParser()
+        names = {t.function.name for t in self.tools}
+        return Llama3Parser(names) if self.format == LLAMA3 else HermesParser(names)
 
 
 def make_plan(req: Generate, fmt: str, token_of) -> Optional[ToolPlan]:
@@ -291,8 +304,9 @@ class HermesParser(ToolCallParser):
     """``text <tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call> ...``: each call's
     name is streamed as soon as it is written, then its arguments piece by piece."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Optional[set[str]] = None) -> None:
         super().__init__()
+        self.names = names  # the tools' names (None: any); a call to another name is not a call
         self.buf = ""  # text not yet classified
         self.in_call = False
         self.bare = False  # the call is a JSON object without tags, at the start of the answer
@@ -312,7 +326,9 @@ class HermesParser(ToolCallParser):
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self.buf += text
         content, deltas = "", []
-        if not self.started and self.buf.strip():
+        if not self.started:
+            if not self.buf.strip():
+                return "", []  # leading whitespace: what follows decides whether it is text
             self.started = True
             if self.buf.lstrip().startswith("{"):
                 self.in_call = self.bare = True
@@ -356,7 +372,10 @@ class HermesParser(ToolCallParser):
                     self.in_call = False
                     return True
                 return False
-            self.name = json.loads(f'"{m.group(1)}"')
+            try:
+                self.name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                self.name = m.group(1)  # not a valid JSON string; it will not match a tool's name
             self.call_id = new_call_id()
             deltas.append(ToolCallDelta(index=len(self.calls), id=self.call_id, name=self.name))
             self.buf = self.buf[m.end() :]
@@ -373,8 +392,18 @@ class HermesParser(ToolCallParser):
             return False
         self.buf = self.buf[end + len(word) :]
         self.in_call = self.bare = False
-        self.calls.append(ToolCall(id=self.call_id, function=FunctionCall(self.name, self.args)))
+        self._close()
         return True
+
+    def _close(self) -> None:
+        """A finished call is reported if it calls a tool with an arguments object (unconstrained
+        output may not; its streamed pieces then belong to no call in done)."""
+        try:
+            args = json.loads(self.args)
+        except (ValueError, RecursionError):
+            args = None
+        if isinstance(args, dict) and (self.names is None or self.name in self.names):
+            self.calls.append(ToolCall(id=self.call_id, function=FunctionCall(self.name, self.args)))
 
     def _scan(self, text: str) -> int:
         """How much of ``text`` belongs to the arguments value (a JSON object)."""
@@ -403,10 +432,15 @@ class HermesParser(ToolCallParser):
     def _whole(self, text: str, deltas: list[ToolCallDelta]) -> None:
         try:
             obj = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             obj = None
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict):
-            call = ToolCall(new_call_id(), FunctionCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if (
+            isinstance(name, str)
+            and (self.names is None or name in self.names)
+            and isinstance(obj.get("arguments"), dict)
+        ):
+            call = ToolCall(new_call_id(), FunctionCall(name, _dump(obj["arguments"])))
             deltas.append(ToolCallDelta(len(self.calls), call.function.arguments, call.id, call.function.name))
             self.calls.append(call)
 
@@ -414,12 +448,14 @@ class HermesParser(ToolCallParser):
         content, deltas = "", []
         if self.in_call:
             if self.name is not None and self.args_done:  # the model ended without the closing tag
-                self.calls.append(ToolCall(id=self.call_id, function=FunctionCall(self.name, self.args)))
+                self._close()
             elif self.name is None:
                 self._whole(self.buf, deltas)
                 if self.bare and not self.calls:
                     content = self.buf  # an answer that is JSON, not a call
             # else: cut off in the arguments (max_tokens); the pieces streamed so far stay incomplete
+        elif not self.started:
+            content = self.buf  # only whitespace
         elif self.buf:
             content = self._text(self.buf)
         self.buf = ""
@@ -453,11 +489,11 @@ class Llama3Parser(ToolCallParser):
         text, self.buf = self.buf, ""
         try:
             obj = json.loads(text) if self.holding else None
-        except ValueError:
+        except (ValueError, RecursionError):
             obj = None
         args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
         if isinstance(obj, dict) and obj.get("name") in self.names and isinstance(args, dict):
-            call = ToolCall(new_call_id(), FunctionCall(obj["name"], json.dumps(args, ensure_ascii=False)))
+            call = ToolCall(new_call_id(), FunctionCall(obj["name"], _dump(args)))
             self.calls.append(call)
             return "", [ToolCallDelta(0, call.function.arguments, call.id, call.function.name)]
         return text, []

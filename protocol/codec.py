@@ -227,4 +227,10 @@ def decode(frames: list[bytes], *, replies: bool = False, table: Optional[dict] 
             check()
     except ValueError as exc:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{op.value}: {exc}", request_id) from None
+    except (TypeError, RecursionError, UnicodeError) as exc:  # a check met a value of a shape it did not foresee
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            f"{op.value}: a field has a value of the wrong shape ({type(exc).__name__})",
+            request_id,
+        ) from None
     return msg

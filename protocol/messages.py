@@ -22,8 +22,8 @@ from typing import Any, ClassVar, Optional
 PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
-their defaults. 1.1 added response_format, tools and tool calls: a client refuses
-to send those to a 1.0 daemon, which would ignore them."""
+their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
+a 1.0 daemon, which would ignore them."""
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest message body the daemon accepts (bytes of msgpack)."""
@@ -36,6 +36,7 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_DRAFT_TOKENS = 16
 MAX_LINES = 10_000
 MAX_TOOLS = 128
+MAX_NESTING = 64  # maps and lists inside a schema, a tool's parameters or tool_choice
 MAX_TOOL_NAME_CHARS = 64
 TOOL_CHOICES = ("none", "auto", "required")
 DRAFT_MODES = ("auto", "on", "off")
@@ -191,6 +192,18 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
 MAX_CONSTRAINT_CHARS = 256 * 1024
 
 
+def check_nesting(value: Any, where: str, limit: int = MAX_NESTING) -> None:
+    """ValueError if maps and lists in ``value`` nest deeper than ``limit`` (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                raise ValueError(f"'{where}' nests maps and lists deeper than {limit} levels")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+
+
 @dataclass
 class ResponseFormat:
     """What the output must be: ``text`` (anything), ``json_object`` (any JSON
@@ -212,6 +225,8 @@ class ResponseFormat:
             raise ValueError("'response_format.json_schema' must be a map: {name, schema, strict}")
         if self.type == "json_schema" and not isinstance(self.json_schema.get("schema"), dict):
             raise ValueError("'response_format.json_schema.schema' must be a JSON Schema object")
+        if self.json_schema is not None:
+            check_nesting(self.json_schema, "response_format.json_schema")
         for name in ("pattern", "lark"):
             text = getattr(self, name)
             if text is not None and not isinstance(text, str):
@@ -287,7 +302,7 @@ class Generate(Decoding):
         super().check()
 
     def tool_choice_name(self) -> Optional[str]:
-        """'none', 'auto', 'required', or the one function's name; None without tools."""
+        """'none', 'auto', 'required', or the one function's name; None without tools (or ``tools`` [])."""
         if not self.tools:
             return None
         choice = self.tool_choice
@@ -298,8 +313,15 @@ class Generate(Decoding):
         return choice["function"]["name"]
 
     def _check_tools(self) -> None:
+        choice = self.tool_choice
+        if not (choice is None or isinstance(choice, (str, dict))):
+            raise ValueError(
+                '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "function": {"name": '
+                f"...}}}}, got {type(choice).__name__}"
+            )
+        check_nesting(choice, "tool_choice")
         if self.tools is None:
-            if self.tool_choice not in (None, "none", "auto"):
+            if not (choice is None or choice in ("none", "auto")):
                 raise ValueError("'tool_choice' names a tool choice but 'tools' is missing: give the tools too")
             return
         if self.messages is None:
@@ -322,12 +344,14 @@ class Generate(Decoding):
                 raise ValueError(f"'tools[{i}].function.name' {name!r} is given twice: tool names must be unique")
             names.add(name)
             params = tool.function.parameters
-            if params is not None and params.get("type", "object") != "object":
-                raise ValueError(
-                    f"'tools[{i}].function.parameters' must be a JSON Schema of an object "
-                    f"(type 'object'), got type {params.get('type')!r}"
-                )
-        choice = self.tool_choice
+            if params is not None:
+                check_nesting(params, f"tools[{i}].function.parameters")
+                kind = params.get("type", "object")
+                if not (isinstance(kind, str) and kind == "object"):
+                    raise ValueError(
+                        f"'tools[{i}].function.parameters' must be a JSON Schema of an object "
+                        f"(type 'object'), got type {kind if isinstance(kind, str) else type(kind).__name__!r}"
+                    )
         if isinstance(choice, str):
             if choice not in TOOL_CHOICES:
                 raise ValueError(
@@ -335,11 +359,11 @@ class Generate(Decoding):
                     f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}'
                 )
         elif choice is not None:
-            fn = choice.get("function") if isinstance(choice, dict) else None
+            fn = choice.get("function")
             if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
                 raise ValueError(
                     '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "function": {"name": '
-                    f"...}}}}, got {str(choice)[:80]}"
+                    "...}}, got a map without function.name"
                 )
             if fn["name"] not in names:
                 raise ValueError(

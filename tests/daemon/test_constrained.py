@@ -132,6 +132,26 @@ class GuessDrafter(Drafter):
         return out, [SparseDist.one_hot(t) for t in out]
 
 
+class SamplingDrafter(Drafter):
+    """A model-like drafter: samples each draft from its own q over the whole vocabulary,
+    forbidden tokens included, and reports q (so the engine must mask it)."""
+
+    Q = RNG.dirichlet(np.ones(16), size=len(STEPS) + 2)
+
+    def begin(self, request_id, prompt, sampler, prefill=True):
+        self.prompt_len = len(prompt)
+        self.rng = np.random.default_rng((sampler.seed or 0) + 1)
+
+    def propose(self, context, k, p_min):
+        start = len(context) - self.prompt_len
+        drafts, dists = [], []
+        for i in range(start, min(start + k, len(self.Q))):
+            q = self.Q[i]
+            drafts.append(int(self.rng.choice(16, p=q)))
+            dists.append(SparseDist(np.arange(16), q))
+        return drafts, dists
+
+
 def run(drafter=None, jump_forward=True, **kw):
     model = SoftModel()
     engine = Engine(
@@ -176,15 +196,17 @@ def test_greedy_output_is_the_same_with_drafts_and_jump_forward_as_one_by_one():
         assert other.text == plain.text
 
 
-@pytest.mark.parametrize("drafter", [None, "guess"], ids=["jump-forward", "jump-forward+drafter"])
+DRAFTERS = {"jump-forward": None, "jump-forward+ngram-like": GuessDrafter, "jump-forward+model-like": SamplingDrafter}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_sampling_with_drafts_and_forced_tokens_follows_the_constrained_distribution(drafter):
     from scipy.stats import chisquare
 
     exact = exact_distribution()
     n = 4000
-    counts = collections.Counter(
-        run(drafter=GuessDrafter() if drafter else None, seed=seed)[0].text for seed in range(n)
-    )
+    make = DRAFTERS[drafter]
+    counts = collections.Counter(run(drafter=make() if make else None, seed=seed)[0].text for seed in range(n))
     assert set(counts) <= set(exact)
     keys = sorted(exact)
     observed = [counts.get(k, 0) for k in keys]
@@ -203,3 +225,13 @@ def test_a_constraint_that_does_not_compile_is_a_typed_error_before_decoding():
     with pytest.raises(RequestError) as info:
         Engine(model, None).run(req, lambda c: None, lambda: False)  # no grammars: refused, not ignored
     assert info.value.code == ErrorCode.BAD_CONSTRAINT
+
+
+def test_a_model_drafter_drafts_constrained_sampling_with_its_q_masked():
+    runs = [run(drafter=SamplingDrafter(), seed=seed)[0] for seed in range(20)]
+    assert sum(done.draft.drafted for done in runs) > 0  # it is not switched off (its forbidden drafts are cut)
+    from tandem.daemon.engine import _restricted
+
+    q = SparseDist(np.arange(4), np.array([0.1, 0.2, 0.3, 0.4]))
+    masked = _restricted(q, np.array([True, False, True, False]))
+    assert list(masked.ids) == [0, 2] and np.allclose(masked.probs, [0.25, 0.75])

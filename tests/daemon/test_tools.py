@@ -211,12 +211,78 @@ def test_tool_arguments_are_closed_to_keys_the_schema_does_not_declare():
         "type": "object",
         "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}}, "c": {"type": "string"}},
         "$defs": {"d": {"type": "object", "properties": {}}},
-        "anyOf": [{"properties": {"e": {}}}],
+        "items": {"properties": {"e": {}}},
     }
     out = closed(schema)
     assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
-    assert out["$defs"]["d"]["additionalProperties"] is False and out["anyOf"][0]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is False and out["items"]["additionalProperties"] is False
     assert "additionalProperties" not in out["properties"]["c"]
     opened = {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}}
     assert closed(opened) == opened  # what the schema says stays
     assert "additionalProperties" not in schema  # the request's own schema is not changed
+
+
+def test_odd_unconstrained_output_never_raises_and_is_not_claimed_as_a_call():
+    cases = [
+        '<tool_call>\n{"name": "get\\_weather", "arguments": {"city": "x"}}\n</tool_call>',  # not a JSON string
+        '<tool_call>\n{"name": "nope", "arguments": {"city": "x"}}\n</tool_call>',  # no such tool
+        '<tool_call>\n{"name": "get_weather", "arguments": 5}\n</tool_call>',  # not an object
+        "<tool_call>\n" + "[" * 3000 + "\n</tool_call>",  # deeper than json can read
+        '<tool_call>\n{"arguments": {"a": "\\ud800"}, "name": "get_weather"}\n</tool_call>',  # a lone surrogate
+    ]
+    for text in cases:
+        parser = HermesParser({"get_weather"})
+        feed_all(parser, text, [len(text) // 2])
+        for call in parser.calls:
+            call.function.arguments.encode("utf-8")  # msgpack can send it
+    assert HermesParser({"get_weather"}).calls == []
+    parser = Llama3Parser({"get_weather"})
+    feed_all(parser, "{" * 3000, [])
+    assert parser.calls == []
+
+
+def test_leading_whitespace_is_split_the_same_way_however_it_arrives():
+    text = '  \n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    for cut in range(len(text) + 1):
+        content, _ = feed_all(HermesParser({"get_weather"}), text, [cut])
+        assert content == "", cut
+    assert feed_all(HermesParser(), "  \nHello", [2])[0] == "  \nHello"
+    assert feed_all(HermesParser(), "  ", [1])[0] == "  "
+
+
+def test_combinators_are_not_closed():
+    schema = {"type": "object", "allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed(schema) == schema
+
+
+def _deep(n: int):
+    value: object = 0
+    for _ in range(n):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"id": "r", "messages": [{"role": "user", "content": "x"}], "tool_choice": [[[]]], "tools": []},
+        {"id": "r", "messages": [{"role": "user", "content": "x"}], "tool_choice": 7},
+        {
+            "id": "r",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"function": {"name": "f", "parameters": {"type": ["object"]}}}],
+        },
+        {
+            "id": "r",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"function": {"name": "f", "parameters": {"type": "object", "x": _deep(200)}}}],
+        },
+        {"id": "r", "messages": [{"role": "user", "content": "x"}], "tool_choice": {"function": _deep(900)}},
+    ],
+)
+def test_malformed_tool_fields_are_invalid_request_never_a_crash(body):
+    from tandem.protocol import ErrorCode, ProtocolError, decode, packb
+
+    with pytest.raises(ProtocolError) as err:
+        decode([b"generate", packb(body)])
+    assert err.value.code == ErrorCode.INVALID_REQUEST

@@ -58,8 +58,6 @@ class Drafter(abc.ABC):
     without state of its own (no KV cache, no process): nothing to start, always
     ready, no prefix-cache pages, never down."""
 
-    one_hot_q = False  # its proposals are deterministic (q is one-hot), so a grammar's mask cannot change q
-
     def begin(self, request_id: str, prompt: list[int], sampler: "Sampler", prefill: bool = True) -> None:
         """A new request; ``prefill``: start reading the prompt now (in parallel with the target)."""
 

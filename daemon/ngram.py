@@ -20,8 +20,6 @@ from .speculative import SparseDist
 
 
 class NgramDrafter(Drafter):
-    one_hot_q = True
-
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram

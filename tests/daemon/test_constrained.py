@@ -120,7 +120,6 @@ class SoftModel:
 class GuessDrafter(Drafter):
     """Proposes a fixed guess per position, some of them forbidden (9 never is allowed)."""
 
-    one_hot_q = True
     GUESS = [2, 4, 9, 6]
 
     def begin(self, request_id, prompt, sampler, prefill=True):

@@ -152,3 +152,40 @@ def test_a_drafter_with_another_vocabulary_is_refused(daemon_process, smollm2_pa
     finally:
         d.stop()
         d.cleanup()
+
+
+def test_constrained_sampling_with_the_model_drafter_matches_plain_constrained_sampling(spec_daemon):
+    """Temperature 1 under a regex: with drafting, the drafter's q is restricted to what
+    the grammar allows at each position and its forbidden drafts are cut; the
+    outputs must still follow the constrained target distribution."""
+    from scipy.stats import chi2_contingency
+
+    pattern = r" (red|green|blue|brown|black|white) (cat|dog|car|cup|hat)"
+    n = 200
+    counts = {0: collections.Counter(), 4: collections.Counter()}
+    drafted = 0
+    with spec_daemon.client() as client:
+        for k in counts:
+            for seed in range(n):
+                done = client.complete(
+                    prompt="My favourite thing is the",
+                    max_tokens=8,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    seed=seed,
+                    draft_tokens=k,
+                    response_format={"type": "regex", "pattern": pattern},
+                )
+                assert done.finish_reason.value == "stop", done.text
+                counts[k][done.text] += 1
+                drafted += done.draft.drafted if k and done.draft is not None else 0
+    assert drafted > 0, "the model drafter must draft constrained requests"
+    keys = sorted(set(counts[0]) | set(counts[4]))
+    table = np.array([[counts[0][key] for key in keys], [counts[4][key] for key in keys]], dtype=float)
+    common = table[:, table.sum(axis=0) >= 10]
+    rare = table[:, table.sum(axis=0) < 10].sum(axis=1, keepdims=True)
+    table = np.hstack([common, rare]) if rare.sum() else common
+    assert table.shape[1] >= 4, "the test needs a spread of outcomes"
+    _, pvalue, _, _ = chi2_contingency(table)
+    assert pvalue > 0.001, (keys, table)

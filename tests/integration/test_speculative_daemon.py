@@ -189,3 +189,20 @@ def test_constrained_sampling_with_the_model_drafter_matches_plain_constrained_s
     assert table.shape[1] >= 4, "the test needs a spread of outcomes"
     _, pvalue, _, _ = chi2_contingency(table)
     assert pvalue > 0.001, (keys, table)
+
+
+def test_greedy_constrained_output_with_the_model_drafter_equals_without(spec_daemon):
+    corpus = json.loads((Path(__file__).resolve().parents[2] / "bench" / "corpus" / "extraction.json").read_text())
+    rounds = 0
+    with spec_daemon.client() as client:
+        for item in corpus[:6]:
+            rf = {"type": "json_schema", "json_schema": {"name": "facts", "schema": item["schema"]}}
+            messages = [{"role": "user", "content": "Extract the facts as JSON: " + item["text"]}]
+            runs = [
+                client.complete(messages=messages, response_format=rf, temperature=0, max_tokens=160, draft_tokens=k)
+                for k in (0, 4)
+            ]
+            assert runs[1].text == runs[0].text, item["text"]
+            assert runs[1].draft is not None and runs[1].draft.forced > 0
+            rounds += runs[1].draft.rounds
+    assert rounds > 0  # the model drafter drafted between the forced stretches

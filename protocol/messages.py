@@ -320,7 +320,7 @@ class Generate(Decoding):
                 f"...}}}}, got {type(choice).__name__}"
             )
         check_nesting(choice, "tool_choice")
-        if self.tools is None:
+        if not self.tools:  # None or []
             if not (choice is None or choice in ("none", "auto")):
                 raise ValueError("'tool_choice' names a tool choice but 'tools' is missing: give the tools too")
             return

@@ -164,6 +164,7 @@ def _generate(**kw):
         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not in 'tools'"),
         (dict(tools=[WEATHER], tool_choice="always"), "must be one of none, auto, required"),
         (dict(tool_choice="required"), "'tools' is missing"),
+        (dict(tools=[], tool_choice="required"), "'tools' is missing"),
         (dict(tools=[Tool(FunctionSpec("bad name"))]), "letters, digits"),
         (dict(tools=[WEATHER, WEATHER]), "given twice"),
         (dict(tools=[Tool(FunctionSpec("f", parameters={"type": "array"}))]), "Schema of an object"),

@@ -8,7 +8,10 @@ greedy, the same chat prompt for every system:
 - constrained: response_format json_schema, every token sampled one by one (--jump-forward off);
 - constrained + jump-forward: grammar-forced tokens verified as drafts (the default);
 - constrained + jump-forward + n-gram drafter (--drafter ngram);
-- llama-server with the same response_format, where it is built (bench/build_llama_server.sh).
+- llama-server with the same response_format, where it is built (bench/build_llama_server.sh);
+- tool-call-shaped output: the same prompts as a tool call (``tools`` with the schema as its
+  parameters, ``tool_choice`` required), with and without jump-forward, and llama-server's own
+  tool calls (``--jinja``) on the same request.
 
 Reported per system: decode tok/s and time to first token (median and range
 over the runs; each run's figure is the median over the prompts), and how many
@@ -62,15 +65,40 @@ def tandem_one(socket: Path, item: dict, constrained: bool, max_tokens: int) -> 
     return t.tokens_per_second, t.time_to_first_token_seconds, valid(done.text, item["schema"]), forced
 
 
-def server_one(server: LlamaServer, item: dict, max_tokens: int) -> tuple[float, float, bool, int]:
+def tool_request(item: dict) -> dict:
+    """The extraction as one tool call: the schema is the tool's parameters."""
+    tool = {
+        "type": "function",
+        "function": {"name": "record_facts", "description": SYSTEM, "parameters": item["schema"]},
+    }
+    messages = [{"role": "user", "content": item["text"]}]
+    return {"messages": messages, "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+
+
+def tandem_tool(socket: Path, item: dict, max_tokens: int) -> tuple[float, float, bool, int]:
+    with Client(socket) as c:
+        done = c.complete(**tool_request(item), temperature=0.0, max_tokens=max_tokens)
+    calls = done.tool_calls
+    ok = len(calls) == 1 and valid(calls[0].function.arguments, item["schema"])
+    t = done.timings
+    return t.tokens_per_second, t.time_to_first_token_seconds, ok, done.draft.forced if done.draft else 0
+
+
+def server_one(server: LlamaServer, item: dict, max_tokens: int, tools: bool = False) -> tuple[float, float, bool, int]:
     messages, rf = request(item, True)
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "response_format": rf}
+    if tools:
+        body = {**tool_request(item), "max_tokens": max_tokens, "temperature": 0.0}
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     reply = json.loads(conn.getresponse().read())
     conn.close()
     t = reply.get("timings", {})
-    text = reply["choices"][0]["message"]["content"]
+    message = reply["choices"][0]["message"]
+    text = message.get("content") or ""
+    if tools:
+        calls = message.get("tool_calls") or []
+        text = calls[0]["function"]["arguments"] if len(calls) == 1 else ""
     ttft = t.get("prompt_ms", 0.0) / 1000 + (
         1000 / t["predicted_per_second"] / 1000 if t.get("predicted_per_second") else 0
     )
@@ -102,13 +130,16 @@ def main() -> int:
         "constrained + jump-forward + ngram": lambda it: tandem_one(
             daemons["jump-forward + ngram"][0], it, True, args.max_tokens
         ),
+        "tool call": lambda it: tandem_tool(daemons["plain"][0], it, args.max_tokens),
+        "tool call + jump-forward": lambda it: tandem_tool(daemons["jump-forward"][0], it, args.max_tokens),
     }
     server = None
     if args.llama_server.exists():
         import os
 
-        server = LlamaServer(args.llama_server, model, args.ctx_size, os.cpu_count() or 1, True)
+        server = LlamaServer(args.llama_server, model, args.ctx_size, os.cpu_count() or 1, True, ("--jinja",))
         systems["llama-server json_schema"] = lambda it: server_one(server, it, args.max_tokens)
+        systems["llama-server tool call"] = lambda it: server_one(server, it, args.max_tokens, tools=True)
     results = {name: {"tps": [], "ttft": [], "valid": 0, "forced": 0, "n": 0} for name in systems}
     try:
         for item in items:  # warm up each system once
@@ -143,6 +174,11 @@ def main() -> int:
         forced = r["forced"] / r["n"] if r["n"] else 0
         cells = [name, fmt(r["tps"], 1), f"{ratio:.2f}", fmt(r["ttft"], 3), f"{r['valid']}/{r['n']}", f"{forced:.1f}"]
         print("| " + " | ".join(cells) + " |")
+    tool_base = statistics.median(results["tool call"]["tps"])
+    for name in ("tool call + jump-forward", "llama-server tool call"):
+        if name in results and tool_base:
+            ratio = statistics.median(results[name]["tps"]) / tool_base
+            print(f"\n{name}: {ratio:.2f}x the same tool calls sampled one by one (tandem, --jump-forward off)")
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_path, start_daemon, temp_socket  # noqa: E402
 
-from tandem.client import Client  # noqa: E402
+from tandem.client import Client, assistant_message  # noqa: E402
 
 TOOLS = [
     {
@@ -90,16 +90,7 @@ def main() -> None:
                     f"{turn:4}  {u.prompt_tokens:6}  {u.cached_tokens:6}  {reusable:8}  {share}  {calls or done.text!r}"
                 )
                 previous = u
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": done.text,
-                        "tool_calls": [
-                            {"id": t.id, "function": {"name": t.function.name, "arguments": t.function.arguments}}
-                            for t in done.tool_calls
-                        ],
-                    }
-                )
+                messages.append(assistant_message(done))
                 for t in done.tool_calls:
                     result = f"(turn {turn}) {t.function.name}: 40 lines; line 12: def parse(argv): ..."
                     messages.append({"role": "tool", "tool_call_id": t.id, "content": result})

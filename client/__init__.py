@@ -2,6 +2,7 @@
 
 from .aio import AsyncClient, AsyncStream
 from .client import Client, Stream
+from .core import assistant_message
 from .errors import DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "AsyncStream",
     "Client",
     "Stream",
+    "assistant_message",
     "DaemonNotRunning",
     "DaemonTimeout",
     "InvalidRequest",

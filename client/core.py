@@ -92,6 +92,19 @@ def _as(cls: type, value: Any, where: str) -> Any:
         raise InvalidRequest(f"invalid request: {exc}") from None
 
 
+def assistant_message(done: Done) -> dict:
+    """The model's turn as a message to append to the history: its text and its tool
+    calls exactly as ``done`` gave them (so the next turn's prompt re-renders the
+    tokens it generated, and the prefix cache serves them)."""
+    message: dict = {"role": "assistant", "content": done.text}
+    if done.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in done.tool_calls
+        ]
+    return message
+
+
 def complete_request(prefix: str, suffix: str = "", **params: Any) -> Complete:
     request_id = params.pop("request_id", None) or new_id()
     return _checked(Complete(id=request_id, prefix=prefix, suffix=suffix, **params))

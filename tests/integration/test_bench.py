@@ -69,24 +69,18 @@ def test_the_structured_output_benchmark_runs_and_every_constrained_output_valid
     assert all("| 2/2 |" in row for row in rows.values()), run.stdout
 
 
-def test_the_tool_loop_and_mask_cost_benchmarks_run(smollm2_path):
-    loop = subprocess.run(
-        [sys.executable, "bench/tool_loop.py", "--model", str(smollm2_path), "--turns", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    run = subprocess.run(
+        [sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
-    assert loop.returncode == 0, loop.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_the_tool_loop_and_mask_cost_benchmarks_run(smollm2_path):
+    loop = bench("tool_loop.py", "--model", str(smollm2_path), "--turns", "2")
     turns = [line.split() for line in loop.stdout.splitlines() if line[:4].strip().isdigit()]
     assert [t[0] for t in turns] == ["1", "2"] and int(turns[1][2]) > 0, loop.stdout  # turn 2 hit the cache
     assert "reusable tokens from the cache" in loop.stdout
-    cost = subprocess.run(
-        [sys.executable, "bench/mask_cost.py", "--model", str(smollm2_path), "--schemas", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert cost.returncode == 0, cost.stderr[-3000:]
+    cost = bench("mask_cost.py", "--model", str(smollm2_path), "--schemas", "1")
     assert "median mask / median step" in cost.stdout, cost.stdout

@@ -94,8 +94,6 @@ def test_seeded_sampling_with_the_drafter_reproduces(spec_daemon):
 def test_sampling_distribution_with_and_without_the_drafter_match_chi_squared(spec_daemon):
     """The first two tokens at temperature 1 (top_k 4): the second is a verified
     draft or a residual sample when drafting, a plain sample otherwise."""
-    from scipy.stats import chi2_contingency
-
     n = 600
     counts = {0: collections.Counter(), 2: collections.Counter()}
     with spec_daemon.client() as client:
@@ -114,15 +112,22 @@ def test_sampling_distribution_with_and_without_the_drafter_match_chi_squared(sp
                 counts[k][tuple(ids[:2])] += 1
             if k:
                 assert stream.done.draft is not None and stream.done.draft.rounds > 0
-    keys = sorted(set(counts[0]) | set(counts[2]), key=lambda key: -(counts[0][key] + counts[2][key]))
-    table = np.array([[counts[0][key] for key in keys], [counts[2][key] for key in keys]], dtype=float)
+    assert_same_distribution(counts[0], counts[2])
+
+
+def assert_same_distribution(a: collections.Counter, b: collections.Counter) -> None:
+    """Chi-squared test of homogeneity on two samples' outcome counts."""
+    from scipy.stats import chi2_contingency
+
+    keys = sorted(set(a) | set(b), key=lambda key: -(a[key] + b[key]))
+    table = np.array([[a[key] for key in keys], [b[key] for key in keys]], dtype=float)
     # pool rare outcomes so every expected count is >= 5
     common = table[:, table.sum(axis=0) >= 10]
     rare = table[:, table.sum(axis=0) < 10].sum(axis=1, keepdims=True)
     table = np.hstack([common, rare]) if rare.sum() else common
     assert table.shape[1] >= 4, "the test needs a spread of outcomes"
     _, pvalue, _, _ = chi2_contingency(table)
-    assert pvalue > 0.001, table
+    assert pvalue > 0.001, (keys, table)
 
 
 def test_ngram_drafter_on_a_copying_task(start_daemon):
@@ -158,8 +163,6 @@ def test_constrained_sampling_with_the_model_drafter_matches_plain_constrained_s
     """Temperature 1 under a regex: with drafting, the drafter's q is restricted to what
     the grammar allows at each position and its forbidden drafts are cut; the
     outputs must still follow the constrained target distribution."""
-    from scipy.stats import chi2_contingency
-
     pattern = r" (red|green|blue|brown|black|white) (cat|dog|car|cup|hat)"
     n = 200
     counts = {0: collections.Counter(), 4: collections.Counter()}
@@ -181,14 +184,7 @@ def test_constrained_sampling_with_the_model_drafter_matches_plain_constrained_s
                 counts[k][done.text] += 1
                 drafted += done.draft.drafted if k and done.draft is not None else 0
     assert drafted > 0, "the model drafter must draft constrained requests"
-    keys = sorted(set(counts[0]) | set(counts[4]))
-    table = np.array([[counts[0][key] for key in keys], [counts[4][key] for key in keys]], dtype=float)
-    common = table[:, table.sum(axis=0) >= 10]
-    rare = table[:, table.sum(axis=0) < 10].sum(axis=1, keepdims=True)
-    table = np.hstack([common, rare]) if rare.sum() else common
-    assert table.shape[1] >= 4, "the test needs a spread of outcomes"
-    _, pvalue, _, _ = chi2_contingency(table)
-    assert pvalue > 0.001, (keys, table)
+    assert_same_distribution(counts[0], counts[4])
 
 
 def test_greedy_constrained_output_with_the_model_drafter_equals_without(spec_daemon):

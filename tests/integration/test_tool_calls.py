@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from tandem.client import InvalidRequest, RequestFailed
+from tandem.client import InvalidRequest, RequestFailed, assistant_message
 from tandem.protocol import ErrorCode, FinishReason
 
 WEATHER_SCHEMA = {
@@ -147,16 +147,7 @@ def tool_loop(client, turns: int):
         )
         dones.append(done)
         check_calls(done)
-        messages.append(
-            {
-                "role": "assistant",
-                "content": done.text,
-                "tool_calls": [
-                    {"id": t.id, "function": {"name": t.function.name, "arguments": t.function.arguments}}
-                    for t in done.tool_calls
-                ],
-            }
-        )
+        messages.append(assistant_message(done))
         for t in done.tool_calls:
             messages.append({"role": "tool", "tool_call_id": t.id, "content": f"result {turn}: ok, 12 lines"})
     return dones

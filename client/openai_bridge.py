@@ -463,9 +463,10 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _check_origin(self) -> None:
+        from tandem.daemon.config import is_loopback_host
+
         host = (self.headers.get("Host") or "").strip().lower()
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        if name not in ("127.0.0.1", "localhost", "[::1]", "::1") and not name.startswith("127."):
+        if not is_loopback_host(host):
             raise ApiError(
                 HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine"
             )

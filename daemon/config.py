@@ -387,6 +387,29 @@ def parse_value(option: Option, raw: Any, source: str) -> Any:
     return raw
 
 
+def is_loopback_host(header: str) -> bool:
+    """Whether an HTTP Host header names this machine exactly: ``localhost``, an IPv4
+    literal in 127.0.0.0/8 or ``[::1]``, with or without a port. Anything else, such
+    as ``127.0.0.1.attacker.example`` (DNS rebinding), is not."""
+    host = header.strip().lower()
+    if host.startswith("["):
+        name, sep, rest = host[1:].partition("]")
+        if not sep or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False
+    else:
+        name, sep, port = host.rpartition(":")
+        if not sep:
+            name = host
+        elif not port.isdigit():
+            return False
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def is_loopback(addr: str) -> bool:
     host = addr.rpartition(":")[0].strip("[]")
     if host == "localhost":
@@ -431,6 +454,10 @@ def read_file(path: Path, required: bool) -> dict[str, Any]:
         return {}
     except OSError as exc:
         raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"the config file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 (TOML files are)"
+        ) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -42,6 +42,7 @@ them; ``Engine`` drives them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -350,21 +351,25 @@ class GovernorBank:
             "last_task": self.last_task,
             "tasks": {k: g.to_dict() for k, g in self.tasks.items()},
         }
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".governor-", dir=self.path.parent)
             with os.fdopen(fd, "w") as f:
                 json.dump(doc, f)
             os.replace(tmp, self.path)
-        except OSError as exc:
+        except (OSError, ValueError, TypeError) as exc:  # a full disk, a value JSON cannot write
             log.warning("could not save the governor state to %s: %s", self.path, exc)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # no half-written file left behind
 
     def _load(self, path: Path) -> None:
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             log.warning("ignoring the governor state in %s: %s", path, exc)
             return
         try:
@@ -376,11 +381,13 @@ class GovernorBank:
                     "ignoring the governor state in %s: it is for %s, not %s", path, doc.get("identity"), self.identity
                 )
                 return
+            if not isinstance(doc.get("tasks"), dict):
+                raise ValueError("'tasks' is not a map")
             tasks = OrderedDict(
                 (str(k), Governor.from_dict(v, self.params, self.clock)) for k, v in doc["tasks"].items()
             )
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring the governor state in %s (%s); starting fresh", path, exc)
+        except Exception as exc:  # any shape a damaged or hand-edited file has: it must not stop the model loading
+            log.warning("ignoring the governor state in %s (%s: %s); starting fresh", path, type(exc).__name__, exc)
             return
         self.tasks = OrderedDict(list(tasks.items())[-self.max_tasks :])
         last = doc.get("last_task")

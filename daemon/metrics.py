@@ -14,6 +14,10 @@ loopback address (see config.check for the rule on remote addresses).
 from __future__ import annotations
 
 import logging
+import socket
+import socketserver
+import threading
+import wsgiref.simple_server
 from typing import Callable, Optional
 
 import prometheus_client
@@ -23,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from tandem.protocol import CacheInfo, Done, DraftStats, GovernorInfo
 
-from .config import is_loopback
+from .config import is_loopback, is_loopback_host
 
 log = logging.getLogger("tandem.daemon")
 
@@ -189,9 +193,12 @@ class Metrics:
         """Listen on ``addr`` (HOST:PORT; port 0 picks one); returns the address bound."""
         host, _, port = addr.rpartition(":")
         host = host.strip("[]")
-        if not is_loopback(addr):
+        loopback = is_loopback(addr)
+        if not loopback:
             log.warning("metrics are served on %s, which is not loopback: other machines can read them", addr)
-        self.server, _thread = prometheus_client.start_http_server(int(port), addr=host, registry=self.registry)
+        app = prometheus_client.make_wsgi_app(self.registry)
+        # on loopback, only a Host that names this machine exactly: a web page cannot reach it by DNS rebinding
+        self.server = _serve_wsgi(host, int(port), _loopback_hosts_only(app) if loopback else app)
         bound = self.server.server_address[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         return self.address
@@ -204,6 +211,35 @@ class Metrics:
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)
+
+
+def _loopback_hosts_only(app):
+    def checked(environ, start_response):
+        if not is_loopback_host(environ.get("HTTP_HOST", "")):
+            start_response("403 Forbidden", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"the Host header is not loopback: tandem's metrics answer only clients on this machine\n"]
+        return app(environ, start_response)
+
+    return checked
+
+
+class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def _serve_wsgi(host: str, port: int, app):
+    """``app`` on HOST:PORT in a thread of its own, one thread per connection (as
+    prometheus_client.start_http_server serves, with the Host check in front)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type(
+        "_MetricsServer",
+        (socketserver.ThreadingMixIn, wsgiref.simple_server.WSGIServer),
+        {"daemon_threads": True, "address_family": family},
+    )
+    server = wsgiref.simple_server.make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 class _Live(Collector):

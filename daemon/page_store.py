@@ -225,7 +225,7 @@ class PageStore:
             data = msgpack.unpackb(path.read_bytes(), strict_map_key=False)
         except FileNotFoundError:
             return 0, 0
-        except (OSError, ValueError, msgpack.UnpackException) as exc:
+        except Exception as exc:  # unreadable, not msgpack, keys msgpack cannot map: ignored
             log.warning("ignoring the prefix-cache index %s: %s", path, exc)
             return 0, 0
         if (
@@ -236,9 +236,11 @@ class PageStore:
             log.warning("ignoring the prefix-cache index %s: written for another model or version", path)
             return 0, 0
         try:
+            if not isinstance(data.get("tree"), dict):
+                raise ValueError("its tree is not a map")
             return self.tree.load(data["tree"], lambda page: page_crc(self.arena, page) == page.crc)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            log.warning("ignoring the prefix-cache index %s: %s", path, exc)
+        except Exception as exc:  # any damaged shape: start with an empty cache, never fail the worker
+            log.warning("ignoring the prefix-cache index %s (%s: %s)", path, type(exc).__name__, exc)
             self.tree.clear()
             return 0, 0
 

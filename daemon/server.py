@@ -238,8 +238,9 @@ class Daemon:
             self.notifier.reloading()
         try:
             new = self.reload_settings()
-        except ConfigError as exc:
-            log.error("SIGHUP: the settings did not load, nothing changed: %s", exc)
+        except Exception as exc:  # ConfigError names the fix; anything else must not kill the daemon either
+            why = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+            log.error("SIGHUP: the settings did not load, nothing changed: %s", why)
             if started:
                 self.notifier.ready(self.supervisor.ready_status() if self.state == "ready" else self.state)
             return

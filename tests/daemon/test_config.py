@@ -181,3 +181,12 @@ def test_relative_paths_in_the_file_are_relative_to_the_file(tmp_path):
     s = load({}, write(tmp_path, 'state_dir = "state"\nsocket = "/run/x.sock"\n'), environ={})
     assert s.state_dir == tmp_path / "state" and s.socket == Path("/run/x.sock")
     assert load({"state_dir": "rel"}, None, environ={}).state_dir == Path("rel")  # a flag: relative to the cwd
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'max_queue = 3\nlog_level = "\xff\xfe"\n')
+    with pytest.raises(config.ConfigError, match="is not UTF-8"):
+        config.read_file(path, required=True)
+    out = tandem("--config", str(path), "serve", env={})
+    assert out.returncode == 2 and "not UTF-8" in out.stderr and str(path) in out.stderr, out.stderr

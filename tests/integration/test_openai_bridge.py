@@ -141,8 +141,9 @@ def test_errors_have_openais_shape(api, bridge):
     assert " 415 " in r.stdout.splitlines()[0] and '"error"' in r.stdout
     r = curl("-i", bridge.url + "/completions", "-H", "Content-Type: application/json", "--data-binary", "{not json")
     assert " 400 " in r.stdout.splitlines()[0] and "not valid JSON" in r.stdout
-    r = curl("-i", bridge.url + "/models", "-H", "Host: attacker.example:8642")
-    assert " 403 " in r.stdout.splitlines()[0] and "loopback" in r.stdout
+    for host in ("attacker.example:8642", "127.0.0.1.attacker.example:8642", "127.0.0.1.attacker.example"):
+        r = curl("-i", bridge.url + "/models", "-H", f"Host: {host}")  # DNS rebinding
+        assert " 403 " in r.stdout.splitlines()[0] and "loopback" in r.stdout, host
 
 
 def test_curl_sees_server_sent_events(bridge):

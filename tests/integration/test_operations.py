@@ -280,6 +280,14 @@ def test_notify_ready_watchdog_reload_and_stop(daemon_process, short_tmpdir, smo
         with d.client() as c:
             assert c.status().max_queue == 2
         assert "the settings did not load, nothing changed" in d.log()
+        # nor does a file that is not text (it used to kill the daemon)
+        cfg.write_bytes(b"max_queue = 3\n\xff\xfe\n")
+        os.kill(pid, signal.SIGHUP)
+        listener.wait_for("RELOADING", count=3)
+        listener.wait_for("READY", count=4)
+        with d.client() as c:
+            assert c.status().max_queue == 2 and c.complete(prompt="Hi", max_tokens=2).usage.completion_tokens
+        assert "is not UTF-8" in d.log()
 
         # SIGTERM: STOPPING=1, exit 0, socket and shared memory gone, no worker left
         shm = Path(f"/dev/shm/tandem-kv-{os.getuid()}-{pid}")

@@ -1,0 +1,70 @@
+"""Every HTTP listener answers only a Host that names this machine exactly: a web
+page that rebinds its own DNS name to 127.0.0.1 (``127.0.0.1.attacker.example``)
+must not read the metrics or reach the bridge (the bridge's own case is in
+tests/integration/test_openai_bridge.py)."""
+
+from __future__ import annotations
+
+import http.client
+
+import pytest
+
+from tandem.daemon.config import is_loopback_host
+from tandem.daemon.metrics import Metrics
+
+
+@pytest.mark.parametrize(
+    "host, ok",
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.1:8642", True),
+        ("127.4.5.6:1", True),
+        ("localhost", True),
+        ("LOCALHOST:9464", True),
+        ("[::1]", True),
+        ("[::1]:9464", True),
+        ("127.0.0.1.attacker.example", False),
+        ("127.0.0.1.attacker.example:8642", False),
+        ("localhost.attacker.example", False),
+        ("127.0.0.1:80x", False),
+        ("[::1]evil", False),
+        ("::1", False),  # an IPv6 Host must be bracketed
+        ("10.0.0.1", False),
+        ("", False),
+    ],
+)
+def test_only_exact_loopback_names_and_literals_are_loopback(host, ok):
+    assert is_loopback_host(host) is ok
+
+
+def get(addr: str, host: str) -> tuple[int, bytes]:
+    name, _, port = addr.rpartition(":")
+    conn = http.client.HTTPConnection(name.strip("[]"), int(port), timeout=10)
+    conn.request("GET", "/metrics", headers={"Host": host})
+    reply = conn.getresponse()
+    body = reply.read()
+    conn.close()
+    return reply.status, body
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "[::1]:0"])
+def test_the_metrics_endpoint_refuses_a_rebound_host(listen):
+    import socket
+
+    if ":" in listen.rpartition(":")[0] and not socket.has_ipv6:
+        pytest.skip("this machine has no IPv6 loopback")  # the IPv4 case always runs
+    live = dict(queue_depth=0, active=0, ready=1, memory={"daemon": 1, "target": 1}, uptime=1.0)
+    metrics = Metrics(lambda: live)
+    try:
+        try:
+            addr = metrics.serve(listen)
+        except OSError as exc:
+            if "::1" in listen:
+                pytest.skip(f"no IPv6 loopback here: {exc}")
+            raise
+        status, body = get(addr, addr)
+        assert status == 200 and b"tandem_" in body
+        status, body = get(addr, "127.0.0.1.attacker.example:" + addr.rpartition(":")[2])
+        assert status == 403 and b"loopback" in body
+    finally:
+        metrics.close()

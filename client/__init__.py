@@ -3,7 +3,15 @@
 from .aio import AsyncClient, AsyncStream
 from .client import Client, Stream
 from .core import assistant_message
-from .errors import DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
+from .errors import (
+    DaemonNotRunning,
+    DaemonTimeout,
+    InvalidRequest,
+    QueueFull,
+    RequestFailed,
+    TandemError,
+    UntrustedSocket,
+)
 
 __all__ = [
     "AsyncClient",
@@ -17,4 +25,5 @@ __all__ = [
     "QueueFull",
     "RequestFailed",
     "TandemError",
+    "UntrustedSocket",
 ]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import collections
 import os
+import socket
+import stat
+import struct
 import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -31,7 +34,7 @@ from tandem.protocol import (
     from_map,
 )
 
-from .errors import DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError
+from .errors import DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError, UntrustedSocket
 
 MessageLike = Union[ChatMessage, dict]
 
@@ -47,8 +50,56 @@ def resolve_socket(socket_path: Optional[Union[str, os.PathLike]]) -> Path:
 
 
 def check_socket_exists(path: Path) -> None:
+    """The socket is there and only this user could have put it there (its directory
+    is ours and no one else may write in it, the socket is ours), and the process
+    that answers on it runs as this user: before anything is sent, since a prompt
+    may be the user's code. Raises DaemonNotRunning or UntrustedSocket."""
     if not path.exists():
         raise DaemonNotRunning(f"no tandem daemon is running at {path}; {START_HINT}")
+    uid = os.getuid()
+    directory = path.parent
+    st = directory.stat()
+    if st.st_uid != uid:
+        raise UntrustedSocket(
+            f"the socket directory {directory} belongs to uid {st.st_uid}, not you (uid {uid}): another user may "
+            "be listening there. Nothing was sent. Set XDG_RUNTIME_DIR, or give a socket in a directory of your "
+            "own (--socket or TANDEM_SOCKET)"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise UntrustedSocket(
+            f"the socket directory {directory} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
+            f"one of them could have put their own socket there. Nothing was sent. Run `chmod 700 {directory}` "
+            "and restart the daemon, or use a directory of your own (--socket or TANDEM_SOCKET)"
+        )
+    owner = path.stat().st_uid
+    if owner != uid:
+        raise UntrustedSocket(
+            f"the socket {path} belongs to uid {owner}, not you (uid {uid}): it is not your daemon. Nothing was "
+            f"sent. Remove it (rm {path}) and start your own: {START_HINT}"
+        )
+    peer = peer_uid(path)
+    if peer is not None and peer != uid:
+        raise UntrustedSocket(
+            f"the process listening on {path} runs as uid {peer}, not you (uid {uid}). Nothing was sent. "
+            f"Stop it, or use a socket of your own (--socket or TANDEM_SOCKET)"
+        )
+
+
+def peer_uid(path: Path) -> Optional[int]:
+    """The uid of the process that accepts connections on ``path`` (SO_PEERCRED), or
+    None where it cannot be learned (nothing accepts, or the platform has no SO_PEERCRED)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(os.fspath(path))
+            creds = probe.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+        except OSError:
+            return None  # nothing accepts: the zmq connection will say the daemon is not running
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        return uid
 
 
 def hello_request() -> Hello:

@@ -17,6 +17,11 @@ class DaemonNotRunning(TandemError):
     """No daemon listens on the socket. The message says how to start one."""
 
 
+class UntrustedSocket(TandemError):
+    """The socket (or its directory) could belong to someone else: nothing was sent.
+    The message names the path and the fix."""
+
+
 class DaemonTimeout(TandemError):
     """The daemon did not answer in time."""
 

@@ -453,6 +453,7 @@ class Handler(BaseHTTPRequestHandler):
     def _serve(self, route: Callable[[], None]) -> None:
         self._body_read = False
         try:
+            self._check_user()
             self._check_origin()
             route()
         except ApiError as exc:
@@ -461,6 +462,17 @@ class Handler(BaseHTTPRequestHandler):
             self._json(exc.status, exc.body())
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+
+    def _check_user(self) -> None:
+        """Only the user who runs the bridge: a loopback port is open to every user of
+        the machine, so find who owns the connecting socket (tcp_owner) and refuse
+        another uid, as the daemon's Unix socket does."""
+        from tandem.daemon.tcp_owner import refusal
+
+        why = refusal(self.client_address, self.connection.getsockname())
+        if why is not None:
+            self.close_connection = True
+            raise ApiError(HTTPStatus.FORBIDDEN, why)
 
     def _check_origin(self) -> None:
         from tandem.daemon.config import is_loopback_host

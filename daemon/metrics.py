@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from tandem.protocol import CacheInfo, Done, DraftStats, GovernorInfo
 
 from .config import is_loopback, is_loopback_host
+from .tcp_owner import refusal
 
 log = logging.getLogger("tandem.daemon")
 
@@ -214,16 +215,27 @@ class Metrics:
 
 
 def _loopback_hosts_only(app):
+    """Only this user, and only a Host that names this machine (see tcp_owner and config.is_loopback_host)."""
+
     def checked(environ, start_response):
-        if not is_loopback_host(environ.get("HTTP_HOST", "")):
+        why = refusal(environ["tandem.peer"], environ["tandem.local"])
+        if why is None and not is_loopback_host(environ.get("HTTP_HOST", "")):
+            why = "the Host header is not loopback: tandem's metrics answer only clients on this machine"
+        if why is not None:
             start_response("403 Forbidden", [("Content-Type", "text/plain; charset=utf-8")])
-            return [b"the Host header is not loopback: tandem's metrics answer only clients on this machine\n"]
+            return [why.encode() + b"\n"]
         return app(environ, start_response)
 
     return checked
 
 
 class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
+    def get_environ(self):
+        environ = super().get_environ()
+        environ["tandem.peer"] = self.client_address
+        environ["tandem.local"] = self.connection.getsockname()
+        return environ
+
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
         pass
 

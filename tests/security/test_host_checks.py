@@ -6,6 +6,7 @@ tests/integration/test_openai_bridge.py)."""
 from __future__ import annotations
 
 import http.client
+import os
 
 import pytest
 
@@ -68,3 +69,27 @@ def test_the_metrics_endpoint_refuses_a_rebound_host(listen):
         assert status == 403 and b"loopback" in body
     finally:
         metrics.close()
+
+
+def test_the_owner_of_a_loopback_connection_is_read_from_the_kernels_table(tmp_path):
+    import socket
+
+    from tandem.daemon.tcp_owner import NOT_FOUND, owner_uid
+
+    srv = socket.socket(socket.AF_INET)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    client = socket.create_connection(srv.getsockname())
+    conn, peer = srv.accept()
+    try:
+        assert owner_uid(peer, conn.getsockname()) == os.getuid()
+        assert owner_uid(("127.0.0.1", 1), conn.getsockname()) == NOT_FOUND
+    finally:
+        client.close(), conn.close(), srv.close()
+    # the kernel's spelling: 127.0.0.1:8642 -> 0100007F:21C2; uid in the 8th column
+    (tmp_path / "tcp").write_text(
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 0100007F:9C40 0100007F:21C2 01 00000000:00000000 00:00000000 00000000  1234        0 1 1\n"
+    )
+    assert owner_uid(("127.0.0.1", 40000), ("127.0.0.1", 8642), proc=tmp_path) == 1234
+    assert owner_uid(("::1", 40000), ("::1", 8642), proc=tmp_path) is None  # no tcp6 table: unknown

@@ -154,6 +154,8 @@ def _serving_commands(sub) -> None:
     _autostart_args(p)
     _sampling_args(p)
 
+    from .openai_bridge import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+
     p = sub.add_parser(
         "openai",
         help="serve an OpenAI-compatible HTTP API on loopback, for editor plugins and agents",
@@ -172,6 +174,21 @@ def _serving_commands(sub) -> None:
     )
     _autostart_args(p)
     p.add_argument("--verbose", action="store_true", help="log every HTTP request to stderr")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help="close a connection that sends nothing, or stalls reading or writing, this long "
+        f"(default {DEFAULT_IDLE_TIMEOUT:g}); a request waiting on the model is not idle",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections served at once; one more gets 503 (default {DEFAULT_MAX_CONNECTIONS})",
+    )
 
 
 def _admin_commands(sub) -> None:
@@ -373,7 +390,14 @@ def cmd_openai(args) -> int:
     with _connect(args.socket, args.model, args.no_start, args.config) as client:
         model = client.server.model
     try:
-        server = openai_bridge.BridgeServer(address, args.socket, model, verbose=args.verbose)
+        server = openai_bridge.BridgeServer(
+            address,
+            args.socket,
+            model,
+            verbose=args.verbose,
+            idle_timeout=args.idle_timeout,
+            max_connections=args.max_connections,
+        )
     except OSError as exc:
         _say(
             f"tandem: cannot listen on {listen}: {exc.strerror or exc}. "

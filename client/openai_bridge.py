@@ -23,6 +23,7 @@ import json
 import select
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -36,6 +37,8 @@ from .client import Client, Stream
 from .errors import DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
 
 DEFAULT_LISTEN = "127.0.0.1:8642"
+DEFAULT_IDLE_TIMEOUT = 60.0  # seconds a connection may stay silent (or stall a read or write) before it is closed
+DEFAULT_MAX_CONNECTIONS = 64
 POLL_SECONDS = 0.1  # how often a waiting handler looks whether its HTTP client is still there
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the API's default for /v1/completions
 
@@ -383,19 +386,68 @@ class BridgeServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], socket_path: Path, model: str, verbose: bool = False):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        socket_path: Path,
+        model: str,
+        verbose: bool = False,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ):
         """``address``: from parse_listen (loopback)."""
         self.socket_path = socket_path
         self.model = model  # the daemon's model when the bridge started (refreshed by /v1/models)
         self.verbose = verbose  # log every HTTP request
+        self.idle_timeout = idle_timeout  # a connection silent this long (or this slow to read) is closed
+        self.slots = threading.BoundedSemaphore(max_connections)  # one thread per connection, at most this many
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:  # every slot is taken: say so and close, without a thread
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY), _BUSY)
+                )
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+_BUSY = json.dumps(
+    {
+        "error": {
+            "message": "the bridge has as many connections open as it serves (--max-connections); retry",
+            "type": "server_error",
+            "param": None,
+            "code": "too_many_connections",
+        }
+    }
+).encode()
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: BridgeServer
     server_version = "tandem-openai"
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout  # socketserver applies it to the connection
+        super().setup()
 
     # ------------------------------------------------------------------ routes
 
@@ -460,7 +512,11 @@ class Handler(BaseHTTPRequestHandler):
             if not self._body_read and self.headers.get("Content-Length", "0") != "0":
                 self.close_connection = True  # its body is still unread: the connection cannot go on
             self._json(exc.status, exc.body())
-        except (BrokenPipeError, ConnectionResetError):
+        except (OverflowError, RecursionError) as exc:  # a number msgpack cannot carry, JSON nested too deep
+            self.close_connection = True
+            body = ApiError(HTTPStatus.BAD_REQUEST, f"the request has a value tandem cannot take: {exc}").body()
+            self._json(HTTPStatus.BAD_REQUEST, body)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
 
     def _check_user(self) -> None:
@@ -494,6 +550,9 @@ class Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length") or "")
         except ValueError:
             raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required") from None
+        if length < 0:
+            self.close_connection = True
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"Content-Length must be a byte count >= 0, got {length}")
         if length > MAX_MESSAGE_BYTES:
             self.close_connection = True
             raise ApiError(
@@ -503,8 +562,8 @@ class Handler(BaseHTTPRequestHandler):
         self._body_read = True
         try:
             body = json.loads(raw)
-        except ValueError as exc:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {exc or 'nested too deep'}") from None
         if not isinstance(body, dict):
             raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
         return body

@@ -1,0 +1,105 @@
+"""Hostile HTTP input to the bridge: every case gets a 4xx in OpenAI's error shape
+(not a dropped connection, not a buffered body past the limit), idle connections
+are closed, and the number of connections is bounded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from urllib.parse import urlparse
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bridge(bridge_process, daemon):
+    """With its defaults (what a user runs)."""
+    b = bridge_process(daemon)
+    yield b
+    assert b.stop() == 0, "".join(b.lines)
+
+
+@pytest.fixture(scope="module")
+def tight(bridge_process, daemon):
+    """With a short idle timeout and few connections, so the tests of those are quick."""
+    b = bridge_process(daemon, "--idle-timeout", "1", "--max-connections", "3")
+    yield b
+    assert b.stop() == 0, "".join(b.lines)
+
+
+def connect(bridge) -> socket.socket:
+    url = urlparse(bridge.url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=10)
+    return sock
+
+
+def exchange(bridge, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+    with connect(bridge) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1] or b"{}")
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def post(body: bytes, length: int | None = None) -> bytes:
+    n = len(body) if length is None else length
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % n
+    )
+
+
+def test_a_negative_content_length_is_a_400_and_nothing_is_buffered(bridge):
+    status, body = exchange(bridge, post(b"", length=-1), b"x" * 100_000)
+    assert status == 400 and "Content-Length" in body["error"]["message"]
+
+
+def test_json_nested_too_deep_is_a_400(bridge):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, body = exchange(bridge, post(deep), deep)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_number_too_large_to_send_is_a_400(bridge):
+    raw = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 10**400}
+    ).encode()
+    status, body = exchange(bridge, post(raw), raw)
+    assert status == 400 and body["error"]["message"]
+
+
+def test_an_idle_connection_is_closed(tight):
+    with connect(tight) as sock:
+        started = time.monotonic()
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # the bridge closed it
+        assert time.monotonic() - started < 5
+
+
+def test_connections_beyond_the_limit_get_503_and_the_bridge_recovers(tight):
+    bridge = tight
+    held = [connect(bridge) for _ in range(3)]
+    try:
+        time.sleep(0.2)
+        with connect(bridge) as extra:
+            reply = extra.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 503") and b"too_many_connections" in reply
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(1.5)  # the held connections' threads end
+    status, _ = exchange(bridge, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert status == 200

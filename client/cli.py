@@ -176,7 +176,7 @@ def _serving_commands(sub) -> None:
     p.add_argument("--verbose", action="store_true", help="log every HTTP request to stderr")
     p.add_argument(
         "--idle-timeout",
-        type=float,
+        type=_positive(float),
         default=DEFAULT_IDLE_TIMEOUT,
         metavar="SECONDS",
         help="close a connection that sends nothing, or stalls reading or writing, this long "
@@ -184,7 +184,7 @@ def _serving_commands(sub) -> None:
     )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=_positive(int),
         default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
         help=f"connections served at once; one more gets 503 (default {DEFAULT_MAX_CONNECTIONS})",
@@ -633,6 +633,17 @@ COMMANDS = {
     "config": cmd_config,
     "service": cmd_service,
 }
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
 
 
 def main(argv: Optional[list[str]] = None) -> int:

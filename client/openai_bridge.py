@@ -404,16 +404,23 @@ class BridgeServer(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
 
+    def verify_request(self, request, client_address) -> bool:
+        """Only the user who runs the bridge, checked as the connection is accepted (before
+        it takes a slot or a thread): a loopback port is open to every user of the
+        machine, so the connecting socket's owner is looked up (tcp_owner)."""
+        from tandem.daemon.tcp_owner import refusal
+
+        why = refusal(client_address, request.getsockname())
+        if why is None:
+            return True
+        _answer_and_close(request, 403, "Forbidden", why, "invalid_request_error", "another_user")
+        return False
+
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):
-            try:  # every slot is taken: say so and close, without a thread
-                request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY), _BUSY)
-                )
-            except OSError:
-                pass
-            self.shutdown_request(request)
+            # every slot is taken: say so and close, without a thread
+            message = "the bridge has as many connections open as it serves (--max-connections); retry"
+            _answer_and_close(request, 503, "Service Unavailable", message, "server_error", "too_many_connections")
             return
         try:
             super().process_request(request, client_address)
@@ -428,16 +435,18 @@ class BridgeServer(ThreadingHTTPServer):
             self.slots.release()
 
 
-_BUSY = json.dumps(
-    {
-        "error": {
-            "message": "the bridge has as many connections open as it serves (--max-connections); retry",
-            "type": "server_error",
-            "param": None,
-            "code": "too_many_connections",
-        }
-    }
-).encode()
+def _answer_and_close(request, status: int, reason: str, message: str, kind: str, code: str) -> None:
+    """An error in OpenAI's shape on a connection that gets no handler thread, then close it."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    try:
+        request.sendall(
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body)
+        )
+        request.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    request.close()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -505,7 +514,6 @@ class Handler(BaseHTTPRequestHandler):
     def _serve(self, route: Callable[[], None]) -> None:
         self._body_read = False
         try:
-            self._check_user()
             self._check_origin()
             route()
         except ApiError as exc:
@@ -518,17 +526,6 @@ class Handler(BaseHTTPRequestHandler):
             self._json(HTTPStatus.BAD_REQUEST, body)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
-
-    def _check_user(self) -> None:
-        """Only the user who runs the bridge: a loopback port is open to every user of
-        the machine, so find who owns the connecting socket (tcp_owner) and refuse
-        another uid, as the daemon's Unix socket does."""
-        from tandem.daemon.tcp_owner import refusal
-
-        why = refusal(self.client_address, self.connection.getsockname())
-        if why is not None:
-            self.close_connection = True
-            raise ApiError(HTTPStatus.FORBIDDEN, why)
 
     def _check_origin(self) -> None:
         from tandem.daemon.config import is_loopback_host

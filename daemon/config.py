@@ -277,6 +277,13 @@ OPTIONS: tuple[Option, ...] = (
         "allow a metrics_addr that is not loopback (a warning is logged: the metrics then leave this machine)",
     ),
     Option(
+        "metrics_other_users",
+        "bool",
+        False,
+        "let other local users scrape the loopback metrics endpoint (a packaged Prometheus runs as its own "
+        "user); off: only the user who runs the daemon, as on the socket",
+    ),
+    Option(
         "log_level",
         "choice",
         "info",

@@ -190,8 +190,9 @@ class Metrics:
 
     # ------------------------------------------------------------------ endpoint
 
-    def serve(self, addr: str) -> str:
-        """Listen on ``addr`` (HOST:PORT; port 0 picks one); returns the address bound."""
+    def serve(self, addr: str, other_users: bool = False) -> str:
+        """Listen on ``addr`` (HOST:PORT; port 0 picks one); returns the address bound.
+        On loopback only this user is served, unless ``other_users``."""
         host, _, port = addr.rpartition(":")
         host = host.strip("[]")
         loopback = is_loopback(addr)
@@ -199,7 +200,7 @@ class Metrics:
             log.warning("metrics are served on %s, which is not loopback: other machines can read them", addr)
         app = prometheus_client.make_wsgi_app(self.registry)
         # on loopback, only a Host that names this machine exactly: a web page cannot reach it by DNS rebinding
-        self.server = _serve_wsgi(host, int(port), _loopback_hosts_only(app) if loopback else app)
+        self.server = _serve_wsgi(host, int(port), _loopback_hosts_only(app, other_users) if loopback else app)
         bound = self.server.server_address[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         return self.address
@@ -214,11 +215,12 @@ class Metrics:
         return prometheus_client.generate_latest(self.registry)
 
 
-def _loopback_hosts_only(app):
-    """Only this user, and only a Host that names this machine (see tcp_owner and config.is_loopback_host)."""
+def _loopback_hosts_only(app, other_users: bool = False):
+    """Only this user (unless ``other_users``), and only a Host that names this machine
+    (see tcp_owner and config.is_loopback_host)."""
 
     def checked(environ, start_response):
-        why = refusal(environ["tandem.peer"], environ["tandem.local"])
+        why = None if other_users else refusal(environ["tandem.peer"], environ["tandem.local"])
         if why is None and not is_loopback_host(environ.get("HTTP_HOST", "")):
             why = "the Host header is not loopback: tandem's metrics answer only clients on this machine"
         if why is not None:
@@ -230,6 +232,8 @@ def _loopback_hosts_only(app):
 
 
 class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
+    timeout = 10  # a connection that sends nothing does not keep its thread
+
     def get_environ(self):
         environ = super().get_environ()
         environ["tandem.peer"] = self.client_address

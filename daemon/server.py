@@ -123,12 +123,14 @@ class Daemon:
         if addr == "off":
             return
         try:
-            bound = self.metrics.serve(addr)
+            bound = self.metrics.serve(addr, other_users=self.settings.values["metrics_other_users"])
         except OSError as exc:
             if self.settings.sources["metrics_addr"] == "default" and exc.errno == errno.EADDRINUSE:
                 # the default port is taken (another daemon, on another socket): any free port
                 # beats no metrics or no daemon; status and the log say where
-                bound = self.metrics.serve(addr.rpartition(":")[0] + ":0")
+                bound = self.metrics.serve(
+                    addr.rpartition(":")[0] + ":0", other_users=self.settings.values["metrics_other_users"]
+                )
                 log.warning(
                     "the default metrics address %s is in use; serving metrics on %s instead (set metrics_addr "
                     "to choose)",

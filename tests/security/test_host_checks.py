@@ -93,3 +93,28 @@ def test_the_owner_of_a_loopback_connection_is_read_from_the_kernels_table(tmp_p
     )
     assert owner_uid(("127.0.0.1", 40000), ("127.0.0.1", 8642), proc=tmp_path) == 1234
     assert owner_uid(("::1", 40000), ("::1", 8642), proc=tmp_path) is None  # no tcp6 table: unknown
+
+
+def test_a_dual_stack_client_to_an_ipv4_listener_is_found_in_tcp6():
+    """Java and .NET open IPv6 sockets even for 127.0.0.1: the kernel lists them in
+    tcp6 as ::ffff:127.0.0.1 while the listener sees an IPv4 peer."""
+    import socket
+
+    from tandem.daemon.tcp_owner import owner_uid
+
+    srv = socket.socket(socket.AF_INET)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    try:
+        client = socket.socket(socket.AF_INET6)
+        client.connect(("::ffff:127.0.0.1", srv.getsockname()[1]))
+    except OSError as exc:
+        srv.close()
+        pytest.skip(f"this kernel has no dual-stack sockets: {exc}")
+    conn, peer = srv.accept()
+    try:
+        assert owner_uid(peer, conn.getsockname()) == os.getuid()
+        client.shutdown(socket.SHUT_WR)  # half-closed (FIN_WAIT): still the same owner
+        assert owner_uid(peer, conn.getsockname()) == os.getuid()
+    finally:
+        client.close(), conn.close(), srv.close()

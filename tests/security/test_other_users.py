@@ -47,6 +47,17 @@ def test_the_metrics_endpoint_serves_only_its_user():
         metrics.close()
 
 
+def test_metrics_other_users_lets_another_user_scrape():
+    """A packaged Prometheus runs as its own user: metrics_other_users = on lets it in."""
+    live = dict(queue_depth=0, active=0, ready=1, memory={"daemon": 1, "target": 1}, uptime=1.0)
+    metrics = Metrics(lambda: live)
+    try:
+        host, _, port = metrics.serve("127.0.0.1:0", other_users=True).rpartition(":")
+        assert get_as(65534, host, int(port), "/metrics").startswith("200 ")
+    finally:
+        metrics.close()
+
+
 def test_the_bridge_serves_only_its_user(daemon, bridge_process):
     bridge = bridge_process(daemon)
     try:

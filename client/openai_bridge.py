@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 from tandem.protocol import MAX_MESSAGE_BYTES, MAX_TOKENS_LIMIT, ErrorCode, FinishReason
 
 from .client import Client, Stream
+from .core import assistant_message
 from .errors import DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
 
 DEFAULT_LISTEN = "127.0.0.1:8642"
@@ -335,13 +336,6 @@ def _finish(reason: FinishReason) -> str:
     return {FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls"}.get(reason, "stop")
 
 
-def _openai_calls(done) -> list[dict]:
-    return [
-        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-        for c in done.tool_calls
-    ]
-
-
 def _call_deltas(deltas) -> list[dict]:
     """One entry per call in a chunk, as OpenAI sends them (pieces of the same call merged)."""
     out: list[dict] = []
@@ -612,10 +606,9 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, call: Call, request_id: str, done) -> dict:
         reply = self._envelope(call, request_id)
         if call.kind == "chat.completion":
-            message: dict[str, Any] = {"role": "assistant", "content": done.text}
+            message = assistant_message(done)
             if done.tool_calls:
                 message["content"] = done.text or None
-                message["tool_calls"] = _openai_calls(done)
             choice = {"index": 0, "message": message, "logprobs": None}
         else:
             choice = {"index": 0, "text": done.text, "logprobs": None}

@@ -66,7 +66,6 @@ class RequestState:
     cache: Optional["PageStore"]  # the prefix cache, when this request uses it
     started: float
     constraint: Optional[Constraint] = None  # the response_format's grammar state; None: any text
-    tools: Optional[ToolPlan] = None  # the request's tools (not with tool_choice none)
     parser: Optional[ToolCallParser] = None  # with tools: splits the output into text and calls
     pending: Optional[CallOpener] = None  # tool_choice auto: the calls' grammar, from the token that opens one
     content: str = ""  # with tools: the text outside the calls, as streamed
@@ -238,7 +237,6 @@ class Engine:
             cache=self.cache if req.cache else None,
             started=started,
             constraint=constraint,
-            tools=plan,
             parser=plan.parser() if plan is not None else None,
             pending=pending,
         )
@@ -335,9 +333,7 @@ class Engine:
         """tool_choice auto: the model opened a call; what follows is constrained to the
         tools' calls. Tokens the round verified after the opening one are dropped
         (they were not constrained): the target forgets them too."""
-        state.pending = None
-        if state.stats is None:
-            state.stats = DraftStats()
+        state.pending = None  # (its stats exist: _begin makes them for a pending call)
         if cut:
             self.model.truncate(len(state.context()) - 1)
 

@@ -92,11 +92,16 @@ class TextStream:
         return best
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+        return held_suffix(text, self._stop)
+
+
+def held_suffix(text: str, words: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``words``:
+    text to hold back, since the next piece may complete the word."""
+    longest = 0
+    for s in words:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest

@@ -27,16 +27,18 @@ renders the tokens the model generated and the prefix cache keeps hitting.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from tandem.protocol import ChatMessage, ErrorCode, FunctionCall, Generate, Tool, ToolCall, ToolCallDelta
 
 from .constraint import JSON_OPTIONS
 from .interfaces import RequestError
+from .textstream import held_suffix
 
 HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -158,13 +160,12 @@ def message_dicts(messages: Sequence[ChatMessage], fmt: str) -> list[dict]:
 
 
 def _hermes_block(call: ToolCall, arguments: Any) -> str:
-    body = json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
-    return f"{OPEN}\n{body}\n{CLOSE}"
+    return f"{OPEN}\n{_dump({'name': call.function.name, 'arguments': arguments})}\n{CLOSE}"
 
 
 def with_generic_prompt(messages: list[dict], tools: Sequence[Tool]) -> list[dict]:
     """The tools described in the system message (a new one if there is none)."""
-    described = "\n".join(json.dumps(tool_dict(t), ensure_ascii=False) for t in tools)
+    described = "\n".join(_dump(tool_dict(t)) for t in tools)
     prompt = GENERIC_PROMPT.format(tools=described)
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
@@ -284,17 +285,20 @@ class CallOpener:
 # --------------------------------------------------------------------------- parsing the output
 
 
-@dataclass
-class ToolCallParser:
-    """Splits the streamed output into the answer's text and tool-call pieces."""
+class ToolCallParser(abc.ABC):
+    """Splits the streamed output into the answer's text and tool-call pieces; ``calls``
+    holds the complete calls so far."""
 
-    calls: list[ToolCall] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
 
+    @abc.abstractmethod
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        raise NotImplementedError
+        """More output -> (text for the answer, tool-call pieces)."""
 
+    @abc.abstractmethod
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        raise NotImplementedError
+        """The output ended: what was held back."""
 
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -337,7 +341,7 @@ class HermesParser(ToolCallParser):
             if not self.in_call:
                 i = self.buf.find(OPEN)
                 if i < 0:
-                    keep = _partial_suffix(self.buf, OPEN)
+                    keep = held_suffix(self.buf, (OPEN,))
                     content += self._text(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep :]
                     return content, deltas
@@ -497,11 +501,3 @@ class Llama3Parser(ToolCallParser):
             self.calls.append(call)
             return "", [ToolCallDelta(0, call.function.arguments, call.id, call.function.name)]
         return text, []
-
-
-def _partial_suffix(text: str, word: str) -> int:
-    """The length of the longest end of ``text`` that begins ``word`` (held back: it may become ``word``)."""
-    for n in range(min(len(word) - 1, len(text)), 0, -1):
-        if word.startswith(text[-n:]):
-            return n
-    return 0

@@ -5,6 +5,7 @@ greedy output, and a constraint that does not compile is a typed error."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -13,8 +14,8 @@ import pytest
 from tandem.client import RequestFailed
 from tandem.protocol import ErrorCode, FinishReason
 
-CORPUS = json.loads((Path(__file__).resolve().parents[2] / "bench" / "corpus" / "extraction.json").read_text())
-SYSTEM = "Extract the facts from the user's text as one JSON object."
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from structured import CORPUS, SYSTEM, valid  # noqa: E402 - the benchmark's corpus, prompt and validity test
 
 
 def extract(client, item: dict, constrained: bool = True, **kw):
@@ -24,14 +25,6 @@ def extract(client, item: dict, constrained: bool = True, **kw):
         messages[0]["content"] += " It must match this JSON Schema: " + json.dumps(item["schema"])
     params = {"temperature": 0.0, "max_tokens": 200, **kw}
     return client.complete(messages=messages, response_format=rf if constrained else None, **params)
-
-
-def valid(text: str, schema: dict) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), schema)
-        return True
-    except (ValueError, jsonschema.ValidationError):
-        return False
 
 
 @pytest.mark.model  # its daemon fixture is looked up by name, so tests/conftest.py cannot see it

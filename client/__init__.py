@@ -4,6 +4,7 @@ from .aio import AsyncClient, AsyncStream
 from .client import Client, Stream
 from .core import assistant_message
 from .errors import (
+    DaemonGone,
     DaemonNotRunning,
     DaemonTimeout,
     InvalidRequest,
@@ -19,6 +20,7 @@ __all__ = [
     "Client",
     "Stream",
     "assistant_message",
+    "DaemonGone",
     "DaemonNotRunning",
     "DaemonTimeout",
     "InvalidRequest",

@@ -44,13 +44,15 @@ from .core import (
     check_daemon_speaks,
     check_socket_exists,
     complete_request,
+    dealer_options,
     generate_request,
+    gone_message,
     hello_request,
     new_id,
     raise_for_terminal,
     resolve_socket,
 )
-from .errors import DaemonNotRunning, DaemonTimeout
+from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout, InvalidRequest
 
 
 class AsyncClient:
@@ -66,7 +68,9 @@ class AsyncClient:
         self.server: Optional[HelloReply] = None
         self._zctx = zmq.asyncio.Context.instance()
         self._sock: Optional[zmq.asyncio.Socket] = None
+        self._monitor: Optional[zmq.asyncio.Socket] = None  # the DEALER's disconnect events
         self._router = ReplyRouter()
+        self._lost: set[str] = set()  # requests that were waiting when the daemon went away
         self._reading = asyncio.Lock()
         self._connecting = asyncio.Lock()
 
@@ -79,11 +83,12 @@ class AsyncClient:
     async def _handshake(self) -> HelloReply:
         check_socket_exists(self.socket_path)
         self._sock = self._zctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        dealer_options(self._sock)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint(self.socket_path))
         try:
             reply = await self._request(hello_request(), self.connect_timeout)
-        except DaemonTimeout:
+        except (DaemonTimeout, DaemonGone):  # nothing accepted the connection, or it dropped at once
             self.close()
             raise DaemonNotRunning(f"nothing answers at {self.socket_path}; {START_HINT}") from None
         raise_for_terminal(reply)
@@ -93,9 +98,18 @@ class AsyncClient:
 
     def close(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._sock = None
         self.server = None
+
+    def _daemon_gone(self) -> DaemonGone:
+        """As Client's: the waiting requests are lost; the next one connects afresh."""
+        self._lost |= set(self._router.buffers)
+        self._router = ReplyRouter()
+        self.close()
+        return DaemonGone(gone_message(self.socket_path))
 
     async def __aenter__(self) -> "AsyncClient":
         await self.connect()
@@ -106,8 +120,16 @@ class AsyncClient:
 
     async def _send(self, msg: Message) -> None:
         assert self._sock is not None
+        if msg.id in self._router.buffers:
+            raise InvalidRequest(
+                f"request id {msg.id!r} is in use by a request of this client that has not finished; give each "
+                "request a new id (or leave request_id out)"
+            )
         self._router.expect(msg.id)
-        await self._sock.send_multipart(encode(msg))
+        try:  # never blocks: only a DEALER whose connection is gone (no reconnection) has no room
+            await self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise self._daemon_gone() from None
 
     async def _recv(self, request_id: str, timeout: Optional[float]) -> Message:
         async def read() -> Message:
@@ -118,8 +140,16 @@ class AsyncClient:
                 async with self._reading:
                     if self._router.buffers.get(request_id):
                         continue  # another reader filed our reply meanwhile
-                    assert self._sock is not None
-                    msg = self._router.accept(await self._sock.recv_multipart(), request_id)
+                    if self._sock is None or request_id in self._lost:
+                        raise DaemonGone(gone_message(self.socket_path))
+                    poller = zmq.asyncio.Poller()
+                    poller.register(self._sock, zmq.POLLIN)
+                    poller.register(self._monitor, zmq.POLLIN)
+                    events = dict(await poller.poll())
+                    if self._sock in events:  # replies first
+                        msg = self._router.accept(await self._sock.recv_multipart(), request_id)
+                    else:
+                        raise self._daemon_gone()
                 if msg is not None:
                     return msg
 

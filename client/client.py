@@ -43,13 +43,15 @@ from .core import (
     check_daemon_speaks,
     check_socket_exists,
     complete_request,
+    dealer_options,
     generate_request,
+    gone_message,
     hello_request,
     new_id,
     raise_for_terminal,
     resolve_socket,
 )
-from .errors import DaemonNotRunning, DaemonTimeout
+from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout, InvalidRequest
 
 
 class Client:
@@ -67,7 +69,9 @@ class Client:
         self.server: Optional[HelloReply] = None
         self._zctx = zmq.Context.instance()
         self._sock: Optional[zmq.Socket] = None
+        self._monitor: Optional[zmq.Socket] = None  # the DEALER's disconnect events
         self._router = ReplyRouter()
+        self._lost: set[str] = set()  # requests that were waiting when the daemon went away
 
     # ------------------------------------------------------------------ connection
 
@@ -77,12 +81,13 @@ class Client:
             return self.server
         check_socket_exists(self.socket_path)
         self._sock = self._zctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        dealer_options(self._sock)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint(self.socket_path))
         hello = hello_request()
         try:
             reply = self._request(hello, self.connect_timeout)
-        except DaemonTimeout:
+        except (DaemonTimeout, DaemonGone):  # nothing accepted the connection, or it dropped at once
             self.close()
             raise DaemonNotRunning(
                 f"nothing answers at {self.socket_path} (a stale socket from a daemon that died?); {START_HINT}"
@@ -94,9 +99,19 @@ class Client:
 
     def close(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._sock = None
         self.server = None
+
+    def _daemon_gone(self) -> DaemonGone:
+        """The connection dropped: every request still waiting is lost (it may
+        have been served or not); the next request connects afresh."""
+        self._lost |= set(self._router.buffers)
+        self._router = ReplyRouter()
+        self.close()
+        return DaemonGone(gone_message(self.socket_path))
 
     def __enter__(self) -> "Client":
         return self
@@ -110,22 +125,38 @@ class Client:
         if self._sock is None:
             self.connect()
         assert self._sock is not None
+        if msg.id in self._router.buffers:
+            raise InvalidRequest(
+                f"request id {msg.id!r} is in use by a request of this client that has not finished; give each "
+                "request a new id (or leave request_id out)"
+            )
         self._router.expect(msg.id)
-        self._sock.send_multipart(encode(msg))
+        try:  # never blocks: only a DEALER whose connection is gone (no reconnection) has no room
+            self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise self._daemon_gone() from None
 
     def _recv(self, request_id: str, timeout: Optional[float]) -> Message:
         buffered = self._router.pop(request_id)
         if buffered is not None:
             return buffered
+        if self._sock is None or request_id in self._lost:
+            raise DaemonGone(gone_message(self.socket_path))
         deadline = None if timeout is None else time.monotonic() + timeout
-        assert self._sock is not None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._sock.poll(None if remaining is None else int(remaining * 1000)):
+            events = dict(poller.poll(None if remaining is None else int(remaining * 1000)))
+            if self._sock in events:  # replies first: a daemon that answered, then closed, is not lost
+                msg = self._router.accept(self._sock.recv_multipart(), request_id)
+                if msg is not None:
+                    return msg
+            elif self._monitor in events:
+                raise self._daemon_gone()
+            elif not events:
                 raise DaemonTimeout(f"no reply from the daemon at {self.socket_path} within {timeout} s")
-            msg = self._router.accept(self._sock.recv_multipart(), request_id)
-            if msg is not None:
-                return msg
 
     def _request(self, msg: Message, timeout: Optional[float]) -> Message:
         self._send(msg)

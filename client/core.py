@@ -12,6 +12,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
+import zmq
+
 from tandem.protocol import (
     PROTOCOL_VERSION,
     Busy,
@@ -39,6 +41,31 @@ from .errors import DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, 
 MessageLike = Union[ChatMessage, dict]
 
 START_HINT = 'start one with `tandem serve` (or just `tandem run "..."`, which starts one for you)'
+
+
+HEARTBEAT_MS = 2_000  # ZeroMQ pings the daemon this often while connected...
+HEARTBEAT_TIMEOUT_MS = 15_000  # ...and drops the connection after this long without an answer
+
+
+def dealer_options(sock) -> None:
+    """The client's DEALER: no linger; no automatic reconnection (a daemon that
+    went away is reported, and a new one at the path is checked like the first
+    before anything is sent to it); ZeroMQ's heartbeat, so a daemon that is gone
+    or frozen without closing the connection is noticed within
+    ``HEARTBEAT_TIMEOUT_MS`` (its I/O thread answers the pings however busy the
+    daemon's models are)."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, -1)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+
+
+def gone_message(path: Path) -> str:
+    return (
+        f"the daemon at {path} went away while this request was waiting for its reply (it stopped or crashed, "
+        f"or did not answer ZeroMQ's heartbeat for {HEARTBEAT_TIMEOUT_MS // 1000} s); the request is lost: "
+        f"retry it once a daemon runs again ({START_HINT})"
+    )
 
 
 def new_id() -> str:
@@ -95,10 +122,10 @@ def peer_uid(path: Path) -> Optional[int]:
         probe.settimeout(2.0)
         try:
             probe.connect(os.fspath(path))
-            creds = probe.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+            creds = probe.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("iII"))  # struct ucred
         except OSError:
             return None  # nothing accepts: the zmq connection will say the daemon is not running
-        _pid, uid, _gid = struct.unpack("3i", creds)
+        _pid, uid, _gid = struct.unpack("iII", creds)
         return uid
 
 
@@ -251,7 +278,10 @@ class StreamState:
         self._finished = True
         self.client._router.forget(self.request_id)
         if self.client._sock is not None:
-            self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)))
+            try:
+                self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the connection is gone: so is the request
 
     def __del__(self) -> None:
         try:

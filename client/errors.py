@@ -26,6 +26,12 @@ class DaemonTimeout(TandemError):
     """The daemon did not answer in time."""
 
 
+class DaemonGone(TandemError):
+    """The daemon went away (stopped, crashed, or stopped answering ZeroMQ's
+    heartbeat) while a reply was awaited. The next request connects afresh,
+    with the socket's checks (``UntrustedSocket``) run again."""
+
+
 class RequestFailed(TandemError):
     """The daemon answered a request with an ``error`` message."""
 

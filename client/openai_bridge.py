@@ -35,7 +35,7 @@ from tandem.protocol import MAX_MESSAGE_BYTES, MAX_TOKENS_LIMIT, ErrorCode, Fini
 
 from .client import Client, Stream
 from .core import assistant_message
-from .errors import DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
+from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
 
 DEFAULT_LISTEN = "127.0.0.1:8642"
 DEFAULT_IDLE_TIMEOUT = 60.0  # seconds a connection may stay silent (or stall a read or write) before it is closed
@@ -95,6 +95,8 @@ class ApiError(Exception):
             return cls(HTTPStatus.BAD_REQUEST, str(exc))
         if isinstance(exc, DaemonNotRunning):
             return cls(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="daemon_not_running")
+        if isinstance(exc, DaemonGone):
+            return cls(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="daemon_gone")
         return cls(HTTPStatus.BAD_GATEWAY, str(exc), code="daemon_error")
 
 

@@ -21,7 +21,11 @@ cancelled, the wait ends.
 With a prefix cache (``use_pages``: the target's PageStore, whose tree also holds
 the drafter's pages), the drafter restores a cached prefix instead of reading
 it whenever that saves reading, and ``store`` has it write the full pages it
-holds at the end of a request.
+holds at the end of a request. Pages the drafter was asked to write stay
+allocated and locked until it acknowledges them (then they are sealed) or is
+known to be dead (then they are freed), even when the wait for its reply ends
+early (a cancel, a timeout): a drafter still writing into extents that the next
+request's pages were given would corrupt them.
 """
 
 from __future__ import annotations
@@ -66,18 +70,20 @@ class ModelDrafterClient(Drafter):
         self.sock = None
         self.revive_pending = False
         self.last_append = 0
+        self.pages = None  # the target's PageStore, when the daemon has a prefix cache
+        self.unacknowledged: dict[str, list] = {}  # store request id -> its nodes, while the drafter may write
         self.reset()
         self.request_id = ""
         self.sampler: Optional[Sampler] = None
         self.seed = 0
         self.new_request = False
-        self.pages = None  # the target's PageStore, when the daemon has a prefix cache
 
     def use_pages(self, pages) -> None:
         self.pages = pages
 
     def go_down(self) -> None:
         """The drafter died: decode plainly, and let go of its endpoint now."""
+        self._free_unacknowledged()  # it is dead: it writes nothing more
         self.broken = True
         self.revive_pending = False
         if self.sock is not None:
@@ -93,6 +99,7 @@ class ModelDrafterClient(Drafter):
         self.revive_pending = False
         if self.sock is not None:
             self.sock.close(linger=0)
+        self._free_unacknowledged()  # the drafter they were asked of is gone (a new one is up)
         self.sock = self.zctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.endpoint)
@@ -169,8 +176,8 @@ class ModelDrafterClient(Drafter):
         self.new_request = False
         self.mirror = list(context)  # what it will hold before drafting
 
-    def _post(self, keep: int, append: list[int], k: int, p_min: float, new_request: bool = False, **pages) -> None:
-        """Send one draft request with this request's sampling settings."""
+    def _post(self, keep: int, append: list[int], k: int, p_min: float, new_request: bool = False, **pages) -> str:
+        """Send one draft request with this request's sampling settings; its id."""
         s = self.sampler
         assert s is not None
         sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=self.seed)
@@ -186,6 +193,7 @@ class ModelDrafterClient(Drafter):
         )
         self.sock.send_multipart(encode(request))
         self.awaiting += 1
+        return request.id
 
     def _restore_plan(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
         """Cached drafter pages to restore instead of keeping ``keep`` tokens and
@@ -210,11 +218,26 @@ class ModelDrafterClient(Drafter):
             return
         nodes = [node for _, node in planned]
         store = [[start, node.pages["drafter"].offset] for start, node in planned]
-        self._post(len(self.mirror), [], 0, 0.0, store=store)
-        if self._recv(self.draft_timeout_ms) is None:
-            self.pages.unplan(nodes, "drafter")
-        else:
+        request_id = self._post(len(self.mirror), [], 0, 0.0, store=store)
+        self.pages.tree.lock(nodes)  # never evicted, cleared or reused while the drafter may write them
+        self.unacknowledged[request_id] = nodes
+        self._recv(self.draft_timeout_ms)  # its reply seals them (now, or when it comes)
+
+    def _acknowledged(self, request_id: str, written: bool) -> None:
+        """The drafter answered a store request: its pages are written (sealed)
+        or, after an error, not (freed); either way it writes them no more."""
+        nodes = self.unacknowledged.pop(request_id, None)
+        if nodes is None or self.pages is None:
+            return
+        self.pages.tree.unlock(nodes)
+        if written:
             self.pages.seal(nodes, "drafter")
+        else:
+            self.pages.unplan(nodes, "drafter")
+
+    def _free_unacknowledged(self) -> None:
+        for request_id in list(self.unacknowledged):
+            self._acknowledged(request_id, written=False)
 
     def _recv(self, timeout_ms: int) -> Optional[Drafted]:
         """The next reply to one of our requests; None when the drafter failed, did
@@ -229,10 +252,12 @@ class ModelDrafterClient(Drafter):
                     continue  # computed for an earlier target worker (or before a reset)
                 if isinstance(msg, Error):
                     self.awaiting -= 1
+                    self._acknowledged(msg.id, written=False)
                     log.warning("the drafter failed (%s); drafting is off", msg.message)
                     self.broken = True
                     return None
                 self.awaiting -= 1
+                self._acknowledged(msg.id, written=True)
                 self.page_bytes = msg.page_bytes
                 return msg
             if timeout_ms == 0:

@@ -146,7 +146,12 @@ class DrafterLoop:
             if c.cache_shm:
                 from .page_store import map_arena
 
-                arena = memoryview(map_arena(c.cache_shm, c.cache_bytes))
+                try:
+                    arena = memoryview(map_arena(c.cache_shm, c.cache_bytes))
+                except OSError as exc:
+                    log.warning(
+                        "the drafter keeps no prefix-cache pages: cannot use the arena %s (%s)", c.cache_shm, exc
+                    )
             self.drafting = Drafting(model, c["page_tokens"], arena)
         except Exception as exc:
             error = Error.of(c.role, ErrorCode.NOT_READY, f"could not load the drafter: {exc}")

@@ -345,7 +345,7 @@ class Engine:
     def _finish(self, state: RequestState, emit: Callable[[Chunk], None]) -> Done:
         req, completion = state.req, state.completion
         if state.cache is not None:
-            state.cache.store(state.context())  # the prompt and the reply, which a next turn re-sends
+            state.cache.store_or_skip(state.context())  # the prompt and the reply, which a next turn re-sends
             if self.drafter is not None:
                 self.drafter.store(state.context())
             state.cache.release()

@@ -43,6 +43,7 @@ them; ``Engine`` drives them.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -322,6 +323,7 @@ class GovernorBank:
         self.per_task = per_task  # False: one governor for every request
         self.tasks: OrderedDict[str, Governor] = OrderedDict()
         self.last_task = ""
+        self.touched: set[str] = set()  # tasks this process served: saved over the file's; the rest kept
         if path is not None:
             self._load(path)
 
@@ -335,6 +337,7 @@ class GovernorBank:
                 self.tasks.popitem(last=False)
         self.tasks.move_to_end(task)
         self.last_task = task
+        self.touched.add(task)
         return g
 
     def info(self) -> Optional[GovernorInfo]:
@@ -343,54 +346,72 @@ class GovernorBank:
         return g.info(self.last_task, len(self.tasks)) if g is not None else None
 
     def save(self) -> None:
+        """Write the state atomically. Another daemon may share the file (two
+        daemons, one state directory): under a lock, its tasks that this one did
+        not serve are read back and kept, so neither clobbers the other's."""
         if self.path is None:
             return
-        doc = {
-            "version": STATE_VERSION,
-            "identity": self.identity,
-            "last_task": self.last_task,
-            "tasks": {k: g.to_dict() for k, g in self.tasks.items()},
-        }
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".governor-", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self.path)
+            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                on_disk = self._read(self.path, quiet=True)
+                tasks = OrderedDict(on_disk[0] if on_disk else ())
+                for k, g in self.tasks.items():
+                    if k in self.touched or k not in tasks:
+                        tasks.pop(k, None)
+                        tasks[k] = g.to_dict()  # most recently used last
+                tasks = OrderedDict(list(tasks.items())[-self.max_tasks :])
+                doc = {"version": STATE_VERSION, "identity": self.identity, "last_task": self.last_task, "tasks": tasks}
+                fd, tmp = tempfile.mkstemp(prefix=".governor-", dir=self.path.parent)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, self.path)
+                tmp = None
         except (OSError, ValueError, TypeError) as exc:  # a full disk, a value JSON cannot write
             log.warning("could not save the governor state to %s: %s", self.path, exc)
+        finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)  # no half-written file left behind
 
-    def _load(self, path: Path) -> None:
+    def _read(self, path: Path, quiet: bool = False) -> Optional[tuple[OrderedDict, object]]:
+        """The file's tasks (as written) and last task, if it is a readable state
+        of this identity; None otherwise (with a warning unless ``quiet``)."""
+        warn = (lambda *a: None) if quiet else log.warning
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            return
+            return None
         except (OSError, UnicodeDecodeError) as exc:
-            log.warning("ignoring the governor state in %s: %s", path, exc)
-            return
+            warn("ignoring the governor state in %s: %s", path, exc)
+            return None
         try:
             doc = json.loads(text)
             if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
                 raise ValueError(f"not a version {STATE_VERSION} governor state")
             if doc.get("identity") != self.identity:
-                log.warning(
+                warn(
                     "ignoring the governor state in %s: it is for %s, not %s", path, doc.get("identity"), self.identity
                 )
-                return
+                return None
             if not isinstance(doc.get("tasks"), dict):
                 raise ValueError("'tasks' is not a map")
-            tasks = OrderedDict(
-                (str(k), Governor.from_dict(v, self.params, self.clock)) for k, v in doc["tasks"].items()
-            )
+            for v in doc["tasks"].values():
+                Governor.from_dict(v, self.params, self.clock)  # each must load
         except Exception as exc:  # any shape a damaged or hand-edited file has: it must not stop the model loading
-            log.warning("ignoring the governor state in %s (%s: %s); starting fresh", path, type(exc).__name__, exc)
+            warn("ignoring the governor state in %s (%s: %s); starting fresh", path, type(exc).__name__, exc)
+            return None
+        return OrderedDict((str(k), v) for k, v in doc["tasks"].items()), doc.get("last_task")
+
+    def _load(self, path: Path) -> None:
+        read = self._read(path)
+        if read is None:
             return
+        raw, last = read
+        tasks = OrderedDict((k, Governor.from_dict(v, self.params, self.clock)) for k, v in raw.items())
         self.tasks = OrderedDict(list(tasks.items())[-self.max_tasks :])
-        last = doc.get("last_task")
         self.last_task = last if isinstance(last, str) and last in self.tasks else ""
         log.info("governor: %d task(s) restored from %s", len(self.tasks), path)
 

@@ -120,6 +120,11 @@ class Metrics:
         )
         for role in ROLES:
             self.restarts.labels(role)
+        self.finished_without_drafter = Counter(
+            "tandem_requests_finished_without_drafter",
+            "Requests whose drafter worker died while they ran: they finished with plain decoding",
+            registry=r,
+        )
         self._last_cache: Optional[tuple[int, int, int]] = None
         self._draft_total = DraftStats()
         r.register(_Live(live))
@@ -154,6 +159,8 @@ class Metrics:
             self._draft_total.merge(d)
             if self._draft_total.acceptance_rate is not None:
                 self.acceptance_rate.set(self._draft_total.acceptance_rate)
+        if done.drafter_died:
+            self.finished_without_drafter.inc()
         if done.governor is not None:
             self.governor_seen(done.governor)
         if done.cache is not None:

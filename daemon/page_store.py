@@ -20,6 +20,7 @@ Page contents go between the model and the arena only, never through a socket.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -32,6 +33,7 @@ import msgpack
 
 from tandem.protocol import CacheInfo
 
+from .arena import UntrustedFile, hold, open_own
 from .kv_pages import Layout, assemble, cut, parse
 from .prefix_cache import Node, Page, PageTree
 
@@ -40,21 +42,21 @@ log = logging.getLogger("tandem.cache")
 INDEX_VERSION = 1
 
 
-def map_arena(name: str, size: int) -> mmap.mmap:
-    """Map the daemon's shared-memory arena ``/dev/shm/<name>``. (Not through
-    multiprocessing's SharedMemory: it would register the segment with a resource
-    tracker that unlinks it when this process exits, and the arena must outlive
-    a worker.)"""
-    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+def map_arena(path: str, size: int) -> mmap.mmap:
+    """Map the daemon's shared-memory arena at ``path``: only this user's own
+    private file of at least ``size`` bytes (``UntrustedFile`` otherwise). The
+    map holds the arena's shared lock (its descriptor is the map's), which tells
+    a sweeping daemon that it is in use. (Not through multiprocessing's
+    SharedMemory: it would register the segment with a resource tracker that
+    unlinks it when this process exits, and the arena must outlive a worker.)"""
+    fd = open_own(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, size)
+        if os.fstat(fd).st_size < size:
+            raise UntrustedFile(errno.EINVAL, f"holds {os.fstat(fd).st_size} bytes, less than {size}", path)
+        hold(fd)
+        return mmap.mmap(fd, size)  # (it keeps a duplicate of fd, and with it the lock)
     finally:
         os.close(fd)
-
-
-def index_path(arena_name: str) -> Path:
-    """Where the tree of the arena ``arena_name`` is kept between worker lives."""
-    return Path("/dev/shm") / f"{arena_name}.index"
 
 
 def write_pages(model, arena, page_tokens: int, pages: Sequence[tuple[int, int]], expect: Optional[Layout]) -> None:
@@ -88,6 +90,23 @@ def probe_layout(model) -> Layout:
     return layout
 
 
+def model_identity(path: str | Path) -> str:
+    """Which model file the pages were computed with: its size, mtime, inode and
+    a hash of its first and last MiB (the GGUF header and the start of its
+    metadata; the last weights). A ``.gguf`` replaced at the same path, even by
+    one of the same architecture (whose KV has the same layout), differs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        h.update(f.read(1 << 20))
+        if st.st_size > 2 << 20:
+            f.seek(-(1 << 20), os.SEEK_END)
+            h.update(f.read(1 << 20))
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_dev}:{st.st_ino}:{h.hexdigest()[:32]}"
+
+
 def page_crc(arena, page: Page) -> int:
     return zlib.crc32(arena[page.offset : page.offset + page.size])
 
@@ -113,6 +132,7 @@ class PageStore:
         self.layout: Optional[Layout] = None
         self.locked: list[Node] = []
         self.tokens_prefilled = 0
+        self.model_identity = ""  # the target's model file (``model_identity``): its index is valid for it only
         self.role_bytes: dict[str, int] = {}  # page size of each model that has stored pages
         self.drafter_tokens_from_cache = 0
 
@@ -133,15 +153,32 @@ class PageStore:
         self.model.clear()
         chain = self.tree.match(list(tokens)[: len(tokens) - 1], self.role) if self.layout is not None else []
         n = len(chain) * self.page_tokens
+        if chain:
+            try:
+                offsets = [node.pages[self.role].offset for node in chain]
+                read_pages(self.model, self.arena, self.layout, self.page_tokens, offsets)
+            except Exception as exc:  # bytes that are not this model's state: drop them, read the prompt
+                log.warning("prefix cache: dropping pages that could not be restored (%s: %s)", type(exc).__name__, exc)
+                for node in reversed(chain):
+                    self.tree.drop_page(node, self.role)
+                self.tree.stats.tokens_from_cache -= n
+                self.model.clear()
+                chain, n = [], 0
         self.tokens_prefilled += len(tokens) - n
         if not chain:
             return 0
-        read_pages(
-            self.model, self.arena, self.layout, self.page_tokens, [node.pages[self.role].offset for node in chain]
-        )
         self.tree.lock(chain)
         self.locked = chain
         return n
+
+    def store_or_skip(self, tokens: Sequence[int]) -> int:
+        """``store``, except that pages which cannot be written are not cached,
+        with a warning: the request they came from still succeeds."""
+        try:
+            return self.store(tokens)
+        except Exception as exc:
+            log.warning("prefix cache: could not store pages (%s: %s); they are not cached", type(exc).__name__, exc)
+            return 0
 
     def info(self) -> CacheInfo:
         t = self.tree
@@ -176,6 +213,8 @@ class PageStore:
         """Offsets of the longest cached prefix of ``tokens`` in ``role``'s
         pages, locked until ``release`` (not counted in hits and misses)."""
         chain = self.tree.match(list(tokens), role, count=False)
+        sealed = next((i for i, node in enumerate(chain) if node.pages[role].crc is None), len(chain))
+        chain = chain[:sealed]  # a page without a checksum is still being written
         self.tree.lock(chain)
         self.locked.extend(chain)
         return [node.pages[role].offset for node in chain]
@@ -209,7 +248,12 @@ class PageStore:
     # ------------------------------------------------------------------ the index, across worker restarts
 
     def save_index(self, path: Path) -> None:
-        data = {"version": INDEX_VERSION, "layout": repr(self.layout), "tree": self.tree.snapshot()}
+        data = {
+            "version": INDEX_VERSION,
+            "layout": repr(self.layout),
+            "model": self.model_identity,
+            "tree": self.tree.snapshot(),
+        }
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         tmp.unlink(missing_ok=True)  # a leftover of a killed worker; then never follow a planted link
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)  # prompts' tokens: ours only
@@ -222,7 +266,9 @@ class PageStore:
         returns (pages kept, pages dropped). A missing index keeps nothing; an
         unreadable or foreign one is ignored with a warning."""
         try:
-            data = msgpack.unpackb(path.read_bytes(), strict_map_key=False)
+            with os.fdopen(open_own(path), "rb") as f:  # this user's own file only: never one planted
+                raw = f.read()
+            data = msgpack.unpackb(raw, strict_map_key=False)
         except FileNotFoundError:
             return 0, 0
         except Exception as exc:  # unreadable, not msgpack, keys msgpack cannot map: ignored
@@ -234,6 +280,13 @@ class PageStore:
             or data.get("layout") != repr(self.layout)
         ):
             log.warning("ignoring the prefix-cache index %s: written for another model or version", path)
+            return 0, 0
+        if data.get("model") != self.model_identity:
+            log.warning(
+                "ignoring the prefix-cache index %s: written for another model file (the .gguf was replaced or "
+                "changed since its pages were computed)",
+                path,
+            )
             return 0, 0
         try:
             if not isinstance(data.get("tree"), dict):

@@ -12,6 +12,7 @@ drives it with a fake target and a list of replies (tests/daemon/test_scheduler.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -46,13 +47,8 @@ class Job:
     started_at: Optional[float] = None
     completion_tokens: int = 0
     last_tokens_at: Optional[float] = None  # when the latest chunk with tokens was relayed
-    answered: bool = False  # its terminal message went out early (a worker died): the worker's own is dropped
     serial: int = 0  # arrival order among queued requests
     client_gone: bool = False
-
-    @property
-    def drafts(self) -> bool:
-        return self.request.draft != "off" and self.request.draft_tokens != 0
 
 
 @dataclass
@@ -81,8 +77,10 @@ class Scheduler:
         self.active: Optional[Job] = None
         self.jobs: dict[str, Job] = {}  # by request id, queued or running
         self.serial = 0
-        self.clears: collections.deque[tuple[bytes, CacheClear]] = collections.deque()  # waiting for the target
-        self.clearing: Optional[tuple[bytes, CacheClear]] = None  # sent to the target
+        # cache clears waiting for the target: all of them are done by the next one it runs (coalesced)
+        self.clears: list[tuple[bytes, CacheClear]] = []
+        self.clearing: Optional[list[tuple[bytes, CacheClear]]] = None  # those the clear sent to the target answers
+        self.closing = False  # shutting down: nothing new is taken
         self.counters = Counters()
         self.failure = ""  # why the daemon failed ("" while it has not): requests are refused
         self.governor: Optional[GovernorInfo] = None  # the target's latest report
@@ -93,12 +91,17 @@ class Scheduler:
 
     def admit(self, identity: bytes, msg: Decoding) -> None:
         """Queue a request, or answer why not."""
+        if self.closing:
+            self.reply(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+            return
         if self.failure:
             self.reply(identity, self._failed(msg.id))
             return
         if msg.id in self.jobs:
-            why = f"a request with id {msg.id!r} is already queued or running"
-            self.reply(identity, Error.of(msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
+            why = f"a request with id {msg.id!r} is already queued or running; give each request a new id"
+            # the same connection: an error with that id would land on the live request's stream
+            same = self.jobs[msg.id].identity == identity
+            self.reply(identity, Error.of(None if same else msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
             return
         if len(self.queue) >= self.max_queue:
             self.counters.requests["busy"] += 1
@@ -139,8 +142,15 @@ class Scheduler:
 
     def clear_cache(self, identity: bytes, msg: CacheClear) -> None:
         """Clear the prefix cache after the running request, before the next one."""
+        if self.closing:
+            self.reply(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+            return
         if self.failure:
             self.reply(identity, self._failed(msg.id))
+            return
+        if len(self.clears) >= self.max_queue:  # (they are coalesced: the bound is only on waiters)
+            why = f"{len(self.clears)} cache clears are waiting already; retry later"
+            self.reply(identity, Busy(id=msg.id, queue_length=len(self.clears), max_queue=self.max_queue, message=why))
             return
         self.clears.append((identity, msg))
 
@@ -158,8 +168,8 @@ class Scheduler:
         if self.busy:
             return False
         if self.clears:
-            self.clearing = self.clears.popleft()
-            if not self.to_target(self.clearing[1]):
+            self.clearing, self.clears = self.clears, []  # one clear answers every clear waiting
+            if not self.to_target(self.clearing[0][1]):
                 self.clear_failed("the model worker could not take the request")
             return True
         if not self.queue:
@@ -174,20 +184,17 @@ class Scheduler:
         """A chunk, done, error or cache_cleared from the target; chunks are relayed
         as the worker encoded them. False: the message is about no request of ours."""
         if isinstance(msg, CacheCleared):
-            if self.clearing is not None and msg.id == self.clearing[1].id:
+            if self.clearing is not None and msg.id == self.clearing[0][1].id:
                 self.cache = msg.cache
                 if msg.cache is not None:
                     self.metrics.cache_seen(msg.cache)
-                self.reply(self.clearing[0], msg)
+                for i, (identity, waiting) in enumerate(self.clearing):
+                    self.reply(identity, msg if i == 0 else dataclasses.replace(msg, id=waiting.id))
                 self.clearing = None
             return True
         job = self.active
         if job is None or msg.id != job.request.id:
             return False
-        if job.answered:  # already answered (a worker died): this is the worker finishing up
-            if not isinstance(msg, Chunk):
-                self._finish(job, msg)
-            return True
         if isinstance(msg, Chunk):
             self._relay_chunk(job, msg, frames)
             return True
@@ -213,23 +220,6 @@ class Scheduler:
             job.client_gone = True
             self._cancel(job)
 
-    def answer_early(self, code: ErrorCode, message: str) -> None:
-        """End the running request now with an error and have the target stop it;
-        it stays active (nothing else starts) until the target's own terminal
-        message, which is then dropped."""
-        job = self.active
-        if job is None or job.answered:
-            return
-        self._finish(job, Error.of(job.request.id, code, message))  # counts it, sends it, forgets the id
-        job.answered = True
-        self.active = job
-        self.to_target(Cancel(id=job.request.id, request_id=job.request.id))
-
-    def drafting_request(self) -> Optional[Job]:
-        """The running request, if it may draft and has not been answered."""
-        job = self.active
-        return job if job is not None and not job.answered and job.drafts else None
-
     def abort(self, code: ErrorCode, message: str, why: str) -> None:
         """The target is gone (``why``): answer what it was doing, the request
         with ``code`` and ``message``, a cache clear with why it was not done."""
@@ -240,9 +230,11 @@ class Scheduler:
 
     def clear_failed(self, why: str) -> None:
         if self.clearing is not None:
-            identity, msg = self.clearing
-            self.clearing = None
-            self.reply(identity, Error.of(msg.id, ErrorCode.WORKER_DIED, f"the cache was not cleared: {why}; retry"))
+            waiting, self.clearing = self.clearing, None
+            for identity, msg in waiting:
+                self.reply(
+                    identity, Error.of(msg.id, ErrorCode.WORKER_DIED, f"the cache was not cleared: {why}; retry")
+                )
 
     # ------------------------------------------------------------------ the daemon's state
 
@@ -255,7 +247,8 @@ class Scheduler:
 
     def shutting_down(self) -> None:
         """Answer everything that waits; the running request is the caller's to cancel."""
-        for identity, msg in [*self.clears, *([self.clearing] if self.clearing else [])]:
+        self.closing = True
+        for identity, msg in [*self.clears, *(self.clearing or [])]:
             self.reply(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
         self.clears.clear()
         self.clearing = None
@@ -291,10 +284,6 @@ class Scheduler:
 
     def _finish(self, job: Job, terminal: Message) -> None:
         """Deliver a request's one terminal message and forget the request."""
-        if job.answered:  # its terminal message went out already (answer_early)
-            if job is self.active:
-                self.active = None
-            return
         self.jobs.pop(job.request.id, None)
         if job is self.active:
             self.active = None

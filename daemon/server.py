@@ -159,7 +159,8 @@ class Daemon:
         self.supervisor = Supervisor(
             self.zctx, self.config, self.scheduler, self.metrics, self.notifier, lambda: self.stopping, self._stop
         )
-        self.supervisor.start(self.socket_dir, self.kv_arena.name if self.kv_arena is not None else "")
+        arena = self.kv_arena
+        self.supervisor.start(self.socket_dir, str(arena.path) if arena else "", arena.size if arena else 0)
 
     def _stop(self) -> None:
         self.stopping = True
@@ -381,21 +382,40 @@ class Daemon:
 
     # ------------------------------------------------------------------ shutdown
 
+    def _shutdown_poller(self, target_sock) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(target_sock, zmq.POLLIN)
+        poller.register(self.clients.sock, zmq.POLLIN)
+        return poller
+
+    def _answer_clients(self) -> None:
+        """While shutting down: answer what clients sent (a request: SHUTTING_DOWN)."""
+        deadline = time.monotonic() + 2  # a client that keeps sending cannot hold the shutdown up
+        while time.monotonic() < deadline:
+            batch = list(self.clients.receive())
+            if not batch:
+                return
+            for identity, frames in batch:
+                self.dispatch(identity, frames)
+
     def _shutdown(self) -> None:
         self.notifier.stopping("stopping: answering queued requests and stopping the workers")
         scheduler = self.scheduler
-        scheduler.shutting_down()
+        scheduler.shutting_down()  # from here on every new request is answered SHUTTING_DOWN
         target = self.supervisor.target
         if scheduler.active is not None and target.alive and target.sock is not None:
             scheduler.cancel_active()
             deadline = time.monotonic() + 5
             while scheduler.active is not None and time.monotonic() < deadline and target.alive:
-                if target.sock.poll(100, zmq.POLLIN):
-                    self.supervisor.drain({target.sock: zmq.POLLIN})
+                events = dict(self._shutdown_poller(target.sock).poll(100))
+                self.supervisor.drain(events)
+                self._answer_clients()
         if scheduler.active is not None:
             why = "the daemon is shutting down"
             scheduler.abort(ErrorCode.SHUTTING_DOWN, why, why)
         self.supervisor.stop_workers()
+        self.clients.path.unlink(missing_ok=True)  # no new connections; what the old ones sent is answered
+        self._answer_clients()
         self.clients.close()
         if self.kv_arena is not None:
             destroy_arena(self.kv_arena)

@@ -86,8 +86,9 @@ class Supervisor:
         self.drafter: Optional[WorkerHandle] = None
         self._process = psutil.Process()  # the daemon's own
 
-    def start(self, socket_dir: Path, cache_shm: str) -> None:
-        """Start the workers: ipc sockets in ``socket_dir``, the prefix cache's arena ``cache_shm`` ("": none)."""
+    def start(self, socket_dir: Path, cache_shm: str, cache_bytes: int) -> None:
+        """Start the workers: ipc sockets in ``socket_dir``, the prefix cache's
+        arena at ``cache_shm`` ("": none) of ``cache_bytes``."""
         c = self.config
         kind = c.drafter_kind
         identity = governor_identity(c)
@@ -96,7 +97,7 @@ class Supervisor:
             settings={k: str(v) if isinstance(v, Path) else v for k, v in self.settings.values.items()},
             draft_endpoint=endpoint(socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else "",
             cache_shm=cache_shm,
-            cache_bytes=c.cache_bytes,
+            cache_bytes=cache_bytes,
         )
         target = WorkerConfig(
             role="target",
@@ -284,13 +285,8 @@ class Supervisor:
                 f"the model worker {how}",
             )
         else:
-            self._tell_target(DrafterState(id="daemon", available=False))  # decode plainly until it is back
-            if self.scheduler.drafting_request() is not None:
-                then = "drafting is now off" if delay is None else "it is being restarted"
-                self.scheduler.answer_early(
-                    ErrorCode.DRAFTER_DIED,
-                    f"the drafter worker {how} while this request was decoded; {then}, and the request may be retried",
-                )
+            # decode plainly until it is back; a running request goes on that way (done.drafter_died)
+            self._tell_target(DrafterState(id="daemon", available=False))
         if delay is None:
             worker.policy.give_up(worker.policy.reason(), how)
             return

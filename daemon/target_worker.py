@@ -49,8 +49,10 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     """Load the target model, probe it, and build its engine (with its governors
     and prefix-cache pages, where the daemon has them)."""
     from .chat import ChatTemplate, ChatTemplateError
+    from .page_store import model_identity
 
     c = config
+    identity = model_identity(c.model_path) if c.cache_shm else ""  # of the file as it is loaded
     model = load_model(c)
     template = None
     source = model.chat_template()
@@ -94,7 +96,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         c["draft_p_min"],
         min_batch,
         governors=governors,
-        cache=page_store(model, c),
+        cache=page_store(model, c, identity),
         grammars=Grammars(model),
         jump_forward=c["jump_forward"],
     )
@@ -131,16 +133,22 @@ def probe(model, config: WorkerConfig, info: ModelInfo) -> None:
         )
 
 
-def page_store(model, config: WorkerConfig):
+def page_store(model, config: WorkerConfig, identity: str):
     """The target's view of the daemon's prefix-cache arena (None: no prefix cache)."""
     if not config.cache_shm:
         return None
-    from .page_store import PageStore, index_path, map_arena
+    from .arena import index_path
+    from .page_store import PageStore, map_arena
     from .prefix_cache import ExtentAllocator, PageTree
 
-    arena = map_arena(config.cache_shm, config.cache_bytes)  # a memoryview of it keeps it mapped
+    try:
+        arena = map_arena(config.cache_shm, config.cache_bytes)  # a memoryview of it keeps it mapped
+    except OSError as exc:
+        log.warning("no prefix cache in this worker: cannot use the arena %s (%s)", config.cache_shm, exc)
+        return None
     store = PageStore(PageTree(config["page_tokens"], ExtentAllocator(config.cache_bytes)), memoryview(arena), model)
     store.probe_layout()
+    store.model_identity = identity
     kept, dropped = store.load_index(index_path(config.cache_shm))
     if kept or dropped:
         log.info(
@@ -160,6 +168,7 @@ class TargetLoop:
         self.engine: Optional[Engine] = None
         self.last_beat = 0.0
         self.current = ""  # the request being served
+        self.drafter_died = False  # the drafter died while the current request was served
         self.handlers: dict[type, Callable] = {
             Shutdown: self._shutdown,
             Cancel: lambda msg: None,  # nothing running: it finished before the cancel arrived
@@ -225,10 +234,12 @@ class TargetLoop:
         assert engine is not None
         self.cancelled.clear()
         self.current = msg.id
+        self.drafter_died = False
         self.last_beat = time.monotonic()
         self.send(Progress(id=msg.id))  # at once: the first prefill batch may take a while
         try:
             done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
+            done.drafter_died = self.drafter_died  # it finished plainly: say so
             if engine.cache is not None:
                 # before the reply (a few ms in tmpfs): once a request is answered,
                 # its pages survive this worker being killed
@@ -256,7 +267,7 @@ class TargetLoop:
         self.send(CacheCleared(id=msg.id, pages=pages, bytes=used, cache=cache.info()))
 
     def _save_cache_index(self) -> None:
-        from .page_store import index_path
+        from .arena import index_path
 
         try:
             self.engine.cache.save_index(index_path(self.config.cache_shm))
@@ -290,4 +301,5 @@ class TargetLoop:
             log.info("the drafter worker is back; drafting again from the next request")
             drafter.revive()  # at the next request's start: never under a request that is waiting on it
         else:
-            drafter.go_down()  # until it is back: plain decoding
+            self.drafter_died = self.drafter_died or bool(self.current)
+            drafter.go_down()  # until it is back: plain decoding (the running request goes on)

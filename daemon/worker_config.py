@@ -26,8 +26,8 @@ class WorkerConfig:
     endpoint: str = ""  # the daemon's PAIR socket for this worker (set at each start)
     drafter: str = "none"  # target only: "none", "ngram" or "model"
     draft_endpoint: str = ""  # the drafter worker binds it, the target worker connects to it
-    cache_shm: str = ""  # the daemon's prefix-cache arena (a /dev/shm name); "": no prefix cache
-    cache_bytes: int = 0  # its size (settings' cache_bytes may be "auto")
+    cache_shm: str = ""  # the daemon's prefix-cache arena (its path in shared memory); "": no prefix cache
+    cache_bytes: int = 0  # its size (what could be reserved; settings' cache_bytes may be "auto")
     governor_state: str = ""  # file the governor's state is kept in ("": not kept)
     governor_identity: str = ""  # target, drafter, k and kernels: the state is valid only for these
     probe_cache: str = ""  # file keeping the batch-invariance probe's verdicts across restarts ("": not kept)

@@ -536,6 +536,7 @@ class Done(Message):
     # the target's load probe: greedy output is independent of cache and drafting
     batch_invariant: Optional[bool] = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls the model made (finish_reason tool_calls)
+    drafter_died: bool = False  # the drafter worker died during the request: the rest was decoded plainly
 
     @classmethod
     def cancelled(

@@ -253,7 +253,7 @@ class RecordingSocket:
     def __init__(self):
         self.sent: list[list[bytes]] = []
 
-    def send_multipart(self, frames):
+    def send_multipart(self, frames, flags=0):
         self.sent.append(frames)
 
 

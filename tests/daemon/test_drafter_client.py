@@ -578,3 +578,61 @@ def test_store_writes_the_drafters_new_full_pages_and_a_later_request_restores_t
     wait_until(c.ready)
     assert c.mirror == fake.cache == p
     pages.release()
+
+
+def test_pages_a_cancelled_store_was_writing_are_never_reused_until_the_drafter_answers(drafter, client, monkeypatch):
+    """Issue 19, item 10: the wait for a store's reply ends early on a cancel,
+    while the drafter still writes. Its extents must stay allocated (the next
+    request's pages going there would be overwritten after their checksums were
+    taken) and unmatched until the reply seals them."""
+    monkeypatch.setattr(drafter_client, "WAIT_SLICE_MS", 10)
+    fake, c = drafter(page_tokens=4, page_bytes=64), client()
+    arena = memoryview(bytearray(64 * 4))  # room for four pages: the store's two, then two more
+    pages = PageStore(PageTree(4, ExtentAllocator(len(arena), align=1)), arena, model=None)
+    c.use_pages(pages)
+    p = tokens(1, 8)
+    c.begin("a", p, GREEDY)
+    wait_until(c.ready)
+    fake.next()
+    fake.gate.clear()  # the drafter is busy writing
+    c.on_wait = lambda: True  # and the request is cancelled meanwhile
+    c.store(p)
+    writing = {offset for _, offset in fake.next()["store"]}
+    assert len(writing) == 2 and c.awaiting == 1
+    assert pages.match_role(p, "drafter") == []  # unsealed: never restored
+    pages.release()
+
+    # the next request stores its own pages: never into the extents being written, even under pressure
+    other = pages.plan(tokens(50, 16), "target", 64)
+    assert len(other) == 2  # only two free extents left (nothing evictable: the drafter's are locked)
+    assert {node.pages["target"].offset for _, node in other}.isdisjoint(writing)
+    assert (
+        pages.tree.clear() >= 0
+        and {n.pages["drafter"].offset for n in pages.tree.nodes() if "drafter" in n.pages} == writing
+    )
+
+    fake.gate.set()  # the drafter finishes: its late reply seals the pages
+    c.on_wait = None
+    wait_until(c.ready)
+    assert c.awaiting == 0
+    assert len(pages.match_role(p, "drafter")) == 2
+    pages.release()
+
+
+def test_pages_of_a_store_the_drafter_died_during_are_freed(drafter, client, monkeypatch):
+    monkeypatch.setattr(drafter_client, "WAIT_SLICE_MS", 10)
+    fake, c = drafter(page_tokens=4, page_bytes=64), client()
+    arena = memoryview(bytearray(64 * 4))
+    pages = PageStore(PageTree(4, ExtentAllocator(len(arena), align=1)), arena, model=None)
+    c.use_pages(pages)
+    c.begin("a", tokens(1, 8), GREEDY)
+    wait_until(c.ready)
+    fake.next()
+    fake.gate.clear()
+    c.on_wait = lambda: True
+    c.store(tokens(1, 8))
+    fake.next()
+    assert pages.tree.allocator.used == 128
+    c.go_down()  # the daemon says it died: it writes nothing more
+    assert pages.tree.allocator.used == 0 and c.unacknowledged == {}
+    fake.stop()

@@ -240,30 +240,6 @@ def test_a_target_death_answers_the_running_request_and_the_clear_and_the_queue_
     assert h.done_count == 0  # no request finished: the deaths keep counting
 
 
-def test_answering_early_sends_one_terminal_message_and_drops_the_workers_own(h):
-    h.submit(b"C1", "a", draft_tokens=4)
-    h.submit(b"C1", "b")
-    h.s.start_next()
-    assert h.s.drafting_request() is h.s.active
-    h.s.answer_early(ErrorCode.DRAFTER_DIED, "the drafter worker died")
-    assert h.replies_to(b"C1")[-1].code == ErrorCode.DRAFTER_DIED
-    assert isinstance(h.to_target[-1], Cancel) and h.s.drafting_request() is None
-    assert not h.s.start_next()  # still active until the worker finishes
-    h.submit(b"C1", "a")  # the id is free again: a retry may reuse it
-    h.worker_says(Chunk(id="a", text="x", token_ids=[1]))
-    h.worker_says(done("a", reason=FinishReason.CANCELLED))
-    assert len(h.replies_to(b"C1")) == 1 and not h.relayed
-    assert h.s.counters.requests == {"error": 1}
-    h.s.start_next()
-    assert h.started() == ["a", "b"]
-
-
-def test_a_request_that_does_not_draft_is_not_answered_for_a_drafter_death(h):
-    h.submit(b"C1", "a", draft="off")
-    h.s.start_next()
-    assert h.s.drafting_request() is None
-
-
 def test_a_failed_daemon_answers_the_queue_and_refuses_new_work(h):
     h.submit(b"C1", "a")
     h.submit(b"C1", "b")

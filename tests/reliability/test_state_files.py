@@ -37,7 +37,7 @@ def governor_from(path, payload: bytes) -> GovernorBank:
 def test_any_governor_state_shape_is_ignored_or_loaded(tmp_path, tasks, last):
     doc = {"version": STATE_VERSION, "identity": IDENTITY, "tasks": tasks, "last_task": last}
     governor_from(tmp_path / "g.json", json.dumps(doc).encode())
-    assert [p.name for p in tmp_path.iterdir()] == ["g.json"]  # no temp file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.json", "g.json.lock"]  # no temp file left
 
 
 @FUZZ
@@ -84,3 +84,19 @@ def test_cache_indexes_that_used_to_stop_the_model_loading(tmp_path):
     for tree in ([], {"page_tokens": 4, "nodes": {}}, {"page_tokens": 4, "nodes": [[-1, [1, 2, 3, 4], []]]}):
         index_from(tmp_path / "i", msgpack.packb({"version": INDEX_VERSION, "layout": "None", "tree": tree}))
     index_from(tmp_path / "i", msgpack.packb({(1, 2): 3}, use_bin_type=True))  # a map key Python cannot hash
+
+
+def test_two_daemons_sharing_a_state_file_keep_each_others_tasks(tmp_path):
+    """Issue 19, item 7: two daemons, one state directory, the same models: each
+    saves what it learnt without dropping what the other learnt."""
+    path = tmp_path / "g.json"
+    a, b = GovernorBank(IDENTITY, path), GovernorBank(IDENTITY, path)
+    a.get("json").record(16, 0.2)
+    a.save()
+    b.get("story")
+    b.save()  # b never saw "json": it must keep it
+    a.get("json")
+    a.save()  # nor may a drop b's "story"
+    again = GovernorBank(IDENTITY, path)
+    assert set(again.tasks) == {"json", "story"}
+    assert again.tasks["json"].to_dict() == a.tasks["json"].to_dict()  # a's own measurements, not b's copy

@@ -79,7 +79,9 @@ def test_drafter_killed_mid_request_restarted_and_drafting_again(start_daemon, p
         "--drafter", str(drafter), "--ctx-size", "1024", "--governor", "off", "--cache-bytes", "0", model=target
     )
     with d.client() as a, d.client() as b:
-        running = a.generate(prompt="Count slowly: one, two,", max_tokens=2000, ignore_eos=True, draft="on")
+        count = dict(prompt="Count slowly: one, two,", max_tokens=400, ignore_eos=True, temperature=0.0)
+        plain = a.complete(**count, draft="off").text
+        running = a.generate(**count, draft="on")
         it = iter(running)
         next(it)
         queued = b.generate(prompt="The capital of France is", max_tokens=8, temperature=0.0)
@@ -87,10 +89,10 @@ def test_drafter_killed_mid_request_restarted_and_drafting_again(start_daemon, p
         st = a.status()
         old = st.worker_pids["drafter"]
         os.kill(old, signal.SIGKILL)
-        with pytest.raises(RequestFailed) as info:
-            list(it)
-        assert info.value.code == ErrorCode.DRAFTER_DIED
-        assert "drafter worker died" in info.value.message and "being restarted" in info.value.message
+        list(it)  # the request goes on with plain decoding: nothing streamed is lost
+        assert running.done.finish_reason == FinishReason.LENGTH and running.done.drafter_died
+        assert running.text == running.done.text == plain  # greedy: the same text as without drafting
+        assert metric(st.metrics_addr, "tandem_requests_finished_without_drafter_total") == 1
         list(queued)  # served meanwhile (plainly, or by then with the new drafter)
         assert queued.done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         assert queued.done.usage.completion_tokens > 0
@@ -159,15 +161,14 @@ def test_a_hung_drafter_is_killed_and_restarted(start_daemon, pair):
         "--drafter", str(drafter), "--ctx-size", "512", "--governor", "off", "--worker-timeout", "3", model=target
     )
     with d.client() as c:
-        running = c.generate(prompt="Count slowly: one, two,", max_tokens=2000, ignore_eos=True, draft="on")
+        running = c.generate(prompt="Count slowly: one, two,", max_tokens=300, ignore_eos=True, draft="on")
         it = iter(running)
         next(it)
         pid = c.status().worker_pids["drafter"]
         os.kill(pid, signal.SIGSTOP)
-        with pytest.raises(RequestFailed) as info:
-            list(it)
-        assert info.value.code == ErrorCode.DRAFTER_DIED
-        assert "did not answer within 3 s and was killed" in info.value.message
+        list(it)  # finished plainly
+        assert running.done.usage.completion_tokens == 300 and running.done.finish_reason == FinishReason.LENGTH
+        assert "did not answer within 3 s and was killed" in d.log()
         wait_for(lambda: c.status().worker_pids.get("drafter") not in (None, pid), what="a new drafter")
         assert c.status().worker_pids["target"]  # the target lived through it
         done = c.complete(prompt="After:", max_tokens=4, ignore_eos=True)

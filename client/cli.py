@@ -189,6 +189,13 @@ def _serving_commands(sub) -> None:
         metavar="N",
         help=f"connections served at once; one more gets 503 (default {DEFAULT_MAX_CONNECTIONS})",
     )
+    p.add_argument(
+        "--api-key",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="require the key that `tandem key` prints (Authorization: Bearer KEY, or x-api-key): on = always; "
+        "auto (default) = only where the same-user check on the port cannot run (no /proc/net/tcp); off = never",
+    )
 
 
 def _admin_commands(sub) -> None:
@@ -197,6 +204,16 @@ def _admin_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
 
     sub.add_parser("stop", help="shut the daemon down cleanly")
+
+    p = sub.add_parser(
+        "key",
+        help="print the API key `tandem openai --api-key on` requires (created on first use)",
+        description="Print the bridge's API key, creating it (a 0600 file in $XDG_STATE_HOME/tandem/api-key) "
+        "if there is none. Give it to an HTTP client as its API key (sent as Authorization: Bearer KEY). "
+        "The bridge requires it with --api-key on, or by itself where it cannot check who connects.",
+    )
+    p.add_argument("--new", action="store_true", help="replace the key with a new one (a running bridge keeps the old)")
+    p.add_argument("--path", action="store_true", help="print where the key is kept instead of the key")
 
     p = sub.add_parser("cache", help="the prefix cache: clear it", description="Manage the daemon's prefix cache.")
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
@@ -387,6 +404,13 @@ def cmd_openai(args) -> int:
     except ValueError as exc:
         _say(f"tandem: {exc}")
         return 2
+    from .api_key import KeyFileError, key_path, required_key
+
+    try:
+        api_key = required_key(args.api_key, key_path())
+    except (KeyFileError, OSError) as exc:
+        _say(f"tandem: {exc}")
+        return 2
     with _connect(args.socket, args.model, args.no_start, args.config) as client:
         model = client.server.model
     try:
@@ -397,6 +421,7 @@ def cmd_openai(args) -> int:
             verbose=args.verbose,
             idle_timeout=args.idle_timeout,
             max_connections=args.max_connections,
+            api_key=api_key,
         )
     except OSError as exc:
         _say(
@@ -410,6 +435,9 @@ def cmd_openai(args) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     _say(f"tandem openai: {openai_bridge.url_of(server)} serves {model} from {args.socket} (Ctrl-C stops the bridge)")
+    if api_key is not None:
+        why = "--api-key on" if args.api_key == "on" else "this system has no /proc/net/tcp to check who connects"
+        _say(f"tandem openai: every request needs the API key that `tandem key` prints ({why})")
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
@@ -503,6 +531,21 @@ def cmd_status(args) -> int:
     print(f"memory:    {mem}")
     print(f"restarts:  {st.worker_restarts}")
     print(f"metrics:   {'http://' + st.metrics_addr + '/metrics' if st.metrics_addr else 'off'}")
+    return 0
+
+
+def cmd_key(args) -> int:
+    from .api_key import KeyFileError, ensure_key, key_path
+
+    path = key_path()
+    if args.path:
+        print(path)
+        return 0
+    try:
+        print(ensure_key(path, new=args.new))
+    except (KeyFileError, OSError) as exc:
+        _say(f"tandem: {exc}")
+        return 1
     return 0
 
 
@@ -628,6 +671,7 @@ COMMANDS = {
     "status": cmd_status,
     "openai": cmd_openai,
     "stop": cmd_stop,
+    "key": cmd_key,
     "models": cmd_models,
     "cache": cmd_cache,
     "config": cmd_config,

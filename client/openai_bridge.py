@@ -73,6 +73,8 @@ class ApiError(Exception):
             return "server_error"
         if self.status == HTTPStatus.NOT_FOUND:
             return "not_found_error"
+        if self.status == HTTPStatus.UNAUTHORIZED:
+            return "authentication_error"
         return "invalid_request_error"
 
     def body(self) -> dict:
@@ -390,13 +392,15 @@ class BridgeServer(ThreadingHTTPServer):
         verbose: bool = False,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        api_key: Optional[str] = None,
     ):
-        """``address``: from parse_listen (loopback)."""
+        """``address``: from parse_listen (loopback). ``api_key``: required of every request (None: not)."""
         self.socket_path = socket_path
         self.model = model  # the daemon's model when the bridge started (refreshed by /v1/models)
         self.verbose = verbose  # log every HTTP request
         self.idle_timeout = idle_timeout  # a connection silent this long (or this slow to read) is closed
         self.slots = threading.BoundedSemaphore(max_connections)  # one thread per connection, at most this many
+        self.api_key = api_key  # every request must carry it (None: not required; see api_key.py)
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
 
@@ -511,6 +515,7 @@ class Handler(BaseHTTPRequestHandler):
         self._body_read = False
         try:
             self._check_origin()
+            self._check_key()
             route()
         except ApiError as exc:
             if not self._body_read and self.headers.get("Content-Length", "0") != "0":
@@ -530,6 +535,18 @@ class Handler(BaseHTTPRequestHandler):
         if not is_loopback_host(host):
             raise ApiError(
                 HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine"
+            )
+
+    def _check_key(self) -> None:
+        from .api_key import matches, presented
+
+        key = self.server.api_key
+        if key is not None and not matches(presented(self.headers), key):
+            raise ApiError(
+                HTTPStatus.UNAUTHORIZED,
+                "this bridge requires its API key: send the key that `tandem key` prints as "
+                "Authorization: Bearer KEY (an OpenAI client's api_key)",
+                code="invalid_api_key",
             )
 
     def _body(self) -> dict:

@@ -98,7 +98,13 @@ def check_socket_exists(path: Path) -> None:
             f"one of them could have put their own socket there. Nothing was sent. Run `chmod 700 {directory}` "
             "and restart the daemon, or use a directory of your own (--socket or TANDEM_SOCKET)"
         )
-    owner = path.stat().st_uid
+    st = path.lstat()  # the socket itself, never what a link points to
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UntrustedSocket(
+            f"{path} is not a socket ({'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'another kind of file'}): "
+            f"it is not your daemon's. Nothing was sent. Remove it (rm {path}) and start your own: {START_HINT}"
+        )
+    owner = st.st_uid
     if owner != uid:
         raise UntrustedSocket(
             f"the socket {path} belongs to uid {owner}, not you (uid {uid}): it is not your daemon. Nothing was "

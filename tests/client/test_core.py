@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from tandem.client import core
 from tandem.client.core import ReplyRouter, StreamState
-from tandem.client.errors import DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError
+from tandem.client.errors import (
+    DaemonNotRunning,
+    InvalidRequest,
+    QueueFull,
+    RequestFailed,
+    TandemError,
+    UntrustedSocket,
+)
 from tandem.protocol import (
     PROTOCOL_VERSION,
     Busy,
@@ -142,8 +150,17 @@ def test_check_socket_exists_raises_daemon_not_running_naming_the_path_and_the_f
     assert str(missing) in str(info.value)
     assert "tandem serve" in str(info.value)
     present = tmp_path / "there.sock"
-    present.touch()
-    assert core.check_socket_exists(present) is None
+    with socket.socket(socket.AF_UNIX) as listener:  # a socket with nothing accepting: zmq will say so
+        listener.bind(str(present))
+        assert core.check_socket_exists(present) is None
+        link = tmp_path / "link.sock"
+        link.symlink_to(present)
+        with pytest.raises(UntrustedSocket, match="is not a socket \\(a symbolic link\\)"):
+            core.check_socket_exists(link)  # never followed: it could point at anyone's socket
+    plain = tmp_path / "file.sock"
+    plain.touch()
+    with pytest.raises(UntrustedSocket, match="another kind of file"):
+        core.check_socket_exists(plain)
 
 
 # --------------------------------------------------------------------------- terminal replies

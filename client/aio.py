@@ -45,14 +45,16 @@ from .core import (
     check_socket_exists,
     complete_request,
     dealer_options,
+    dropped,
     generate_request,
     gone_message,
     hello_request,
+    monitor_of,
     new_id,
     raise_for_terminal,
     resolve_socket,
 )
-from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout, InvalidRequest
+from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout
 
 
 class AsyncClient:
@@ -70,12 +72,13 @@ class AsyncClient:
         self._sock: Optional[zmq.asyncio.Socket] = None
         self._monitor: Optional[zmq.asyncio.Socket] = None  # the DEALER's disconnect events
         self._router = ReplyRouter()
-        self._lost: set[str] = set()  # requests that were waiting when the daemon went away
         self._reading = asyncio.Lock()
         self._connecting = asyncio.Lock()
 
     async def connect(self) -> HelloReply:
         async with self._connecting:  # concurrent first calls share one handshake
+            if self._sock is not None and dropped(self._monitor):
+                self._drop()  # the connection dropped while idle (the daemon restarted?): connect afresh
             if self.server is not None:
                 return self.server
             return await self._handshake()
@@ -84,7 +87,7 @@ class AsyncClient:
         check_socket_exists(self.socket_path)
         self._sock = self._zctx.socket(zmq.DEALER)
         dealer_options(self._sock)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = monitor_of(self._sock)
         self._sock.connect(endpoint(self.socket_path))
         try:
             reply = await self._request(hello_request(), self.connect_timeout)
@@ -104,11 +107,13 @@ class AsyncClient:
             self._sock = None
         self.server = None
 
-    def _daemon_gone(self) -> DaemonGone:
+    def _drop(self) -> None:
         """As Client's: the waiting requests are lost; the next one connects afresh."""
-        self._lost |= set(self._router.buffers)
-        self._router = ReplyRouter()
+        self._router.lose_all()
         self.close()
+
+    def _daemon_gone(self) -> DaemonGone:
+        self._drop()
         return DaemonGone(gone_message(self.socket_path))
 
     async def __aenter__(self) -> "AsyncClient":
@@ -119,17 +124,21 @@ class AsyncClient:
         self.close()
 
     async def _send(self, msg: Message) -> None:
-        assert self._sock is not None
-        if msg.id in self._router.buffers:
-            raise InvalidRequest(
-                f"request id {msg.id!r} is in use by a request of this client that has not finished; give each "
-                "request a new id (or leave request_id out)"
-            )
-        self._router.expect(msg.id)
-        try:  # never blocks: only a DEALER whose connection is gone (no reconnection) has no room
-            await self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise self._daemon_gone() from None
+        if self._sock is None or dropped(self._monitor):
+            await self.connect()  # the connection dropped while idle: afresh (never during the handshake)
+        self._router.expect(msg.id)  # InvalidRequest for an id in use
+        for attempt in (1, 2):
+            assert self._sock is not None
+            try:  # never blocks: a pipe that cannot take it raises instead
+                await self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:  # it dropped since we looked: nothing was sent
+                self._router.forget(msg.id)
+                self._drop()
+                if attempt == 2:
+                    raise DaemonGone(gone_message(self.socket_path)) from None
+                await self.connect()
+                self._router.expect(msg.id)
 
     async def _recv(self, request_id: str, timeout: Optional[float]) -> Message:
         async def read() -> Message:
@@ -140,15 +149,21 @@ class AsyncClient:
                 async with self._reading:
                     if self._router.buffers.get(request_id):
                         continue  # another reader filed our reply meanwhile
-                    if self._sock is None or request_id in self._lost:
+                    if self._sock is None or request_id in self._router.lost:
                         raise DaemonGone(gone_message(self.socket_path))
                     poller = zmq.asyncio.Poller()
                     poller.register(self._sock, zmq.POLLIN)
                     poller.register(self._monitor, zmq.POLLIN)
-                    events = dict(await poller.poll())
-                    if self._sock in events:  # replies first
+                    try:
+                        events = dict(await poller.poll())
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if self._sock is None and task is not None and not task.cancelling():
+                            raise DaemonGone(gone_message(self.socket_path)) from None  # closed under us
+                        raise
+                    if self._sock in events or self._sock.get(zmq.EVENTS) & zmq.POLLIN:  # replies first
                         msg = self._router.accept(await self._sock.recv_multipart(), request_id)
-                    else:
+                    else:  # a disconnect, and nothing it sent before is left unread
                         raise self._daemon_gone()
                 if msg is not None:
                     return msg

@@ -66,8 +66,17 @@ def ensure_key(path: Path, new: bool = False) -> str:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
-    os.replace(tmp, path)
-    return key
+    try:
+        if new:
+            os.replace(tmp, path)
+            return key
+        try:
+            os.link(tmp, path)  # only if there is still none: two first uses at once agree on one key
+        except FileExistsError:
+            return read_key(path) or key
+        return key
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def uid_check_runs(proc: Path = Path("/proc/net")) -> bool:

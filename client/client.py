@@ -44,14 +44,16 @@ from .core import (
     check_socket_exists,
     complete_request,
     dealer_options,
+    dropped,
     generate_request,
     gone_message,
     hello_request,
+    monitor_of,
     new_id,
     raise_for_terminal,
     resolve_socket,
 )
-from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout, InvalidRequest
+from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout
 
 
 class Client:
@@ -71,18 +73,19 @@ class Client:
         self._sock: Optional[zmq.Socket] = None
         self._monitor: Optional[zmq.Socket] = None  # the DEALER's disconnect events
         self._router = ReplyRouter()
-        self._lost: set[str] = set()  # requests that were waiting when the daemon went away
 
     # ------------------------------------------------------------------ connection
 
     def connect(self) -> HelloReply:
         """Connect and handshake (done automatically by the first request)."""
+        if self._sock is not None and dropped(self._monitor):
+            self._drop()  # the connection dropped while idle (the daemon restarted?): connect afresh
         if self.server is not None:
             return self.server
         check_socket_exists(self.socket_path)
         self._sock = self._zctx.socket(zmq.DEALER)
         dealer_options(self._sock)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = monitor_of(self._sock)
         self._sock.connect(endpoint(self.socket_path))
         hello = hello_request()
         try:
@@ -105,12 +108,14 @@ class Client:
             self._sock = None
         self.server = None
 
-    def _daemon_gone(self) -> DaemonGone:
-        """The connection dropped: every request still waiting is lost (it may
-        have been served or not); the next request connects afresh."""
-        self._lost |= set(self._router.buffers)
-        self._router = ReplyRouter()
+    def _drop(self) -> None:
+        """The connection is gone: the requests waiting on it are lost (served or
+        not, nobody knows); the next request connects afresh, checks and all."""
+        self._router.lose_all()
         self.close()
+
+    def _daemon_gone(self) -> DaemonGone:
+        self._drop()
         return DaemonGone(gone_message(self.socket_path))
 
     def __enter__(self) -> "Client":
@@ -122,25 +127,27 @@ class Client:
     # ------------------------------------------------------------------ plumbing
 
     def _send(self, msg: Message) -> None:
-        if self._sock is None:
-            self.connect()
-        assert self._sock is not None
-        if msg.id in self._router.buffers:
-            raise InvalidRequest(
-                f"request id {msg.id!r} is in use by a request of this client that has not finished; give each "
-                "request a new id (or leave request_id out)"
-            )
-        self._router.expect(msg.id)
-        try:  # never blocks: only a DEALER whose connection is gone (no reconnection) has no room
-            self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise self._daemon_gone() from None
+        if self._sock is None or dropped(self._monitor):
+            self.connect()  # the first request, or the connection dropped while idle: afresh
+        self._router.expect(msg.id)  # InvalidRequest for an id in use
+        for attempt in (1, 2):
+            assert self._sock is not None
+            try:  # never blocks: a pipe that cannot take it raises instead
+                self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:  # it dropped since connect() looked: nothing was sent
+                self._router.forget(msg.id)
+                self._drop()
+                if attempt == 2:
+                    raise DaemonGone(gone_message(self.socket_path)) from None
+                self.connect()
+                self._router.expect(msg.id)
 
     def _recv(self, request_id: str, timeout: Optional[float]) -> Message:
         buffered = self._router.pop(request_id)
         if buffered is not None:
             return buffered
-        if self._sock is None or request_id in self._lost:
+        if self._sock is None or request_id in self._router.lost:
             raise DaemonGone(gone_message(self.socket_path))
         deadline = None if timeout is None else time.monotonic() + timeout
         poller = zmq.Poller()
@@ -154,6 +161,10 @@ class Client:
                 if msg is not None:
                     return msg
             elif self._monitor in events:
+                while self._sock.poll(0):  # what it sent before it went is still delivered
+                    msg = self._router.accept(self._sock.recv_multipart(), request_id)
+                    if msg is not None:
+                        return msg
                 raise self._daemon_gone()
             elif not events:
                 raise DaemonTimeout(f"no reply from the daemon at {self.socket_path} within {timeout} s")
@@ -202,7 +213,8 @@ class Client:
     def cache_clear(self, timeout: Optional[float] = 600.0) -> CacheCleared:
         """Empty the daemon's prefix cache. It happens after the running request
         (if any), before the next queued one: hence the long default timeout.
-        ``cache`` in the reply is None when the daemon has no prefix cache."""
+        ``cache`` in the reply is None when the daemon has no prefix cache;
+        QueueFull when as many clears as the daemon's max_queue wait already."""
         self.connect()
         reply = self._request(CacheClear(id=new_id()), timeout)
         raise_for_terminal(reply)

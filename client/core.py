@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 import zmq
+import zmq.asyncio
 
 from tandem.protocol import (
     PROTOCOL_VERSION,
@@ -48,16 +49,27 @@ HEARTBEAT_TIMEOUT_MS = 15_000  # ...and drops the connection after this long wit
 
 
 def dealer_options(sock) -> None:
-    """The client's DEALER: no linger; no automatic reconnection (a daemon that
-    went away is reported, and a new one at the path is checked like the first
-    before anything is sent to it); ZeroMQ's heartbeat, so a daemon that is gone
-    or frozen without closing the connection is noticed within
+    """The client's DEALER: no linger; ZeroMQ's heartbeat, so a daemon that is
+    gone or frozen without closing the connection is noticed within
     ``HEARTBEAT_TIMEOUT_MS`` (its I/O thread answers the pings however busy the
-    daemon's models are)."""
+    daemon's models are). ZeroMQ's own reconnection stays on: with it off, the
+    replies a daemon sent just before it closed would be dropped unread. The
+    client never uses a reconnected pipe: a disconnect event (``dropped``) makes
+    it report the requests that were waiting and connect afresh, checks and all."""
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RECONNECT_IVL, -1)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+
+
+def monitor_of(sock):
+    """The DEALER's disconnect events, on an inproc address of its own (pyzmq's
+    default is derived from the fd, which is reused: 'Address already in use')."""
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, addr=f"inproc://tandem-monitor-{uuid.uuid4().hex}")
+
+
+def dropped(monitor) -> bool:
+    """Has the connection dropped (a disconnect event waits on ``monitor``)? Without blocking, sync or asyncio."""
+    return bool(monitor.get(zmq.EVENTS) & zmq.POLLIN)
 
 
 def gone_message(path: Path) -> str:
@@ -222,16 +234,41 @@ def raise_for_terminal(msg: Message) -> None:
 
 
 class ReplyRouter:
-    """Buffers replies per request id, so several requests can share one socket."""
+    """Buffers replies per request id, so several requests can share one socket.
+
+    It also knows which ids are in use: a request still expecting replies, or
+    one abandoned (``abandon``) whose terminal message has not come yet (its
+    late replies are dropped); ``expect`` refuses those, since a second request
+    with a live id would get the first one's replies. ``lose_all`` marks every
+    request still waiting as lost with its connection (what is buffered for it
+    is still delivered)."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, collections.deque] = {}
+        self.draining: set[str] = set()  # abandoned, still running in the daemon
+        self.lost: set[str] = set()  # waiting when the connection dropped
 
     def expect(self, request_id: str) -> None:
-        self.buffers.setdefault(request_id, collections.deque())
+        if request_id in self.buffers or request_id in self.draining:
+            raise InvalidRequest(
+                f"request id {request_id!r} is in use by a request of this client that has not finished; give "
+                "each request a new id (or leave request_id out)"
+            )
+        self.lost.discard(request_id)
+        self.buffers[request_id] = collections.deque()
 
     def forget(self, request_id: str) -> None:
         self.buffers.pop(request_id, None)
+
+    def abandon(self, request_id: str) -> None:
+        """Stop waiting for a request the daemon still runs: drop its replies until its terminal one."""
+        buffered = self.buffers.pop(request_id, None)
+        if buffered is not None and all(isinstance(m, Chunk) for m in buffered):
+            self.draining.add(request_id)
+
+    def lose_all(self) -> None:
+        self.lost |= set(self.buffers)
+        self.draining.clear()  # (that connection is gone, and its requests with it)
 
     def pop(self, request_id: str) -> Optional[Message]:
         buf = self.buffers.get(request_id)
@@ -244,6 +281,10 @@ class ReplyRouter:
         except ProtocolError as exc:
             raise TandemError(f"the daemon sent a message this client cannot read: {exc.message}") from None
         rid = getattr(msg, "id", None)
+        if rid in self.draining:
+            if not isinstance(msg, Chunk):
+                self.draining.discard(rid)  # its terminal message: the id is free again
+            return None
         if rid == waiting_for or (rid is None and isinstance(msg, Error)):
             return msg
         if rid in self.buffers:
@@ -282,12 +323,17 @@ class StreamState:
         if self._finished:
             return
         self._finished = True
-        self.client._router.forget(self.request_id)
-        if self.client._sock is not None:
-            try:
-                self.client._sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)), zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the connection is gone: so is the request
+        router, sock = self.client._router, self.client._sock
+        if sock is None or self.request_id in router.lost:
+            router.forget(self.request_id)  # its connection is gone, and the request with it
+            return
+        router.abandon(self.request_id)
+        if isinstance(sock, zmq.asyncio.Socket):
+            sock = zmq.Socket.shadow(sock.underlying)  # a plain send, not a Future nobody awaits
+        try:
+            sock.send_multipart(encode(Cancel(id=new_id(), request_id=self.request_id)), zmq.NOBLOCK)
+        except zmq.Again:
+            router.forget(self.request_id)  # the connection is gone: so is the request
 
     def __del__(self) -> None:
         try:

@@ -444,6 +444,12 @@ def _answer_and_close(request, status: int, reason: str, message: str, kind: str
             b"Content-Length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body)
         )
         request.shutdown(socket.SHUT_WR)
+        # read what the client sent (briefly, a little): closing with unread data makes the
+        # kernel send a reset, which can reach the client before it has read this answer
+        request.settimeout(0.05)
+        for _ in range(16):
+            if not request.recv(4096):
+                break
     except OSError:
         pass
     request.close()

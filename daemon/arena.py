@@ -115,19 +115,14 @@ def remove_stale_arenas(directory: Optional[Path] = None) -> list[str]:
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
                 continue  # not provably ours: never touched
             if m.group(2):  # an index: stale when its arena is gone
-                stale = path.name.removesuffix(".index") not in names
+                if path.name.removesuffix(".index") not in names:
+                    path.unlink()
+                    removed.append(path.name)
             elif m.group(1).isdigit():  # before unpredictable names: by pid
-                stale = not psutil.pid_exists(int(m.group(1)))
+                if not psutil.pid_exists(int(m.group(1))):
+                    removed += _unlink_with_index(path, names)
             else:
-                stale = _unheld(path)
-            if stale:
-                path.unlink()
-                removed.append(path.name)
-                if not m.group(2):
-                    index = index_path(path)
-                    if index.name in names and not os.path.islink(index):
-                        index.unlink(missing_ok=True)
-                        removed.append(index.name)
+                removed += _remove_if_unheld(path, names)
         except OSError:
             continue
     if removed:
@@ -135,14 +130,28 @@ def remove_stale_arenas(directory: Optional[Path] = None) -> list[str]:
     return removed
 
 
-def _unheld(path: Path) -> bool:
-    """True if no process holds ``path``'s lock (an exclusive lock can be taken)."""
+def _unlink_with_index(path: Path, names: set[str]) -> list[str]:
+    path.unlink()
+    removed = [path.name]
+    index = index_path(path)
+    if index.name in names and not os.path.islink(index):
+        index.unlink(missing_ok=True)
+        removed.append(index.name)
+    return removed
+
+
+def _remove_if_unheld(path: Path, names: set[str]) -> list[str]:
+    """Remove the arena ``path`` (and its index) if no process holds its lock:
+    unlinked while this holds the exclusive lock, so a daemon that created it
+    and is waiting for its shared lock sees it unlinked (and takes another name)."""
     fd = open_own(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
     except BlockingIOError:
-        return False
+        os.close(fd)
+        return []
+    try:
+        return _unlink_with_index(path, names)
     finally:
         os.close(fd)
 

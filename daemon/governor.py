@@ -357,11 +357,14 @@ class GovernorBank:
             with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 on_disk = self._read(self.path, quiet=True)
-                tasks = OrderedDict(on_disk[0] if on_disk else ())
-                for k, g in self.tasks.items():
-                    if k in self.touched or k not in tasks:
-                        tasks.pop(k, None)
-                        tasks[k] = g.to_dict()  # most recently used last
+                theirs = OrderedDict(on_disk[0] if on_disk else ())
+                # oldest first: what only we still hold but did not serve, then the file's
+                # (the other daemon's fresh ones among them), then what we served, by use
+                tasks = OrderedDict(
+                    (k, g.to_dict()) for k, g in self.tasks.items() if k not in theirs and k not in self.touched
+                )
+                tasks.update((k, v) for k, v in theirs.items() if k not in self.touched)
+                tasks.update((k, g.to_dict()) for k, g in self.tasks.items() if k in self.touched)
                 tasks = OrderedDict(list(tasks.items())[-self.max_tasks :])
                 doc = {"version": STATE_VERSION, "identity": self.identity, "last_task": self.last_task, "tasks": tasks}
                 fd, tmp = tempfile.mkstemp(prefix=".governor-", dir=self.path.parent)

@@ -162,6 +162,8 @@ class PageStore:
                 for node in reversed(chain):
                     self.tree.drop_page(node, self.role)
                 self.tree.stats.tokens_from_cache -= n
+                self.tree.stats.hits -= 1
+                self.tree.stats.misses += 1
                 self.model.clear()
                 chain, n = [], 0
         self.tokens_prefilled += len(tokens) - n

@@ -244,6 +244,9 @@ class Scheduler:
         for job in list(self.queue):
             self.queue.remove(job)
             self._finish(job, Error.of(job.request.id, ErrorCode.NOT_READY, message))
+        for identity, msg in self.clears:
+            self.reply(identity, self._failed(msg.id))
+        self.clears = []
 
     def shutting_down(self) -> None:
         """Answer everything that waits; the running request is the caller's to cancel."""

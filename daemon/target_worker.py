@@ -252,6 +252,8 @@ class TargetLoop:
         except Exception as exc:  # a bug or a llama.cpp failure: report it, keep serving
             log.exception("request %s failed", msg.id)
             self.send(Error.of(msg.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self.current = ""  # between requests: a drafter's death concerns none
 
     def _clear_cache(self, msg: CacheClear) -> None:
         cache = self.engine.cache

@@ -19,11 +19,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
-a 1.0 daemon, which would ignore them."""
+a 1.0 daemon, which would ignore them. 1.2 added ``done.drafter_died`` (a drafter's
+death no longer fails the request: DRAFTER_DIED is not sent)."""
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest message body the daemon accepts (bytes of msgpack)."""

@@ -232,12 +232,37 @@ def test_router_forget_discards_what_was_buffered():
     assert router.pop("b") is None
 
 
-def test_router_expect_keeps_an_existing_buffer():
+def test_router_refuses_an_id_in_use_and_keeps_its_buffer():
     router = ReplyRouter()
     router.expect("b")
     router.accept(encode(Chunk(id="b", text="x", token_ids=[])), waiting_for="a")
-    router.expect("b")
+    with pytest.raises(InvalidRequest, match="'b' is in use"):
+        router.expect("b")
     assert router.pop("b") == Chunk(id="b", text="x", token_ids=[])
+
+
+def test_an_abandoned_request_keeps_its_id_until_its_terminal_reply_and_its_replies_are_dropped():
+    router = ReplyRouter()
+    router.expect("b")
+    router.abandon("b")  # closed while the daemon still runs it
+    with pytest.raises(InvalidRequest):
+        router.expect("b")
+    assert router.accept(encode(Chunk(id="b", text="late", token_ids=[])), waiting_for="b") is None
+    assert router.accept(encode(Done.cancelled("b")), waiting_for="b") is None  # dropped: it was not this one's
+    router.expect("b")  # free again
+    assert router.accept(encode(Chunk(id="b", text="new", token_ids=[])), waiting_for="b").text == "new"
+
+
+def test_lose_all_marks_the_waiting_requests_and_keeps_what_was_buffered():
+    router = ReplyRouter()
+    router.expect("a")
+    router.expect("b")
+    router.accept(encode(Chunk(id="b", text="x", token_ids=[])), waiting_for="a")
+    router.lose_all()
+    assert router.lost == {"a", "b"} and router.pop("b").text == "x"
+    router.forget("a")
+    router.expect("a")  # a retry with the same id on the new connection
+    assert "a" not in router.lost
 
 
 def test_router_hands_an_error_without_an_id_to_whoever_waits():

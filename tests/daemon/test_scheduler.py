@@ -216,6 +216,56 @@ def test_a_cache_clear_runs_after_the_running_request_and_before_the_next(h):
     assert h.started() == ["a", "b"]
 
 
+def test_waiting_clears_are_done_by_one_and_bounded(h):
+    """Issue 19, item 14: clears are coalesced (one target clear answers all that
+    wait) and at most max_queue wait, so they cannot pile up in front of requests."""
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    for i in range(6):  # max_queue 4
+        h.s.clear_cache(b"C%d" % i, CacheClear(id=f"k{i}"))
+    assert [type(h.replies_to(b"C%d" % i)[-1]).__name__ for i in (4, 5)] == ["Busy", "Busy"]
+    h.submit(b"C1", "b")
+    h.worker_says(done("a"))
+    h.s.start_next()
+    assert [m.id for m in h.to_target if isinstance(m, CacheClear)] == ["k0"]  # one clear for four
+    h.worker_says(CacheCleared(id="k0", pages=3, bytes=300))
+    assert [(h.replies_to(b"C%d" % i)[-1].id, h.replies_to(b"C%d" % i)[-1].pages) for i in range(4)] == [
+        ("k0", 3),
+        ("k1", 3),
+        ("k2", 3),
+        ("k3", 3),
+    ]
+    h.s.start_next()
+    assert h.started() == ["a", "b"]
+
+
+def test_a_duplicate_id_from_the_connection_that_owns_it_is_answered_without_the_id(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    h.submit(b"C1", "a")  # same connection: an error with id "a" would end a's stream
+    h.submit(b"C2", "a")  # another connection: its own error, with the id it sent
+    (same,), (other,) = h.replies_to(b"C1"), h.replies_to(b"C2")
+    assert same.code == other.code == ErrorCode.DUPLICATE_REQUEST_ID
+    assert same.id is None and other.id == "a" and "'a' is already queued or running" in same.message
+    assert h.s.jobs["a"].identity == b"C1" and h.s.active is not None
+
+
+def test_after_shutdown_starts_new_requests_and_clears_are_answered_shutting_down(h):
+    h.s.shutting_down()
+    h.submit(b"C1", "late")
+    h.s.clear_cache(b"C2", CacheClear(id="k"))
+    assert h.replies_to(b"C1")[-1].code == h.replies_to(b"C2")[-1].code == ErrorCode.SHUTTING_DOWN
+    assert not h.s.queue and not h.s.clears
+
+
+def test_a_failed_daemon_answers_waiting_clears(h):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    h.s.clear_cache(b"C2", CacheClear(id="k"))
+    h.s.fail("the model cannot load")
+    assert h.replies_to(b"C2")[-1].code == ErrorCode.NOT_READY and not h.s.clears
+
+
 def test_a_clear_the_target_cannot_take_is_answered_with_an_error(clock):
     h = Harness(clock, target_up=False)
     h.s.clear_cache(b"C2", CacheClear(id="k"))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -139,7 +141,7 @@ def test_cache_clears_are_coalesced_and_never_starve_requests(start_daemon):
     d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M", "--max-queue", "8")
     with d.client() as c:
         c.complete(prompt="Fill the cache a little: " * 4, max_tokens=2)
-        running = c.generate(prompt="Long:", max_tokens=200, ignore_eos=True)
+        running = c.generate(prompt="Long:", max_tokens=600, ignore_eos=True)  # the clears arrive meanwhile
         it = iter(running)
         next(it)
         clients = [Client(d.socket) for _ in range(12)]
@@ -154,6 +156,8 @@ def test_cache_clears_are_coalesced_and_never_starve_requests(start_daemon):
         threads = [threading.Thread(target=clear, args=(i,)) for i in range(12)]
         for t in threads:
             t.start()
+        time.sleep(1.0)  # (all twelve are sent by now)
+        assert c.status().active is not None, "the running request ended before the clears arrived"
         queued = c.generate(prompt="After the clears:", max_tokens=3)
         list(it)
         for t in threads:
@@ -167,3 +171,45 @@ def test_cache_clears_are_coalesced_and_never_starve_requests(start_daemon):
         for x in clients:
             x.close()
     assert d.log().count("prefix cache cleared") <= 3  # coalesced: the target ran a clear or two, not twelve
+
+
+def test_a_client_whose_daemon_restarted_while_it_was_idle_connects_afresh(start_daemon, smollm2_path):
+    """The connection dropped between requests: the next request is sent to the
+    new daemon after the socket's checks, not refused and not lost."""
+    d = start_daemon("--ctx-size", "256", "--cache-bytes", "0")
+    with d.client() as c:
+        first = c.status().pid
+        assert d.stop() == 0
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem.client.cli",
+                "--socket",
+                str(d.socket),
+                "serve",
+                "--model",
+                str(smollm2_path),
+            ]
+            + ["--ctx-size", "256", "--cache-bytes", "0"],
+            env=d.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with Client(d.socket, connect_timeout=1) as probe:
+                        if probe.status().state == "ready":
+                            break
+                except DaemonNotRunning:
+                    pass
+                assert time.monotonic() < deadline and proc.poll() is None, "the new daemon did not start"
+                time.sleep(0.1)
+            st = c.status()  # the same Client object
+            assert st.pid != first and st.state == "ready"
+            assert c.complete(prompt="Hi", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -79,7 +79,8 @@ def test_drafter_killed_mid_request_restarted_and_drafting_again(start_daemon, p
         "--drafter", str(drafter), "--ctx-size", "1024", "--governor", "off", "--cache-bytes", "0", model=target
     )
     with d.client() as a, d.client() as b:
-        count = dict(prompt="Count slowly: one, two,", max_tokens=400, ignore_eos=True, temperature=0.0)
+        # long enough that the death is noticed (within about a second) well before the end
+        count = dict(prompt="Count slowly: one, two,", max_tokens=800, ignore_eos=True, temperature=0.0)
         plain = a.complete(**count, draft="off").text
         running = a.generate(**count, draft="on")
         it = iter(running)

@@ -14,9 +14,11 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -34,10 +36,12 @@ root_only = pytest.mark.skipif(os.getuid() != 0, reason="files of another user (
 
 @pytest.fixture
 def shm(tmp_path):
-    d = tmp_path / "shm"
-    d.mkdir(mode=0o1777)
-    os.chmod(d, 0o1777)  # like /dev/shm: world-writable, sticky
-    return d
+    """A directory like /dev/shm (world-writable, sticky), on tmpfs where there is one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    d = Path(tempfile.mkdtemp(prefix="tandem-test-", dir=base))
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @contextlib.contextmanager

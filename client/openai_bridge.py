@@ -77,7 +77,9 @@ class ApiError(Exception):
             return "authentication_error"
         return "invalid_request_error"
 
-    def body(self) -> dict:
+    def body(self, dialect: str = "openai") -> dict:
+        if dialect == "ollama":
+            return {"error": self.message}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     @classmethod
@@ -473,8 +475,14 @@ class Handler(BaseHTTPRequestHandler):
         self._serve(self._post)
 
     def _get(self) -> None:
+        from . import ollama_api
+
         path = self.path.split("?", 1)[0].rstrip("/")
-        if path == "/v1/models":
+        if path == "/api/version":
+            self._json(HTTPStatus.OK, {"version": ollama_api.API_VERSION})
+        elif path in ("/api/tags", "/api/ps"):
+            self._json(HTTPStatus.OK, (ollama_api.tags if path == "/api/tags" else ollama_api.ps)(self))
+        elif path == "/v1/models":
             model = self._model()
             self._json(HTTPStatus.OK, {"object": "list", "data": [model]})
         elif path.startswith("/v1/models/"):
@@ -492,7 +500,29 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(HTTPStatus.NOT_FOUND, f"no route GET {path}; try GET /v1/models")
 
     def _post(self) -> None:
+        from . import ollama_api
+
         path = self.path.split("?", 1)[0].rstrip("/")
+        if path.startswith("/api/"):
+            ollama = {"/api/generate": ollama_api.generate, "/api/chat": ollama_api.chat}
+            if path in ollama:
+                return ollama[path](self, self._body())
+            if path == "/api/show":
+                return self._json(HTTPStatus.OK, ollama_api.show(self, self._body()))
+            if path in ("/api/embed", "/api/embeddings"):
+                raise ApiError(
+                    HTTPStatus.NOT_IMPLEMENTED,
+                    "tandem serves generation models only: it has no embedding model or path (use a dedicated "
+                    "embedding server for /api/embed)",
+                )
+            manage = {"/api/pull": "tandem models pull NAME", "/api/delete": "tandem models rm NAME"}
+            if path in manage or path in ("/api/push", "/api/create", "/api/copy", "/api/blobs"):
+                raise ApiError(
+                    HTTPStatus.NOT_IMPLEMENTED,
+                    f"{path} is not served over HTTP: models are managed with the tandem command "
+                    f"({manage.get(path, 'tandem models --help')})",
+                )
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no route POST {path}")
         routes = {"/v1/completions": completions_call, "/v1/chat/completions": chat_call}
         if path not in routes:
             raise ApiError(
@@ -526,13 +556,16 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as exc:
             if not self._body_read and self.headers.get("Content-Length", "0") != "0":
                 self.close_connection = True  # its body is still unread: the connection cannot go on
-            self._json(exc.status, exc.body())
+            self._json(exc.status, exc.body(self._dialect()))
         except (OverflowError, RecursionError) as exc:  # a number msgpack cannot carry, JSON nested too deep
             self.close_connection = True
             body = ApiError(HTTPStatus.BAD_REQUEST, f"the request has a value tandem cannot take: {exc}").body()
             self._json(HTTPStatus.BAD_REQUEST, body)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
+
+    def _dialect(self) -> str:
+        return "ollama" if self.path.startswith("/api/") else "openai"
 
     def _check_origin(self) -> None:
         from tandem.daemon.config import is_loopback_host
@@ -542,6 +575,14 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(
                 HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine"
             )
+        origin = (self.headers.get("Origin") or "").strip().lower()
+        if origin and origin != "null":
+            scheme, _, rest = origin.partition("://")
+            if scheme not in ("http", "https") or not is_loopback_host(rest.split("/", 1)[0]):
+                # a web page's request (browsers send Origin): Ollama refuses them too (OLLAMA_ORIGINS)
+                raise ApiError(
+                    HTTPStatus.FORBIDDEN, f"Origin {origin!r} is not this machine: web pages may not use the bridge"
+                )
 
     def _check_key(self) -> None:
         from .api_key import matches, presented
@@ -557,7 +598,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> dict:
         ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-        if ctype != "application/json":
+        # Ollama's API takes any type (its docs post with `curl -d`, a form type): the Origin check keeps
+        # web pages out there; the OpenAI routes also refuse what a page can post without a preflight
+        if ctype != "application/json" and not self.path.startswith("/api/"):
             raise ApiError(
                 HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                 f"send the body as Content-Type: application/json (got {ctype or 'none'!r})",
@@ -592,6 +635,72 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError.of(exc) from None
         self.server.model = hello.model
         return {"id": hello.model, "object": "model", "created": 0, "owned_by": "tandem", "context_length": hello.n_ctx}
+
+    # ------------------------------------------------------------------ for the dialect modules
+
+    def daemon_hello(self):
+        try:
+            with Client(self.server.socket_path) as client:
+                hello = client.connect()
+        except TandemError as exc:
+            raise ApiError.of(exc) from None
+        self.server.model = hello.model
+        return hello
+
+    def send_json(self, status: int, body: dict) -> None:
+        self._json(status, body)
+
+    def start_stream(self, content_type: str) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def write_line(self, obj: dict) -> None:
+        """One NDJSON line."""
+        self._write_chunk(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
+
+    def end_stream(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def run_daemon_request(self, start, piece, final, stream: bool, content_type: str = "application/x-ndjson"):
+        """One daemon request: ``start(client)`` starts it; streamed, each chunk's
+        text goes out as ``piece(text)`` (one line), then ``final(done)``; not
+        streamed, ``final(done)`` is the answer. An HTTP client that leaves
+        cancels it; an error after the stream started is a last ``{"error"}`` line."""
+        with Client(self.server.socket_path, timeout=None) as client:
+            try:
+                s = start(client)
+            except TandemError as exc:
+                raise ApiError.of(exc) from None
+            with s:
+                try:
+                    if not stream:
+                        self._json(HTTPStatus.OK, final(self._wait(s)))
+                        return
+                    started = False
+                    try:
+                        for chunk in self._chunks(s):
+                            if not started:  # headers once the daemon took it: errors before are plain HTTP
+                                self.start_stream(content_type)
+                                started = True
+                            if chunk.text:
+                                self.write_line(piece(chunk.text))
+                    except ApiError as exc:
+                        if not started:
+                            raise
+                        self.write_line(exc.body(self._dialect()))
+                        self.end_stream()
+                        return
+                    if not started:
+                        self.start_stream(content_type)
+                    self.write_line(final(s.done))
+                    self.end_stream()
+                except (ClientGone, BrokenPipeError, ConnectionResetError):
+                    client.cancel(s.request_id)  # the HTTP client left: so does its daemon request
+                    self.close_connection = True
 
     def _gone(self) -> bool:
         """Has the HTTP client closed its end? (Readable with nothing to read.)"""

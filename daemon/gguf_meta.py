@@ -1,0 +1,144 @@
+"""A GGUF file's metadata (architecture, size label, quantization, context
+length, chat template) without loading the model, for ``/api/tags``,
+``/api/show`` and ``tandem show``.
+
+It reads the header's key-value section only and seeks past arrays it does not
+need (the tokenizer's 50k-150k entries), so it takes milliseconds; the ``gguf``
+package's ``GGUFReader`` parses every field and tensor and took 2 s for
+SmolLM2-135M here, on every call. Format: github.com/ggml-org/ggml docs/gguf.md
+(version 2 and 3: little-endian, u64 counts and string lengths).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO
+
+MAGIC = b"GGUF"
+MAX_STRING = 16 << 20  # a chat template is a few KiB; anything this long is a damaged file
+MAX_KV = 1 << 16
+
+# value types
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+# general.file_type (llama.cpp's llama_ftype) -> Ollama's quantization_level names
+FILE_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+}
+
+
+class GGUFError(Exception):
+    """Not a GGUF file this reader understands (the message says why)."""
+
+
+def _read(f: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise GGUFError("the file ends inside its header")
+    return struct.unpack(fmt, data)[0]
+
+
+def _string(f: BinaryIO) -> str:
+    n = _read(f, "<Q")
+    if n > MAX_STRING:
+        raise GGUFError(f"a string of {n} bytes in the header")
+    data = f.read(n)
+    if len(data) != n:
+        raise GGUFError("the file ends inside its header")
+    return data.decode("utf-8", "replace")
+
+
+def _value(f: BinaryIO, kind: int, keep_arrays: bool) -> Any:
+    if kind in _SCALARS:
+        return _read(f, _SCALARS[kind])
+    if kind == _STRING:
+        return _string(f)
+    if kind == _ARRAY:
+        item, count = _read(f, "<I"), _read(f, "<Q")
+        if item in _SCALARS and not keep_arrays:
+            f.seek(struct.calcsize(_SCALARS[item]) * count, 1)
+            return None
+        if not keep_arrays:
+            for _ in range(count):
+                _value(f, item, False)
+            return None
+        return [_value(f, item, False) for _ in range(count)]
+    raise GGUFError(f"unknown value type {kind}")
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """Every key of the header (arrays of more than 64 entries as None)."""
+    with open(path, "rb") as f:
+        if f.read(4) != MAGIC:
+            raise GGUFError(f"{path} is not a GGUF file")
+        version = _read(f, "<I")
+        if version not in (2, 3):
+            raise GGUFError(f"GGUF version {version} (this reader knows 2 and 3)")
+        _tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+        if n_kv > MAX_KV:
+            raise GGUFError(f"{n_kv} metadata keys")
+        out: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = _string(f)
+            kind = _read(f, "<I")
+            if kind == _ARRAY:
+                at = f.tell()
+                _item, count = _read(f, "<I"), _read(f, "<Q")
+                f.seek(at)
+                out[key] = _value(f, kind, keep_arrays=count <= 64)
+            else:
+                out[key] = _value(f, kind, False)
+        return out
+
+
+def facts(path: str | Path) -> dict[str, Any]:
+    """What a client is shown about a model file: architecture, family, size
+    label, quantization, trained context length, chat template (empty when the
+    file cannot be read)."""
+    try:
+        meta = read_metadata(path)
+    except (OSError, GGUFError):
+        return {}
+    arch = str(meta.get("general.architecture") or "")
+    return {
+        "architecture": arch,
+        "family": arch,
+        "name": meta.get("general.name") or "",
+        "parameter_size": str(meta.get("general.size_label") or ""),
+        "quantization": FILE_TYPES.get(meta.get("general.file_type"), "unknown"),
+        "context_length": meta.get(f"{arch}.context_length"),
+        "chat_template": meta.get("tokenizer.chat_template") or "",
+        "metadata": {k: v for k, v in meta.items() if v is not None and not k.startswith("tokenizer.")},
+    }

@@ -27,11 +27,14 @@ from tandem.protocol import (
     Cancel,
     CancelReply,
     Chunk,
+    Detokenize,
+    Detokenized,
     Done,
     HelloReply,
     Message,
     Status,
     StatusReply,
+    Tokenized,
     encode,
     endpoint,
 )
@@ -53,6 +56,7 @@ from .core import (
     new_id,
     raise_for_terminal,
     resolve_socket,
+    tokenize_request,
 )
 from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout
 
@@ -217,6 +221,21 @@ class AsyncClient:
         raise_for_terminal(reply)
         assert isinstance(reply, CacheCleared)
         return reply
+
+    async def tokenize(self, text: Optional[str] = None, messages=None, tools=None, **options) -> Tokenized:
+        """As Client.tokenize."""
+        await self.connect()
+        reply = await self._request(tokenize_request(text, messages, tools, **options), self.connect_timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, Tokenized)
+        return reply
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        await self.connect()
+        reply = await self._request(Detokenize(id=new_id(), tokens=list(tokens)), self.connect_timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, Detokenized)
+        return reply.text
 
     async def cancel(self, request_id: str) -> bool:
         await self.connect()

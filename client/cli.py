@@ -25,7 +25,7 @@ Unix socket; nothing leaves this machine.
   tandem chat                             talk, multi-turn
   tandem serve --model qwen2.5-coder-1.5b run the daemon in the foreground
   tandem status | tandem stop             inspect / stop the daemon
-  tandem openai                           an OpenAI-compatible API on 127.0.0.1 for editors
+  tandem http                             OpenAI, Ollama and Anthropic APIs on 127.0.0.1 for editors
   tandem models pull NAME | list          fetch / list models
   tandem config show                      the effective settings and their sources
   tandem service install                  run the daemon as a systemd user service
@@ -157,9 +157,13 @@ def _serving_commands(sub) -> None:
     from .openai_bridge import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
     p = sub.add_parser(
-        "openai",
-        help="serve an OpenAI-compatible HTTP API on loopback, for editor plugins and agents",
-        description="Translate the OpenAI HTTP API to the daemon: GET /v1/models, POST /v1/completions "
+        "http",
+        aliases=["openai"],
+        help="serve the OpenAI, Ollama and Anthropic HTTP APIs on loopback, for editor plugins and agents",
+        description="Translate three HTTP dialects to the daemon on one loopback port: OpenAI's (/v1/models, "
+        "/v1/completions, /v1/chat/completions), Ollama's (/api/tags, /api/show, /api/generate, /api/chat, ...) "
+        "and Anthropic's (/v1/messages, /v1/messages/count_tokens), plus llama-server's /tokenize and "
+        "/detokenize. OpenAI: GET /v1/models, POST /v1/completions "
         "(with 'suffix': fill in the middle, for inline completion), POST /v1/chat/completions, and "
         "'stream': true as server-sent events. Loopback only; every HTTP request is one daemon request, "
         "cancelled if the HTTP client disconnects. Starts a daemon if none runs. Ctrl-C stops the bridge "
@@ -206,8 +210,20 @@ def _admin_commands(sub) -> None:
     sub.add_parser("stop", help="shut the daemon down cleanly")
 
     p = sub.add_parser(
+        "tokens",
+        help="count the tokens of TEXT as the served model reads it (before you send it)",
+        description="Tokenize TEXT with the served model's tokenizer: the count, and with --ids the ids. "
+        "--chat counts TEXT as one user message through the chat template, as `tandem run` sends it. "
+        "Answered at once, even while the daemon generates.",
+    )
+    p.add_argument("text", metavar="TEXT", help="the text ('-' reads stdin)")
+    p.add_argument("--chat", action="store_true", help="as a chat message (with the template), not plain text")
+    p.add_argument("--ids", action="store_true", help="print the token ids too")
+    p.add_argument("--json", action="store_true", help="print {count, tokens, pieces} as JSON")
+
+    p = sub.add_parser(
         "key",
-        help="print the API key `tandem openai --api-key on` requires (created on first use)",
+        help="print the API key `tandem http --api-key on` requires (created on first use)",
         description="Print the bridge's API key, creating it (a 0600 file in $XDG_STATE_HOME/tandem/api-key) "
         "if there is none. Give it to an HTTP client as its API key (sent as Authorization: Bearer KEY). "
         "The bridge requires it with --api-key on, or by itself where it cannot check who connects.",
@@ -434,10 +450,14 @@ def cmd_openai(args) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    _say(f"tandem openai: {openai_bridge.url_of(server)} serves {model} from {args.socket} (Ctrl-C stops the bridge)")
+    url = openai_bridge.url_of(server)
+    _say(
+        f"tandem http: {url} serves {model} from {args.socket}: OpenAI at {url}, Anthropic at {url}/messages, "
+        f"Ollama at {url.removesuffix('/v1')} (Ctrl-C stops the bridge)"
+    )
     if api_key is not None:
         why = "--api-key on" if args.api_key == "on" else "this system has no /proc/net/tcp to check who connects"
-        _say(f"tandem openai: every request needs the API key that `tandem key` prints ({why})")
+        _say(f"tandem http: every request needs the API key that `tandem key` prints ({why})")
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
@@ -546,6 +566,22 @@ def cmd_key(args) -> int:
     except (KeyFileError, OSError) as exc:
         _say(f"tandem: {exc}")
         return 1
+    return 0
+
+
+def cmd_tokens(args) -> int:
+    text = sys.stdin.read() if args.text == "-" else args.text
+    with Client(args.socket) as client:
+        if args.chat:
+            reply = client.tokenize(messages=[{"role": "user", "content": text}], with_pieces=args.json)
+        else:
+            reply = client.tokenize(text, parse_special=True, with_pieces=args.json)
+    if args.json:
+        print(json.dumps({"count": len(reply.tokens), "tokens": reply.tokens, "pieces": reply.pieces}))
+        return 0
+    print(len(reply.tokens))
+    if args.ids:
+        print(" ".join(map(str, reply.tokens)))
     return 0
 
 
@@ -669,7 +705,9 @@ COMMANDS = {
     "run": cmd_run,
     "chat": cmd_chat,
     "status": cmd_status,
+    "http": cmd_openai,
     "openai": cmd_openai,
+    "tokens": cmd_tokens,
     "stop": cmd_stop,
     "key": cmd_key,
     "models": cmd_models,

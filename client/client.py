@@ -25,12 +25,15 @@ from tandem.protocol import (
     Cancel,
     CancelReply,
     Chunk,
+    Detokenize,
+    Detokenized,
     Done,
     HelloReply,
     Message,
     Shutdown,
     Status,
     StatusReply,
+    Tokenized,
     encode,
     endpoint,
 )
@@ -52,6 +55,7 @@ from .core import (
     new_id,
     raise_for_terminal,
     resolve_socket,
+    tokenize_request,
 )
 from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout
 
@@ -220,6 +224,36 @@ class Client:
         raise_for_terminal(reply)
         assert isinstance(reply, CacheCleared)
         return reply
+
+    def tokenize(
+        self,
+        text: Optional[str] = None,
+        messages: Optional[list[MessageLike]] = None,
+        tools: Optional[list] = None,
+        **options,
+    ) -> Tokenized:
+        """The token ids of ``text``, or of ``messages`` (and ``tools``) as the chat
+        template renders them for ``generate``. Options: add_special, parse_special,
+        with_pieces. Answered between decoding steps, never queued behind a request."""
+        self.connect()
+        reply = self._request(tokenize_request(text, messages, tools, **options), self.connect_timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, Tokenized)
+        return reply
+
+    def count_tokens(self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params) -> int:
+        """How many prompt tokens a ``generate`` with these arguments would read."""
+        tools = params.get("tools")
+        if messages is None:
+            return len(self.tokenize(prompt or "", parse_special=True).tokens)
+        return len(self.tokenize(messages=messages, tools=tools).tokens)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        self.connect()
+        reply = self._request(Detokenize(id=new_id(), tokens=list(tokens)), self.connect_timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, Detokenized)
+        return reply.text
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request (any client's). True if it was found."""

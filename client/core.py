@@ -30,6 +30,7 @@ from tandem.protocol import (
     Message,
     ProtocolError,
     ResponseFormat,
+    Tokenize,
     Tool,
     decode,
     default_socket_path,
@@ -164,6 +165,16 @@ def generate_request(
     request_id = params.pop("request_id", None) or new_id()
     params = _response_format(params)
     return _checked(Generate(id=request_id, prompt=prompt, messages=chat, **params))
+
+
+def tokenize_request(
+    text: Optional[str] = None, messages: Optional[Iterable[MessageLike]] = None, tools: Any = None, **options: Any
+) -> Tokenize:
+    chat = None
+    if messages is not None:
+        chat = [_as(ChatMessage, m, f"messages[{i}]") for i, m in enumerate(messages)]
+    tool_list = [_as(Tool, t, f"tools[{i}]") for i, t in enumerate(tools)] if tools else None
+    return _checked(Tokenize(id=new_id(), text=text, messages=chat, tools=tool_list, **options))
 
 
 def check_daemon_speaks(hello: Any, req: Decoding) -> None:

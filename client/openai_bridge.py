@@ -80,6 +80,10 @@ class ApiError(Exception):
     def body(self, dialect: str = "openai") -> dict:
         if dialect == "ollama":
             return {"error": self.message}
+        if dialect == "anthropic":
+            from .anthropic_api import error_body
+
+            return error_body(self.status, self.message)
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     @classmethod
@@ -523,6 +527,14 @@ class Handler(BaseHTTPRequestHandler):
                     f"({manage.get(path, 'tandem models --help')})",
                 )
             raise ApiError(HTTPStatus.NOT_FOUND, f"no route POST {path}")
+        if path in ("/v1/messages", "/v1/messages/count_tokens"):
+            from . import anthropic_api
+
+            if path == "/v1/messages":
+                return anthropic_api.messages(self, self._body())
+            return self._json(HTTPStatus.OK, anthropic_api.count_tokens(self, self._body()))
+        if path in ("/tokenize", "/detokenize", "/v1/tokenize"):
+            return self._json(HTTPStatus.OK, self._tokens(path, self._body()))
         routes = {"/v1/completions": completions_call, "/v1/chat/completions": chat_call}
         if path not in routes:
             raise ApiError(
@@ -561,11 +573,13 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             body = ApiError(HTTPStatus.BAD_REQUEST, f"the request has a value tandem cannot take: {exc}").body()
             self._json(HTTPStatus.BAD_REQUEST, body)
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+        except (BrokenPipeError, ConnectionResetError, TimeoutError, ClientGone):
             self.close_connection = True
 
     def _dialect(self) -> str:
-        return "ollama" if self.path.startswith("/api/") else "openai"
+        if self.path.startswith("/api/"):
+            return "ollama"
+        return "anthropic" if self.path.startswith("/v1/messages") else "openai"
 
     def _check_origin(self) -> None:
         from tandem.daemon.config import is_loopback_host
@@ -664,6 +678,95 @@ class Handler(BaseHTTPRequestHandler):
     def end_stream(self) -> None:
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
+
+    def _tokens(self, path: str, body: dict) -> dict:
+        """llama-server's /tokenize and /detokenize; /v1/tokenize: an OpenAI-style
+        request's prompt or messages (and tools) counted as generate would read them."""
+        try:
+            with Client(self.server.socket_path) as client:
+                if path == "/detokenize":
+                    tokens = _get(body, "tokens", (list,), [])
+                    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                        raise ApiError(HTTPStatus.BAD_REQUEST, "'tokens' must be an array of integers", param="tokens")
+                    return {"content": client.detokenize(tokens)}
+                if path == "/tokenize":
+                    content = _get(body, "content", (str,))
+                    if content is None:
+                        raise ApiError(HTTPStatus.BAD_REQUEST, "'content' (the text) is required", param="content")
+                    pieces = bool(_get(body, "with_pieces", (bool,), False))
+                    reply = client.tokenize(
+                        content,
+                        add_special=bool(_get(body, "add_special", (bool,), False)),
+                        parse_special=bool(_get(body, "parse_special", (bool,), True)),
+                        with_pieces=pieces,
+                    )
+                    if pieces:
+                        return {"tokens": [{"id": t, "piece": p} for t, p in zip(reply.tokens, reply.pieces)]}
+                    return {"tokens": reply.tokens}
+                if body.get("messages") is not None:
+                    tools = _tools(body).get("tools")
+                    reply = client.tokenize(messages=_chat_messages(body), tools=tools)
+                else:
+                    prompt = _get(body, "prompt", (str,))
+                    if prompt is None:
+                        raise ApiError(HTTPStatus.BAD_REQUEST, "give 'prompt' or 'messages'", param="prompt")
+                    reply = client.tokenize(prompt, parse_special=True)
+                return {"tokens": reply.tokens, "count": len(reply.tokens), "model": self.server.model}
+        except TandemError as exc:
+            raise ApiError.of(exc) from None
+
+    def run_to_done(self, start):
+        """One daemon request, waited for (cancelled if the HTTP client leaves)."""
+        with Client(self.server.socket_path, timeout=None) as client:
+            try:
+                s = start(client)
+            except TandemError as exc:
+                raise ApiError.of(exc) from None
+            with s:
+                try:
+                    return self._wait(s)
+                except (ClientGone, BrokenPipeError, ConnectionResetError):
+                    client.cancel(s.request_id)
+                    self.close_connection = True
+                    raise ClientGone() from None
+
+    def run_events(self, start, events) -> None:
+        """One daemon request streamed as named server-sent events (Anthropic's):
+        ``events.start()``, ``.chunk(chunk)`` and ``.finish(done)`` give (name, data) pairs."""
+        with Client(self.server.socket_path, timeout=None) as client:
+            try:
+                s = start(client)
+            except TandemError as exc:
+                raise ApiError.of(exc) from None
+            with s:
+                started = False
+                try:
+                    try:
+                        for chunk in self._chunks(s):
+                            if not started:
+                                self._start_sse()
+                                self._named_events(events.start())
+                                started = True
+                            self._named_events(events.chunk(chunk))
+                    except ApiError as exc:
+                        if not started:
+                            raise
+                        self._named_events([("error", exc.body(self._dialect()))])
+                        self.wfile.write(b"0\r\n\r\n")
+                        return
+                    if not started:
+                        self._start_sse()
+                        self._named_events(events.start())
+                    self._named_events(events.finish(s.done))
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                except (ClientGone, BrokenPipeError, ConnectionResetError):
+                    client.cancel(s.request_id)
+                    self.close_connection = True
+
+    def _named_events(self, pairs) -> None:
+        for name, data in pairs:
+            self._write_chunk(f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
 
     def run_daemon_request(self, start, piece, final, stream: bool, content_type: str = "application/x-ndjson"):
         """One daemon request: ``start(client)`` starts it; streamed, each chunk's
@@ -841,7 +944,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         if self.server.verbose:
-            sys.stderr.write(f"tandem openai: {self.address_string()} {format % args}\n")
+            sys.stderr.write(f"tandem http: {self.address_string()} {format % args}\n")
 
 
 # --------------------------------------------------------------------------- entry point

@@ -119,7 +119,9 @@ class Engine:
         tokens = self.model.tokenize(text, add_special=False, parse_special=True)
         return tokens[0] if len(tokens) == 1 else None
 
-    def prompt_tokens(self, req: Decoding, plan: Optional[ToolPlan] = None) -> list[int]:
+    def prompt_tokens(self, req: Decoding, plan: Optional[ToolPlan] = None, check_fits: bool = True) -> list[int]:
+        """The request's prompt as the model reads it; PROMPT_TOO_LONG when it
+        cannot fit the context (unless ``check_fits`` is False: a count)."""
         if isinstance(req, Complete):
             tokens = self.fim_prompt(req)
         elif req.messages is not None:
@@ -144,7 +146,7 @@ class Engine:
             tokens = self.model.tokenize(req.prompt or "", add_special=True, parse_special=True)
         if not tokens:
             raise RequestError(ErrorCode.INVALID_REQUEST, "the prompt is empty (it tokenizes to no tokens)")
-        if len(tokens) >= self.model.n_ctx:
+        if check_fits and len(tokens) >= self.model.n_ctx:
             raise RequestError(
                 ErrorCode.PROMPT_TOO_LONG,
                 f"the prompt is {len(tokens):,} tokens but the context holds {self.model.n_ctx:,} "
@@ -381,6 +383,7 @@ class Engine:
             draft=state.stats if state.stats is not None and (state.stats.rounds or state.stats.forced) else None,
             governor=self.governors.info() if state.governor is not None and self.governors is not None else None,
             cache=self.cache.info() if self.cache is not None else None,
+            stop_sequence=state.stream.stopped_by if state.stream.stopped_by in (req.stop or ()) else None,
             batch_invariant=self.batch_invariant,
             tool_calls=list(state.parser.calls) if state.parser is not None else [],
         )

@@ -26,12 +26,14 @@ from tandem.protocol import (
     Cancel,
     Chunk,
     Decoding,
+    Detokenized,
     Done,
     DraftStats,
     Error,
     ErrorCode,
     GovernorInfo,
     Message,
+    Tokenized,
 )
 
 from .metrics import Metrics
@@ -81,6 +83,7 @@ class Scheduler:
         self.clears: list[tuple[bytes, CacheClear]] = []
         self.clearing: Optional[list[tuple[bytes, CacheClear]]] = None  # those the clear sent to the target answers
         self.closing = False  # shutting down: nothing new is taken
+        self.tokenizing: dict[str, bytes] = {}  # tokenize/detokenize sent to the target: who asked
         self.counters = Counters()
         self.failure = ""  # why the daemon failed ("" while it has not): requests are refused
         self.governor: Optional[GovernorInfo] = None  # the target's latest report
@@ -154,6 +157,27 @@ class Scheduler:
             return
         self.clears.append((identity, msg))
 
+    def tokenize(self, identity: bytes, msg: Message) -> None:
+        """A tokenize or detokenize: not queued, the target answers it between steps."""
+        if self.closing:
+            self.reply(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
+            return
+        if self.failure:
+            self.reply(identity, self._failed(msg.id))
+            return
+        if msg.id in self.tokenizing or msg.id in self.jobs:
+            why = f"a request with id {msg.id!r} is already being answered; give each request a new id"
+            self.reply(identity, Error.of(msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
+            return
+        self.tokenizing[msg.id] = identity
+        if not self.to_target(msg):
+            self._answer_tokenizing(ErrorCode.WORKER_DIED, "the model worker could not take the request; retry")
+
+    def _answer_tokenizing(self, code: ErrorCode, message: str) -> None:
+        for request_id, identity in list(self.tokenizing.items()):
+            self.reply(identity, Error.of(request_id, code, message))
+        self.tokenizing.clear()
+
     # ------------------------------------------------------------------ the target
 
     @property
@@ -183,6 +207,15 @@ class Scheduler:
     def on_target_message(self, msg: Message, frames: list[bytes]) -> bool:
         """A chunk, done, error or cache_cleared from the target; chunks are relayed
         as the worker encoded them. False: the message is about no request of ours."""
+        if isinstance(msg, (Tokenized, Detokenized)) or (
+            isinstance(msg, Error)
+            and msg.id in self.tokenizing
+            and (self.active is None or self.active.request.id != msg.id)
+        ):
+            identity = self.tokenizing.pop(msg.id, None)
+            if identity is not None:
+                self.reply(identity, msg)
+            return True
         if isinstance(msg, CacheCleared):
             if self.clearing is not None and msg.id == self.clearing[0][1].id:
                 self.cache = msg.cache
@@ -224,6 +257,7 @@ class Scheduler:
         """The target is gone (``why``): answer what it was doing, the request
         with ``code`` and ``message``, a cache clear with why it was not done."""
         self.clear_failed(why)
+        self._answer_tokenizing(ErrorCode.WORKER_DIED, f"{why}; retry")
         if self.active is not None:
             self._finish(self.active, Error.of(self.active.request.id, code, message))
             self.active = None
@@ -251,6 +285,7 @@ class Scheduler:
     def shutting_down(self) -> None:
         """Answer everything that waits; the running request is the caller's to cancel."""
         self.closing = True
+        self._answer_tokenizing(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         for identity, msg in [*self.clears, *(self.clearing or [])]:
             self.reply(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
         self.clears.clear()

@@ -31,6 +31,7 @@ from tandem.protocol import (
     CancelReply,
     Complete,
     Decoding,
+    Detokenize,
     Error,
     ErrorCode,
     Generate,
@@ -41,6 +42,7 @@ from tandem.protocol import (
     ShutdownReply,
     Status,
     StatusReply,
+    Tokenize,
     decode,
 )
 
@@ -182,6 +184,8 @@ class Daemon:
             Status: self.handle_status,
             Shutdown: self.handle_shutdown,
             CacheClear: self.handle_cache_clear,
+            Tokenize: self.handle_tokenize,
+            Detokenize: self.handle_tokenize,
         }
 
     # ------------------------------------------------------------------ main loop
@@ -335,6 +339,13 @@ class Daemon:
             self.clients.send(identity, CacheCleared(id=msg.id, pages=0, bytes=0, cache=None))
             return
         self.scheduler.clear_cache(identity, msg)  # after the running request, before the next
+
+    def handle_tokenize(self, identity: bytes, msg) -> None:
+        if not self.supervisor.can_take_work and not self.scheduler.failure and not self.stopping:
+            why = "the model is still loading (or restarting); retry in a moment"
+            self.clients.send(identity, Error.of(msg.id, ErrorCode.NOT_READY, why))
+            return
+        self.scheduler.tokenize(identity, msg)  # straight to the target: answered between decoding steps
 
     def _on_client_gone(self, identity: bytes) -> None:
         self.scheduler.client_gone(identity)

@@ -23,12 +23,16 @@ from tandem.protocol import (
     CacheCleared,
     Cancel,
     Complete,
+    Detokenize,
+    Detokenized,
     Error,
     ErrorCode,
     Generate,
     ModelInfo,
     ProtocolError,
     Shutdown,
+    Tokenize,
+    Tokenized,
     decode,
     encode,
 )
@@ -174,6 +178,8 @@ class TargetLoop:
             Cancel: lambda msg: None,  # nothing running: it finished before the cancel arrived
             DrafterState: self._drafter_state,
             CacheClear: self._clear_cache,
+            Tokenize: self._tokenize,
+            Detokenize: self._detokenize,
             Generate: self._serve,
             Complete: self._serve,
         }
@@ -255,6 +261,35 @@ class TargetLoop:
         finally:
             self.current = ""  # between requests: a drafter's death concerns none
 
+    def _tokenize(self, msg: Tokenize) -> None:
+        engine = self.engine
+        try:
+            if msg.messages is not None:  # rendered exactly as generate renders them (tools included)
+                req = Generate(id=msg.id, messages=msg.messages, tools=msg.tools, max_tokens=1)
+                req.check()
+                tokens = engine.prompt_tokens(req, engine.tool_plan(req), check_fits=False)  # a count
+            else:
+                tokens = engine.model.tokenize(msg.text, add_special=msg.add_special, parse_special=msg.parse_special)
+            pieces = [engine.model.piece(t).decode("utf-8", "replace") for t in tokens] if msg.with_pieces else []
+            self.send(Tokenized(id=msg.id, tokens=list(tokens), pieces=pieces))
+        except RequestError as exc:
+            self.send(Error.of(msg.id, exc.code, exc.message))
+        except ValueError as exc:
+            self.send(Error.of(msg.id, ErrorCode.INVALID_REQUEST, f"tokenize: {exc}"))
+        except Exception as exc:  # a bug: report it, keep serving
+            log.exception("tokenize %s failed", msg.id)
+            self.send(Error.of(msg.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
+
+    def _detokenize(self, msg: Detokenize) -> None:
+        model = self.engine.model
+        bad = next((t for t in msg.tokens if not 0 <= t < model.n_vocab), None)
+        if bad is not None:
+            why = f"detokenize: token {bad} is not in the vocabulary (0 to {model.n_vocab - 1})"
+            self.send(Error.of(msg.id, ErrorCode.INVALID_REQUEST, why))
+            return
+        text = b"".join(model.piece(t) for t in msg.tokens).decode("utf-8", "replace")
+        self.send(Detokenized(id=msg.id, text=text))
+
     def _clear_cache(self, msg: CacheClear) -> None:
         cache = self.engine.cache
         if cache is None:
@@ -293,6 +328,10 @@ class TargetLoop:
                 self.stopping = True
             elif isinstance(msg, DrafterState):
                 self._drafter_state(msg)
+            elif isinstance(msg, Tokenize):
+                self._tokenize(msg)  # between two steps: a few ms at most, never queued behind the request
+            elif isinstance(msg, Detokenize):
+                self._detokenize(msg)
         return self.stopping or request_id in self.cancelled
 
     def _drafter_state(self, msg: DrafterState) -> None:

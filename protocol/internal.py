@@ -19,6 +19,7 @@ from .messages import (
     CacheCleared,
     CacheInfo,
     Chunk,
+    Detokenized,
     Done,
     Error,
     GovernorInfo,
@@ -26,6 +27,7 @@ from .messages import (
     ModelInfo,
     Op,
     Shutdown,
+    Tokenized,
 )
 
 
@@ -118,7 +120,9 @@ class Drafted(Message):
 
 WORKER_REQUESTS: dict[Op, type] = {**REQUESTS, Op.DRAFTER_STATE: DrafterState}
 """What the target worker decodes: the daemon's requests, and the drafter's state."""
-WORKER_REPLIES: dict[Op, type] = {m.op: m for m in (Chunk, Done, Error, CacheCleared, Ready, Progress, DrafterHung)}
+WORKER_REPLIES: dict[Op, type] = {
+    m.op: m for m in (Chunk, Done, Error, CacheCleared, Ready, Progress, DrafterHung, Tokenized, Detokenized)
+}
 """What the daemon decodes from its workers (the drafter worker sends only ready or error)."""
 DRAFTER_REQUESTS: dict[Op, type] = {m.op: m for m in (DraftRequest, Shutdown)}
 """What the drafter worker decodes, from the target worker (draft) and the daemon (shutdown)."""

@@ -24,7 +24,7 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
 a 1.0 daemon, which would ignore them. 1.2 added ``done.drafter_died`` (a drafter's
-death no longer fails the request: DRAFTER_DIED is not sent)."""
+death no longer fails the request: DRAFTER_DIED is not sent) and ``done.stop_sequence``."""
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest message body the daemon accepts (bytes of msgpack)."""
@@ -65,6 +65,8 @@ class Op(str, enum.Enum):
     PROGRESS = "progress"  # internal: target worker -> daemon, at least every second of a request's work
     DRAFTER_STATE = "drafter_state"  # internal: daemon -> target worker, the drafter went away or came back
     DRAFTER_HUNG = "drafter_hung"  # internal: target worker -> daemon, the drafter stopped answering
+    TOKENIZE = "tokenize"  # text, or messages as the chat template renders them -> token ids
+    DETOKENIZE = "detokenize"  # token ids -> text
     DRAFT = "draft"  # internal: target worker -> drafter worker
     DRAFTED = "drafted"  # internal: drafter worker -> target worker
 
@@ -421,6 +423,43 @@ class CacheClear(Message):
     id: str
 
 
+@dataclass
+class Tokenize(Message):
+    """The token ids of ``text``, or of ``messages`` (and ``tools``) rendered by the
+    model's chat template exactly as ``generate`` renders them: what a request
+    would cost before it is sent. Answered between decoding steps: never queued."""
+
+    op: ClassVar[Op] = Op.TOKENIZE
+    id: str
+    text: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[Tool]] = None
+    add_special: bool = True  # text only: BOS etc. as the model adds them to a prompt
+    parse_special: bool = False  # text only: "<|im_start|>" written in the text is that special token
+    with_pieces: bool = False  # also each token's text
+
+    def check(self) -> None:
+        if (self.text is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'text' and 'messages'")
+        if self.text is not None and len(self.text) > MAX_MESSAGE_BYTES:
+            raise ValueError("'text' is too long")
+        if self.tools and self.messages is None:
+            raise ValueError("'tools' go with 'messages'")
+
+
+@dataclass
+class Detokenize(Message):
+    """The text of token ids (what ``generate`` would stream for them)."""
+
+    op: ClassVar[Op] = Op.DETOKENIZE
+    id: str
+    tokens: list[int] = field(default_factory=list)
+
+    def check(self) -> None:
+        if len(self.tokens) > MAX_TOKENS_LIMIT * 4:
+            raise ValueError("too many tokens")
+
+
 # --------------------------------------------------------------------------- replies
 
 
@@ -432,6 +471,21 @@ class HelloReply(Message):
     daemon_version: str
     model: str
     n_ctx: int
+
+
+@dataclass
+class Tokenized(Message):
+    op: ClassVar[Op] = Op.TOKENIZE
+    id: str
+    tokens: list[int]
+    pieces: list[str] = field(default_factory=list)  # with_pieces: each token's text (bytes as UTF-8, replaced)
+
+
+@dataclass
+class Detokenized(Message):
+    op: ClassVar[Op] = Op.DETOKENIZE
+    id: str
+    text: str
 
 
 @dataclass
@@ -538,6 +592,7 @@ class Done(Message):
     batch_invariant: Optional[bool] = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls the model made (finish_reason tool_calls)
     drafter_died: bool = False  # the drafter worker died during the request: the rest was decoded plainly
+    stop_sequence: Optional[str] = None  # the stop string that ended it (finish_reason stop); None otherwise
 
     @classmethod
     def cancelled(
@@ -651,9 +706,24 @@ class ShutdownReply(Message):
     id: str
 
 
-REQUESTS: dict[Op, type] = {m.op: m for m in (Hello, Generate, Complete, Cancel, Status, Shutdown, CacheClear)}
+REQUESTS: dict[Op, type] = {
+    m.op: m for m in (Hello, Generate, Complete, Cancel, Status, Shutdown, CacheClear, Tokenize, Detokenize)
+}
 REPLIES: dict[Op, type] = {
-    m.op: m for m in (HelloReply, Chunk, Done, Error, Busy, CancelReply, StatusReply, ShutdownReply, CacheCleared)
+    m.op: m
+    for m in (
+        HelloReply,
+        Chunk,
+        Done,
+        Error,
+        Busy,
+        CancelReply,
+        StatusReply,
+        ShutdownReply,
+        CacheCleared,
+        Tokenized,
+        Detokenized,
+    )
 }
 """What a client decodes: the daemon's replies. The daemon's own processes speak
 more among themselves; those messages and their tables are in ``internal.py``."""

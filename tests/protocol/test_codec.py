@@ -59,6 +59,9 @@ REQUESTS = [
     P.Status(id="s1"),
     P.Shutdown(id="x1"),
     P.CacheClear(id="k1"),
+    P.Tokenize(id="t1", text="def f():", with_pieces=True),
+    P.Tokenize(id="t2", messages=[P.ChatMessage(role="user", content="Hi")], tools=[]),
+    P.Detokenize(id="d1", tokens=[1, 2, 3]),
 ]
 
 REPLIES = [
@@ -120,6 +123,8 @@ REPLIES = [
         cache=P.CacheInfo(16, 0, 0, 2**30, 1, 2, 32, 8, 0, pages_total=100, page_bytes={"target": 2**20}),
     ),
     P.CacheCleared(id="k2", pages=0, bytes=0, cache=None),
+    P.Tokenized(id="t1", tokens=[755, 282], pieces=["def", " f"]),
+    P.Detokenized(id="d1", text="abc"),
 ]
 
 WORKER_REPLIES = [  # worker -> daemon, besides the chunks, done, errors and cache_cleared it relays

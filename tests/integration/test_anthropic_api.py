@@ -1,0 +1,162 @@
+"""Anthropic's Messages API on the bridge, driven by the official ``anthropic``
+Python package against the real daemon on Qwen2.5-Coder-0.5B: messages (system,
+blocks, stop sequences), the streamed event sequence, tool_use and tool_result
+blocks, count_tokens, and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import anthropic
+import pytest
+
+GREEDY = {"temperature": 0}  # (this SDK takes sampling settings as extra fields)
+ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}  # (in parallel this small model calls on and on)
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def bridge(coder_daemon, bridge_process):
+    b = bridge_process(coder_daemon)
+    yield b
+    assert b.stop() == 0, "".join(b.lines)
+
+
+@pytest.fixture(scope="module")
+def client(bridge) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=bridge.url.removesuffix("/v1"), api_key="unused", max_retries=0)
+
+
+def test_a_message_with_system_and_blocks(client, coder_daemon):
+    m = client.messages.create(
+        model="tandem",
+        max_tokens=24,
+        system=[{"type": "text", "text": "Answer in one short sentence."}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is 2 + 2?"}]}],
+        extra_body=GREEDY,
+    )
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    (block,) = m.content
+    assert block.type == "text" and "4" in block.text
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
+    assert m.usage.output_tokens > 0 and m.usage.input_tokens + m.usage.cache_read_input_tokens > 10
+
+
+def test_streamed_events_assemble_to_the_same_message(client):
+    kw = dict(model="tandem", max_tokens=24, messages=[{"role": "user", "content": "Name three colors."}])
+    whole = client.messages.create(**kw, extra_body=GREEDY)
+    with client.messages.stream(**kw, extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    events = []
+    with client.messages.stream(**kw, extra_body=GREEDY) as stream:
+        events = [e.type for e in stream]
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert events[1] == "content_block_start" and "content_block_stop" in events and "message_delta" in events
+
+
+def test_stop_sequences_end_the_message_and_are_named(client):
+    m = client.messages.create(
+        model="tandem",
+        max_tokens=40,
+        messages=[{"role": "user", "content": "Count from 1 to 10, separated by commas."}],
+        stop_sequences=[","],
+        extra_body=GREEDY,
+    )
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == ","
+    assert "," not in m.content[0].text
+
+
+def test_tool_use_then_tool_result(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    m = client.messages.create(
+        model="tandem", max_tokens=80, tools=[WEATHER], tool_choice=ONE_CALL, messages=ask, extra_body=GREEDY
+    )
+    assert m.stop_reason == "tool_use"
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input["city"].lower().startswith("paris") and use.id
+    with client.messages.stream(
+        model="tandem", max_tokens=80, tools=[WEATHER], tool_choice=ONE_CALL, messages=ask, extra_body=GREEDY
+    ) as stream:
+        streamed = stream.get_final_message()
+    (streamed_use,) = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed_use.name == use.name and streamed_use.input == use.input  # input_json_delta pieces assembled
+    history = ask + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C and sunny"}]},
+    ]
+    after = client.messages.create(model="tandem", max_tokens=40, tools=[WEATHER], messages=history, extra_body=GREEDY)
+    assert after.stop_reason in ("end_turn", "tool_use", "max_tokens") and after.content
+    assert after.usage.input_tokens + after.usage.cache_read_input_tokens > (
+        m.usage.input_tokens + m.usage.cache_read_input_tokens
+    )
+
+
+def test_count_tokens_is_what_the_message_reads(client):
+    kw = dict(
+        model="tandem",
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Say hello to the team."}],
+        tools=[WEATHER],
+    )
+    counted = client.messages.count_tokens(**kw).input_tokens
+    m = client.messages.create(max_tokens=1, **kw, extra_body=GREEDY)
+    assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    no_tools = client.messages.count_tokens(model="tandem", system="Be brief.", messages=kw["messages"]).input_tokens
+    assert no_tools < counted  # the tools are rendered into the prompt too
+
+
+def raw(url: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_errors_in_anthropics_shape(client, bridge):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(
+            model="tandem", max_tokens=50_000, messages=[{"role": "user", "content": "x"}], stream=True
+        )
+    assert (
+        info.value.body["error"]["type"] == "invalid_request_error"
+        and "--ctx-size" in info.value.body["error"]["message"]
+    )
+    url = bridge.url + "/messages"
+    status, body = raw(url, {"model": "tandem", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and body["type"] == "error" and "max_tokens" in body["error"]["message"]
+    status, body = raw(url, b'{"model": ')
+    assert status == 400 and body["type"] == "error" and "JSON" in body["error"]["message"]
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}
+    status, body = raw(url, {"model": "t", "max_tokens": 5, "messages": [{"role": "user", "content": [image]}]})
+    assert status == 400 and "text only" in body["error"]["message"]
+
+
+def test_llama_server_tokenize_and_detokenize(bridge, coder_daemon):
+    base = bridge.url.removesuffix("/v1")
+    status, body = raw(base + "/tokenize", {"content": "def hello():", "with_pieces": True})
+    assert status == 200 and "".join(t["piece"] for t in body["tokens"]) == "def hello():"
+    ids = [t["id"] for t in body["tokens"]]
+    status, back = raw(base + "/detokenize", {"tokens": ids})
+    assert status == 200 and back["content"] == "def hello():"
+    with coder_daemon.client() as c:
+        assert c.tokenize("def hello():").tokens == ids
+    status, counted = raw(bridge.url + "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and counted["count"] == len(counted["tokens"]) > 3
+    status, body = raw(base + "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and "not in the vocabulary" in body["error"]["message"]

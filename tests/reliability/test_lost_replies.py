@@ -118,10 +118,13 @@ def test_the_bridge_answers_503_when_its_daemon_dies_mid_request(start_daemon, b
         while c.status().active is None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    d.proc.send_signal(signal.SIGKILL)
-    t.join(30)
-    assert not t.is_alive(), "the bridge kept the HTTP client waiting"
-    assert result["status"] == 503 and result["body"]["error"]["code"] == "daemon_gone"
+    try:
+        d.proc.send_signal(signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "the bridge kept the HTTP client waiting"
+        assert result["status"] == 503 and result["body"]["error"]["code"] == "daemon_gone"
+    finally:
+        bridge.stop()
 
 
 def test_a_duplicate_id_never_ends_the_running_stream(start_daemon):

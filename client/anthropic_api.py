@@ -159,12 +159,7 @@ def _params(body: dict, n_ctx: int) -> dict:
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise _error(HTTPStatus.BAD_REQUEST, "max_tokens: a positive integer is required")
-    if max_tokens > n_ctx:
-        raise _error(
-            HTTPStatus.BAD_REQUEST,
-            f"max_tokens: {max_tokens} is more than the daemon's context of {n_ctx} tokens (start it with "
-            f"--ctx-size {max_tokens} or more)",
-        )
+    max_tokens = min(max_tokens, n_ctx)  # a cap, as in the API (agents send 32k+): the context ends a reply first
     stop = body.get("stop_sequences") or []
     if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise _error(HTTPStatus.BAD_REQUEST, "stop_sequences must be an array of strings")
@@ -250,7 +245,6 @@ class _Events:
         self.msg_id, self.model, self.stop = msg_id, model, stop
         self.index = -1  # the open content block
         self.kind = ""  # its type: "text" or "tool_use"
-        self.call_index = None  # the daemon's index of the open tool call
 
     def start(self, prompt_tokens: int = 0) -> list[tuple[str, dict]]:
         message = {
@@ -290,7 +284,6 @@ class _Events:
         for d in chunk.tool_calls or []:
             if d.id is not None:  # a new call
                 out += self._open({"type": "tool_use", "id": d.id, "name": d.name, "input": {}})
-                self.call_index = d.index
             if d.arguments:
                 delta = {"type": "input_json_delta", "partial_json": d.arguments}
                 out.append(
@@ -320,18 +313,15 @@ class _Events:
 
 def count_tokens(handler: "Handler", body: dict) -> dict:
     """``/v1/messages/count_tokens``: the prompt's tokens, as the daemon renders and reads it."""
-    hello = handler.daemon_hello()
     chat = _messages(body)
-    params = {"max_tokens": 1, "temperature": 0.0}
-    params.update(_tools(body))
-    if "tool_choice" in params:
-        params["tool_choice"] = "auto"  # only what is rendered counts
+    tools = _tools(body)
+    if tools.get("tool_choice") == "none":
+        tools = {}  # generate renders no tools then: they cost nothing
     try:
         with Client(handler.server.socket_path) as client:
-            n = client.count_tokens(messages=chat, **params)
+            n = client.count_tokens(messages=chat, tools=tools.get("tools"))
     except TandemError as exc:
         from .openai_bridge import ApiError
 
         raise ApiError.of(exc) from None
-    del hello
     return {"input_tokens": n}

@@ -187,6 +187,7 @@ def check_model(name: Any, served: str) -> None:
 def tags(handler: "Handler") -> dict:
     from tandem.daemon.models import list_models
 
+    handler.daemon_hello()  # the served model's name now (the daemon may have been restarted on another)
     status = _served(handler)
     served = status.model
     rows = []
@@ -199,6 +200,7 @@ def tags(handler: "Handler") -> dict:
 
 
 def ps(handler: "Handler") -> dict:
+    handler.daemon_hello()
     status = _served(handler)
     info = status.model
     if info is None:
@@ -210,6 +212,7 @@ def ps(handler: "Handler") -> dict:
 
 def show(handler: "Handler", body: dict) -> dict:
     name = body.get("model") or body.get("name")
+    handler.daemon_hello()
     status = _served(handler)
     info = status.model
     served = handler.server.model
@@ -460,12 +463,17 @@ def _run(handler: "Handler", body: dict, start, chat: bool) -> None:
         base["done"] = False
         return base
 
-    def final(done) -> dict:
+    def final(done):
         out = piece("" if stream else done.text)
-        if chat and done.tool_calls:
-            out["message"]["tool_calls"] = _ollama_calls(done)
         out.update(_done_fields(done, started))
-        return out
+        if not (chat and done.tool_calls):
+            return out
+        if not stream:
+            out["message"]["tool_calls"] = _ollama_calls(done)
+            return out
+        calls = piece("")  # streamed, Ollama sends the calls in a message of their own, before the done line
+        calls["message"]["tool_calls"] = _ollama_calls(done)
+        return [calls, out]
 
     handler.run_daemon_request(start, piece, final, stream)
 

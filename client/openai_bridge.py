@@ -382,6 +382,14 @@ def _usage(done) -> dict:
 # --------------------------------------------------------------------------- HTTP
 
 
+def _cancel_quietly(client: Client, request_id: str) -> None:
+    """The HTTP client left: so does its daemon request (if the daemon is still there to be told)."""
+    try:
+        client.cancel(request_id)
+    except TandemError:
+        pass
+
+
 class ClientGone(Exception):
     """The HTTP client closed its connection."""
 
@@ -554,7 +562,7 @@ class Handler(BaseHTTPRequestHandler):
                         done = self._wait(stream)
                         self._json(HTTPStatus.OK, self._answer(call, stream.request_id, done))
                 except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    client.cancel(stream.request_id)  # the HTTP client left: so does its daemon request
+                    _cancel_quietly(client, stream.request_id)  # the HTTP client left: so does its daemon request
                     self.close_connection = True
 
     # ------------------------------------------------------------------ plumbing
@@ -571,7 +579,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(exc.status, exc.body(self._dialect()))
         except (OverflowError, RecursionError) as exc:  # a number msgpack cannot carry, JSON nested too deep
             self.close_connection = True
-            body = ApiError(HTTPStatus.BAD_REQUEST, f"the request has a value tandem cannot take: {exc}").body()
+            error = ApiError(HTTPStatus.BAD_REQUEST, f"the request has a value tandem cannot take: {exc}")
+            body = error.body(self._dialect())
             self._json(HTTPStatus.BAD_REQUEST, body)
         except (BrokenPipeError, ConnectionResetError, TimeoutError, ClientGone):
             self.close_connection = True
@@ -590,13 +599,15 @@ class Handler(BaseHTTPRequestHandler):
                 HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine"
             )
         origin = (self.headers.get("Origin") or "").strip().lower()
-        if origin and origin != "null":
-            scheme, _, rest = origin.partition("://")
-            if scheme not in ("http", "https") or not is_loopback_host(rest.split("/", 1)[0]):
-                # a web page's request (browsers send Origin): Ollama refuses them too (OLLAMA_ORIGINS)
-                raise ApiError(
-                    HTTPStatus.FORBIDDEN, f"Origin {origin!r} is not this machine: web pages may not use the bridge"
-                )
+        scheme, _, rest = origin.partition("://")
+        foreign = origin and (scheme not in ("http", "https") or not is_loopback_host(rest.split("/", 1)[0]))
+        # a web page's request: browsers send Origin ("null" from sandboxed frames, data: pages and
+        # redirects) and Sec-Fetch-Site; Ollama refuses foreign origins too (OLLAMA_ORIGINS)
+        if foreign or (self.headers.get("Sec-Fetch-Site") or "").lower() == "cross-site":
+            raise ApiError(
+                HTTPStatus.FORBIDDEN,
+                f"Origin {origin or '(cross-site)'!r} is not this machine: web pages may not use the bridge",
+            )
 
     def _check_key(self) -> None:
         from .api_key import matches, presented
@@ -726,7 +737,7 @@ class Handler(BaseHTTPRequestHandler):
                 try:
                     return self._wait(s)
                 except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    client.cancel(s.request_id)
+                    _cancel_quietly(client, s.request_id)
                     self.close_connection = True
                     raise ClientGone() from None
 
@@ -761,7 +772,7 @@ class Handler(BaseHTTPRequestHandler):
                     self.wfile.write(b"0\r\n\r\n")
                     self.wfile.flush()
                 except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    client.cancel(s.request_id)
+                    _cancel_quietly(client, s.request_id)
                     self.close_connection = True
 
     def _named_events(self, pairs) -> None:
@@ -799,10 +810,12 @@ class Handler(BaseHTTPRequestHandler):
                         return
                     if not started:
                         self.start_stream(content_type)
-                    self.write_line(final(s.done))
+                    last = final(s.done)
+                    for line in last if isinstance(last, list) else [last]:
+                        self.write_line(line)
                     self.end_stream()
                 except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    client.cancel(s.request_id)  # the HTTP client left: so does its daemon request
+                    _cancel_quietly(client, s.request_id)  # the HTTP client left: so does its daemon request
                     self.close_connection = True
 
     def _gone(self) -> bool:

@@ -11,13 +11,16 @@ SmolLM2-135M here, on every call. Format: github.com/ggml-org/ggml docs/gguf.md
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
 MAGIC = b"GGUF"
 MAX_STRING = 16 << 20  # a chat template is a few KiB; anything this long is a damaged file
+MAX_KEPT_STRING = 1 << 20  # longer values (other than the chat template) are not kept
 MAX_KV = 1 << 16
+MAX_HEADER = 256 << 20  # the tokenizer of a 150k vocabulary is a few MiB: beyond this, a damaged file
 
 # value types
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -80,27 +83,34 @@ def _string(f: BinaryIO) -> str:
     return data.decode("utf-8", "replace")
 
 
-def _value(f: BinaryIO, kind: int, keep_arrays: bool) -> Any:
+def _value(f: BinaryIO, kind: int, keep_arrays: bool, size: int, depth: int = 0) -> Any:
+    """One value; ``size`` is the file's, so no count may claim more items than the bytes left."""
     if kind in _SCALARS:
         return _read(f, _SCALARS[kind])
     if kind == _STRING:
         return _string(f)
     if kind == _ARRAY:
+        if depth > 0:
+            raise GGUFError("an array inside an array")  # the format allows it; no model's header has one
         item, count = _read(f, "<I"), _read(f, "<Q")
+        smallest = struct.calcsize(_SCALARS[item]) if item in _SCALARS else 8  # a string: its u64 length at least
+        if count * smallest > size - f.tell():
+            raise GGUFError(f"an array of {count} items, more than the file holds")
         if item in _SCALARS and not keep_arrays:
-            f.seek(struct.calcsize(_SCALARS[item]) * count, 1)
+            f.seek(smallest * count, 1)
             return None
         if not keep_arrays:
             for _ in range(count):
-                _value(f, item, False)
+                _value(f, item, False, size, depth + 1)
             return None
-        return [_value(f, item, False) for _ in range(count)]
+        return [_value(f, item, False, size, depth + 1) for _ in range(count)]
     raise GGUFError(f"unknown value type {kind}")
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key of the header (arrays of more than 64 entries as None)."""
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         if f.read(4) != MAGIC:
             raise GGUFError(f"{path} is not a GGUF file")
         version = _read(f, "<I")
@@ -117,9 +127,16 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
                 at = f.tell()
                 _item, count = _read(f, "<I"), _read(f, "<Q")
                 f.seek(at)
-                out[key] = _value(f, kind, keep_arrays=count <= 64)
+                value = _value(f, kind, keep_arrays=count <= 64, size=size)
             else:
-                out[key] = _value(f, kind, False)
+                value = _value(f, kind, False, size)
+            if isinstance(value, str) and len(value) > MAX_KEPT_STRING and key != "tokenizer.chat_template":
+                value = None
+            if isinstance(value, float) and value != value:
+                value = None  # NaN: not JSON
+            out[key] = value
+            if f.tell() > MAX_HEADER:
+                raise GGUFError(f"the header is over {MAX_HEADER >> 20} MiB")
         return out
 
 
@@ -129,15 +146,16 @@ def facts(path: str | Path) -> dict[str, Any]:
     file cannot be read)."""
     try:
         meta = read_metadata(path)
-    except (OSError, GGUFError):
+    except Exception:  # any damaged or hostile file: nothing known, never a failed request
         return {}
     arch = str(meta.get("general.architecture") or "")
+    file_type = meta.get("general.file_type")
     return {
         "architecture": arch,
         "family": arch,
         "name": meta.get("general.name") or "",
         "parameter_size": str(meta.get("general.size_label") or ""),
-        "quantization": FILE_TYPES.get(meta.get("general.file_type"), "unknown"),
+        "quantization": FILE_TYPES.get(file_type, "unknown") if isinstance(file_type, int) else "unknown",
         "context_length": meta.get(f"{arch}.context_length"),
         "chat_template": meta.get("tokenizer.chat_template") or "",
         "metadata": {k: v for k, v in meta.items() if v is not None and not k.startswith("tokenizer.")},

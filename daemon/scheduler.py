@@ -60,6 +60,9 @@ class Counters:
     draft: DraftStats = field(default_factory=DraftStats)
 
 
+MAX_TOKENIZING = 64  # tokenize/detokenize requests in flight at once (each is answered between two steps)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -100,10 +103,11 @@ class Scheduler:
         if self.failure:
             self.reply(identity, self._failed(msg.id))
             return
-        if msg.id in self.jobs:
+        if msg.id in self.jobs or msg.id in self.tokenizing:
             why = f"a request with id {msg.id!r} is already queued or running; give each request a new id"
             # the same connection: an error with that id would land on the live request's stream
-            same = self.jobs[msg.id].identity == identity
+            owner = self.jobs[msg.id].identity if msg.id in self.jobs else self.tokenizing[msg.id]
+            same = owner == identity
             self.reply(identity, Error.of(None if same else msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
             return
         if len(self.queue) >= self.max_queue:
@@ -167,7 +171,15 @@ class Scheduler:
             return
         if msg.id in self.tokenizing or msg.id in self.jobs:
             why = f"a request with id {msg.id!r} is already being answered; give each request a new id"
-            self.reply(identity, Error.of(msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
+            owner = self.jobs[msg.id].identity if msg.id in self.jobs else self.tokenizing[msg.id]
+            # the same connection: an error with that id would land on its own live request
+            self.reply(identity, Error.of(None if owner == identity else msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
+            return
+        if len(self.tokenizing) >= MAX_TOKENIZING:
+            why = f"{len(self.tokenizing)} tokenize requests are being answered already; retry"
+            self.reply(
+                identity, Busy(id=msg.id, queue_length=len(self.tokenizing), max_queue=MAX_TOKENIZING, message=why)
+            )
             return
         self.tokenizing[msg.id] = identity
         if not self.to_target(msg):

@@ -328,10 +328,11 @@ class TargetLoop:
                 self.stopping = True
             elif isinstance(msg, DrafterState):
                 self._drafter_state(msg)
-            elif isinstance(msg, Tokenize):
-                self._tokenize(msg)  # between two steps: a few ms at most, never queued behind the request
-            elif isinstance(msg, Detokenize):
-                self._detokenize(msg)
+            elif isinstance(msg, (Tokenize, Detokenize)):
+                # between two steps: a few ms at most, never queued behind the request (and alive meanwhile)
+                self._tokenize(msg) if isinstance(msg, Tokenize) else self._detokenize(msg)
+                self.send(Progress(id=request_id))
+                self.last_beat = time.monotonic()
         return self.stopping or request_id in self.cancelled
 
     def _drafter_state(self, msg: DrafterState) -> None:

@@ -266,6 +266,32 @@ def test_a_failed_daemon_answers_waiting_clears(h):
     assert h.replies_to(b"C2")[-1].code == ErrorCode.NOT_READY and not h.s.clears
 
 
+def test_tokenize_ids_never_collide_with_requests(h):
+    from tandem.protocol import Tokenize, Tokenized
+
+    h.s.tokenize(b"C1", Tokenize(id="t", text="hi"))
+    h.submit(b"C2", "t")  # a generate reusing the id of a tokenize in flight: refused, the tokenize keeps its id
+    assert h.replies_to(b"C2")[-1].code == ErrorCode.DUPLICATE_REQUEST_ID and "t" not in h.s.jobs
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    h.s.tokenize(b"C1", Tokenize(id="a", text="hi"))  # its own running request's id: an error without the id
+    assert h.replies_to(b"C1")[-1].id is None and h.replies_to(b"C1")[-1].code == ErrorCode.DUPLICATE_REQUEST_ID
+    assert h.worker_says(Tokenized(id="t", tokens=[1, 2]))
+    assert h.replies_to(b"C1")[-1] == Tokenized(id="t", tokens=[1, 2]) and not h.s.tokenizing
+
+
+def test_tokenize_is_bounded_and_answered_when_the_target_dies(h):
+    from tandem.daemon.scheduler import MAX_TOKENIZING
+    from tandem.protocol import Tokenize
+
+    for i in range(MAX_TOKENIZING + 1):
+        h.s.tokenize(b"C1", Tokenize(id=f"t{i}", text="hi"))
+    assert type(h.replies_to(b"C1")[-1]).__name__ == "Busy"
+    h.s.abort(ErrorCode.WORKER_DIED, "died", "the model worker died")
+    codes = [m.code for m in h.replies_to(b"C1")[1:]]
+    assert len(codes) == MAX_TOKENIZING and set(codes) == {ErrorCode.WORKER_DIED} and not h.s.tokenizing
+
+
 def test_a_clear_the_target_cannot_take_is_answered_with_an_error(clock):
     h = Harness(clock, target_up=False)
     h.s.clear_cache(b"C2", CacheClear(id="k"))

@@ -169,6 +169,11 @@ def test_bad_input_gets_ollamas_error_shape_with_the_fix(client, host, served):
     assert status == 501 and "tandem models pull" in body["error"]
     status, body = post(host, "/api/generate", {"model": served, "prompt": "x"}, {"Origin": "https://evil.example"})
     assert status == 403 and "web pages" in body["error"]
+    # a sandboxed frame or data: page sends "null"; a form post, text/plain: a page's requests all the same
+    page = {"Origin": "null", "Content-Type": "text/plain"}
+    assert post(host, "/api/generate", {"model": served, "prompt": "x"}, page)[0] == 403
+    assert post(host, "/api/chat", {"model": served}, {"Sec-Fetch-Site": "cross-site"})[0] == 403
+    assert post(host, "/v1/chat/completions", {"model": served}, {"Content-Type": "text/plain"})[0] == 415
     # unknown options are accepted and not applied, as Ollama does with options a runner lacks
     ok = client.generate(model=served, prompt="Hi", options={"num_predict": 2, "repeat_penalty": 1.3, "mirostat": 2})
     assert ok.eval_count == 2

@@ -25,7 +25,7 @@ def test_tokenize_counts_what_generate_reads(client):
 
 def test_tokenize_is_answered_while_another_request_generates(daemon, client):
     with daemon.client() as other:
-        running = other.generate(prompt="Long:", max_tokens=400, ignore_eos=True)
+        running = other.generate(prompt="Long:", max_tokens=4000, ignore_eos=True)
         it = iter(running)
         next(it)
         n = len(client.tokenize("counted meanwhile").tokens)

@@ -230,6 +230,12 @@ class AsyncClient:
         assert isinstance(reply, Tokenized)
         return reply
 
+    async def count_tokens(self, prompt: Optional[str] = None, messages=None, **params) -> int:
+        """As Client.count_tokens."""
+        if messages is None:
+            return len((await self.tokenize(prompt or "", parse_special=True)).tokens)
+        return len((await self.tokenize(messages=messages, tools=params.get("tools"))).tokens)
+
     async def detokenize(self, tokens: list[int]) -> str:
         await self.connect()
         reply = await self._request(Detokenize(id=new_id(), tokens=list(tokens)), self.connect_timeout)

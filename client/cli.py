@@ -452,8 +452,8 @@ def cmd_openai(args) -> int:
     signal.signal(signal.SIGTERM, stop)
     url = openai_bridge.url_of(server)
     _say(
-        f"tandem http: {url} serves {model} from {args.socket}: OpenAI at {url}, Anthropic at {url}/messages, "
-        f"Ollama at {url.removesuffix('/v1')} (Ctrl-C stops the bridge)"
+        f"tandem http: {url} serves {model} from {args.socket}; base URLs: OpenAI {url}, Anthropic and Ollama "
+        f"{url.removesuffix('/v1')} (Ctrl-C stops the bridge)"
     )
     if api_key is not None:
         why = "--api-key on" if args.api_key == "on" else "this system has no /proc/net/tcp to check who connects"

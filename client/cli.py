@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from tandem.daemon import config
-from tandem.protocol import Generate, default_socket_path
+from tandem.protocol import FinishReason, Generate, default_socket_path
 
 from .client import Client
 from .errors import DaemonNotRunning, QueueFull, RequestFailed, TandemError
@@ -115,9 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=f"config file (default: $TANDEM_CONFIG, else {config.default_config_path()}; it need not exist)",
     )
+    from tandem.daemon.version import __version__
+
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serving_commands(sub)
     _admin_commands(sub)
+    seen: set[int] = set()
+    for command in sub.choices.values():  # also after the command: `tandem status --socket X`
+        if id(command) in seen:
+            continue  # (an alias: the same parser)
+        seen.add(id(command))
+        command.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket (as before the command)")
+        command.add_argument(
+            "--config", type=Path, default=argparse.SUPPRESS, metavar="PATH", help="config file (as before the command)"
+        )
     return parser
 
 
@@ -263,9 +275,29 @@ def _admin_commands(sub) -> None:
     pp.add_argument(
         "--no-start", action="store_true", help="write the unit and reload systemd, but do not enable or start it"
     )
-    ssub.add_parser("uninstall", help="stop and disable the service, remove the unit")
+    pp.add_argument(
+        "--http",
+        nargs="?",
+        const="127.0.0.1:8642",
+        default=None,
+        metavar="HOST:PORT",
+        help="also install the HTTP bridge as tandem-http.service (default address 127.0.0.1:8642), so editors "
+        "find the OpenAI, Ollama and Anthropic APIs after login",
+    )
+    ssub.add_parser("uninstall", help="stop and disable the service (and the bridge's), remove the units")
     ssub.add_parser("status", help="whether the unit is installed, and systemctl's status of it")
-    ssub.add_parser("unit", help="print the unit this installation would write")
+    pu = ssub.add_parser("unit", help="print the unit this installation would write")
+    pu.add_argument("--http", action="store_true", help="the bridge's unit (tandem-http.service)")
+
+    sub.add_parser("list", help="the models in the store: name, size, quantization, where (as `ollama list`)")
+    p = sub.add_parser("pull", help="download a preset model, checked against its pinned sha256")
+    p.add_argument("name", help="preset name (see `tandem list`)")
+    p = sub.add_parser("show", help="a model's architecture, size, quantization, context, template, FIM and tools")
+    p.add_argument("name", help="a preset name or a .gguf path")
+    p.add_argument("--template", action="store_true", help="print the whole chat template")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p = sub.add_parser("rm", help="delete a pulled preset from the model store (never a file outside it)")
+    p.add_argument("name", help="preset name")
 
     p = sub.add_parser("models", help="fetch and list models")
     msub = p.add_subparsers(dest="models_command", metavar="ACTION")
@@ -308,6 +340,22 @@ def _connect(socket: Path, model: str, no_start: bool, config_file: Optional[Pat
     return client
 
 
+def _check_model(client: Client, asked: Optional[str]) -> None:
+    """A daemon that answers with another model than ``--model`` asked for: say so, never answer as if."""
+    if not asked:
+        return
+    from tandem.daemon.models import PRESETS
+
+    served = client.server.model
+    names = {asked, Path(asked).name, PRESETS[asked].filename if asked in PRESETS else asked}
+    if served not in names:
+        client.close()
+        raise TandemError(
+            f"the daemon at {client.socket_path} serves {served}, not {asked} (one resident model): "
+            f"stop it (`tandem stop`) and run again to start one on {asked}, or leave out --model"
+        )
+
+
 def _params(args) -> dict:
     return dict(
         max_tokens=args.max_tokens,
@@ -332,6 +380,8 @@ def _stream_to_terminal(stream) -> None:
         raise SystemExit(130) from None
     sys.stdout.write("\n")
     done = stream.done
+    if done.finish_reason == FinishReason.LENGTH:
+        _say(f"[cut off: the answer reached max tokens ({done.usage.completion_tokens}); raise --max-tokens]")
     if sys.stderr.isatty():
         t = done.timings
         _say(
@@ -346,12 +396,22 @@ def _stream_to_terminal(stream) -> None:
 def cmd_serve(args) -> int:
     from tandem.daemon.serve import serve
 
+    from .autostart import daemon_answers
+
+    if daemon_answers(args.socket):  # before a model is pulled for nothing
+        _say(
+            f"tandem serve: a daemon already answers at {args.socket}; stop it first (`tandem stop`), or give "
+            "this one another socket (--socket PATH)"
+        )
+        return 1
+
     return serve(args.settings, reload=lambda: config.load(args.flags, args.config))
 
 
 def cmd_run(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     client = _connect(args.socket, args.model, args.no_start, args.config)
+    _check_model(client, args.model_given)
     with client:
         if args.raw:
             request = dict(prompt=(args.system + "\n\n" if args.system else "") + prompt)
@@ -378,17 +438,27 @@ def _done_json(done) -> dict:
 
 def cmd_chat(args) -> int:
     client = _connect(args.socket, args.model, args.no_start, args.config)
+    _check_model(client, args.model_given)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     _say(f"tandem chat with {client.server.model} (context {client.server.n_ctx} tokens). /reset, /exit.")
     with client:
         while True:
             try:
                 line = input("> ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave quietly
                 print()
                 return 0
             if line.strip() in ("/exit", "/quit"):
                 return 0
+            if line.strip() in ("/help", "/?"):
+                _say(
+                    "/reset forgets the conversation, /exit (or Ctrl-D, or Ctrl-C at the prompt) leaves; "
+                    "Ctrl-C while it answers stops the answer"
+                )
+                continue
+            if line.startswith("/") and " " not in line.strip():
+                _say(f"unknown command {line.strip()}; /help lists them (start a message with a space to send it)")
+                continue
             if line.strip() == "/reset":
                 history = history[:1] if args.system else []
                 _say("[history cleared]")
@@ -590,8 +660,8 @@ def cmd_stop(args) -> int:
 
     socket = args.socket
     if not daemon_answers(socket):
-        _say(f"no tandem daemon is running at {socket}")
-        return 0
+        _say(f"tandem: no tandem daemon is running at {socket} (nothing to stop)")
+        return 1
     with Client(socket) as client:
         pid = client.status().pid
         client.shutdown()
@@ -658,14 +728,21 @@ def cmd_service(args) -> int:
                     local + (["--config / TANDEM_CONFIG"] if args.config or os.environ.get("TANDEM_CONFIG") else [])
                 )
             )
+        if args.http is not None:
+            from .openai_bridge import parse_listen
+
+            try:
+                parse_listen(args.http)
+            except ValueError as exc:
+                raise TandemError(str(exc)) from None
         _pull_configured(st)
-        return service.install(_say, enable=not args.no_start)
+        return service.install(_say, enable=not args.no_start, http=args.http)
     if args.service_command == "uninstall":
         return service.uninstall(_say)
     if args.service_command == "status":
         return service.status(_say)
     if args.service_command == "unit":
-        print(service.render(), end="")
+        print(service.render_http() if args.http else service.render(), end="")
         return 0
     _say("usage: tandem service {install [--no-start] | uninstall | status | unit}")
     return 2
@@ -679,15 +756,144 @@ def _pull_configured(settings) -> None:
         ensure_pulled(name, _say, f"tandem: pulling '{name}' first (the service is sandboxed to loopback and cannot)")
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def cmd_list(args) -> int:
+    from tandem.daemon import models
+    from tandem.daemon.gguf_meta import facts
+
+    rows, missing = [], []
+    for name, path, _ in models.list_models():
+        if path is None:
+            missing.append(name)
+            continue
+        f = facts(path)
+        rows.append((name, _size(path.stat().st_size), f.get("parameter_size", ""), f.get("quantization", ""), path))
+    w = max([len(r[0]) for r in rows] + [20])
+    print(f"{'NAME':{w}} {'SIZE':>9}  {'PARAMS':6} {'QUANT':7} WHERE")
+    for name, size, params, quant, path in rows:
+        print(f"{name:{w}} {size:>9}  {params:6} {quant:7} {path}")
+    if missing:
+        print(f"not pulled (tandem pull NAME): {', '.join(missing)}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from tandem.daemon import models
+    from tandem.daemon.gguf_meta import facts
+
+    try:
+        name, path = models.resolve(args.name)
+    except models.ModelError as exc:
+        raise TandemError(str(exc)) from None
+    f = facts(path)
+    if not f:
+        raise TandemError(f"{path} is not a GGUF file tandem can read")
+    template = f["chat_template"]
+    tools = (
+        "tools (Hermes <tool_call>)"
+        if "<tool_call>" in template
+        else "tools (a generic prompt: no tool syntax in the template)"
+    )
+    preset = models.PRESETS.get(name)
+    info = {
+        "name": name,
+        "path": str(path),
+        "source": f"PyPI wheels {', '.join(sorted({p.package.rstrip('0123456789') for p in preset.parts}))} "
+        f"(sha256 {preset.sha256[:16]}...)"
+        if preset
+        else "a local file",
+        "architecture": f["architecture"],
+        "parameters": f["parameter_size"],
+        "quantization": f["quantization"],
+        "context_length": f["context_length"],
+        "fill_in_the_middle": f["fim"],
+        "tools": tools,
+        "chat_template": template,
+        "size_bytes": path.stat().st_size,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key in ("name", "path", "source", "architecture", "parameters", "quantization", "context_length"):
+        print(f"  {key.replace('_', ' '):16} {info[key]}")
+    print(f"  {'size':16} {_size(info['size_bytes'])}")
+    print(f"  {'fill in middle':16} {'yes' if f['fim'] else 'no'}")
+    print(f"  {'tool calls':16} {tools}")
+    if args.template:
+        print(template)
+    else:
+        first = template.strip().splitlines()[0][:90] if template else "(none: send plain prompts, tandem run --raw)"
+        print(f"  {'chat template':16} {first}{' ...' if template else ''}  (--template prints it whole)")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from tandem.daemon import models
+
+    from .autostart import daemon_answers
+
+    if args.name not in models.PRESETS:
+        raise TandemError(
+            f"'{args.name}' is not a preset in the store; tandem removes only what it pulled "
+            f"({', '.join(models.PRESETS)})"
+        )
+    path = models.preset_path(args.name)
+    if not path.is_file():
+        raise TandemError(f"'{args.name}' is not pulled (nothing at {path})")
+    if daemon_answers(args.socket):
+        with Client(args.socket) as client:
+            served = client.status().model
+        if served is not None and Path(served.path) == path.resolve():
+            raise TandemError(f"the daemon at {args.socket} serves {args.name}: stop it first (`tandem stop`)")
+    size = path.stat().st_size
+    path.unlink()
+    _say(f"removed {args.name} ({_size(size)}, {path})")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    args.models_command = "pull"
+    return cmd_models(args)
+
+
+def _pull(name: str) -> int:
+    """`tandem pull NAME`: one progress bar for the whole model (bytes, rate, ETA), resumable;
+    a line per part instead when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    from tandem.daemon import models
+
+    if name not in models.PRESETS:
+        return cmd_show_unknown(name)
+    if models.is_pulled(name) or not sys.stderr.isatty():
+        try:
+            models.pull(name, progress=_say)
+        except models.ModelError as exc:
+            raise TandemError(str(exc)) from None
+        return 0
+    preset = models.PRESETS[name]
+    with tqdm(total=preset.size_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=name, file=sys.stderr) as bar:
+        try:
+            models.pull(name, progress=lambda line: bar.write(line, file=sys.stderr), bar=bar.update)
+        except models.ModelError as exc:
+            raise TandemError(str(exc)) from None
+    return 0
+
+
+def cmd_show_unknown(name: str) -> int:
+    from tandem.daemon import models
+
+    raise TandemError(f"unknown preset '{name}'. Presets: {', '.join(models.PRESETS)}; or give a .gguf path to serve")
+
+
 def cmd_models(args) -> int:
     from tandem.daemon import models
 
     if args.models_command == "pull":
-        try:
-            models.pull(args.name, progress=_say, show_pip_progress=sys.stderr.isatty())
-        except models.ModelError as exc:
-            raise TandemError(str(exc)) from None
-        return 0
+        return _pull(args.name)
     if args.models_command == "list":
         print(f"model store: {models.models_dir()}")
         for name, path, description in models.list_models():
@@ -711,6 +917,10 @@ COMMANDS = {
     "stop": cmd_stop,
     "key": cmd_key,
     "models": cmd_models,
+    "list": cmd_list,
+    "pull": cmd_pull,
+    "show": cmd_show,
+    "rm": cmd_rm,
     "cache": cmd_cache,
     "config": cmd_config,
     "service": cmd_service,
@@ -750,19 +960,29 @@ def main(argv: Optional[list[str]] = None) -> int:
             False,
         )
     args.socket = args.settings.socket or default_socket_path()
+    args.model_given = vars(args).get("model")  # --model as given (None: not given)
     if "model" not in vars(args) or args.model is None:
         args.model = args.settings.model
+    as_json = bool(vars(args).get("json"))
     try:
         return COMMANDS[args.command](args)
     except QueueFull as exc:
-        _say(f"tandem: the daemon is busy: {exc}")
-        return 3
+        return _fail(as_json, f"the daemon is busy: {exc}", 3, "busy")
     except RequestFailed as exc:
-        _say(f"tandem: {exc.name}: {exc.message}")
-        return 1
+        return _fail(as_json, f"{exc.name}: {exc.message}", 1, exc.name)
     except TandemError as exc:
-        _say(f"tandem: {exc}")
-        return 1
+        return _fail(as_json, str(exc), 1, type(exc).__name__)
+    except BrokenPipeError:  # `tandem status | head -2`: the reader left; so do we, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _fail(as_json: bool, message: str, code: int, kind: str) -> int:
+    """An error: on stderr, and with --json also as JSON on stdout (a script reads one object either way)."""
+    _say(f"tandem: {message}")
+    if as_json:
+        print(json.dumps({"error": {"type": kind, "message": message}}))
+    return code
 
 
 if __name__ == "__main__":

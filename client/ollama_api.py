@@ -232,8 +232,8 @@ def show(handler: "Handler", body: dict) -> dict:
     if n_ctx is not None:
         model_info[f"{arch}.context_length"] = n_ctx  # what the daemon serves, which is what a client may send
     capabilities = ["completion", "tools"]  # tools: every model (a template without them gets a generic prompt)
-    if fim is None:
-        fim = "<|fim_prefix|>" in facts.get("chat_template", "") or arch.startswith("qwen2")
+    if fim is None:  # not the resident model: from its vocabulary
+        fim = bool(facts.get("fim"))
     if fim:
         capabilities.append("insert")
     return {

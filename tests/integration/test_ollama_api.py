@@ -216,3 +216,23 @@ def test_a_client_that_leaves_mid_stream_cancels_its_daemon_request(host, served
         while c.status().active is not None:
             assert time.monotonic() < deadline, "the daemon request outlived its HTTP client"
             time.sleep(0.02)
+
+
+def test_the_llm_cli_with_its_ollama_plugin(host, served, tmp_path):
+    """`llm` with llm-ollama (a client nobody here wrote) finds the model in /api/tags and chats."""
+    import os
+    import shutil
+
+    llm = shutil.which("llm")
+    assert llm, "the llm CLI is missing: pip install -e '.[test]'"
+    env = {**os.environ, "OLLAMA_HOST": host, "LLM_USER_PATH": str(tmp_path)}
+    models = subprocess.run([llm, "models"], capture_output=True, text=True, env=env, timeout=120)
+    assert f"Ollama: ollama/{served}:latest" in models.stdout, models.stdout + models.stderr
+    out = subprocess.run(
+        [llm, "-m", f"ollama/{served}:latest", "-o", "temperature", "0", "-o", "num_predict", "12", "Say hello."],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr

@@ -109,3 +109,52 @@ def test_install_and_uninstall_without_a_user_manager_write_the_unit_and_print_t
     out = tandem("service", "uninstall", env=env)
     assert out.returncode == 0 and not unit.exists()
     assert "systemctl --user daemon-reload" in out.stderr
+
+
+def test_the_bridges_unit_verifies_and_follows_the_daemon(short_tmpdir):
+    """Issue 20, item 6: the HTTP bridge as a second user unit, started after the daemon's."""
+    work = short_tmpdir()
+    runtime = work / "runtime"
+    runtime.mkdir(mode=0o700)
+    (work / service.UNIT_NAME).write_text(service.render())
+    (work / service.HTTP_UNIT_NAME).write_text(service.render_http())
+    out = subprocess.run(
+        ["systemd-analyze", "verify", "--user", str(work / service.HTTP_UNIT_NAME)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    unit = service.render_http(listen="127.0.0.1:9000")
+    for line in (
+        "Requires=tandem.service",
+        "After=tandem.service",
+        "http --no-start --listen 127.0.0.1:9000",
+        "IPAddressDeny=any",
+        "IPAddressAllow=localhost",
+        "NoNewPrivileges=yes",
+    ):
+        assert line in unit, line
+
+
+def test_install_http_writes_both_units_and_uninstall_removes_both(short_tmpdir, tmp_path, smollm2_path):
+    if service.systemctl_works():
+        pytest.fail("a systemd user manager answers here: this test would install a real service; run it in CI")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")},
+        "XDG_CONFIG_HOME": str(tmp_path / "config"),
+        "TANDEM_SOCKET": str(short_tmpdir() / "none.sock"),
+    }
+    units = tmp_path / "config" / "systemd" / "user"
+    out = tandem("service", "install", "--http", "localhost:9100", env=env)
+    assert out.returncode == 0, out.stderr
+    assert (units / "tandem-http.service").read_text() == service.render_http(listen="localhost:9100")
+    assert "systemctl --user enable --now tandem-http.service" in out.stderr
+    assert tandem("service", "unit", "--http", env=env).stdout == service.render_http()
+    bad = tandem("service", "install", "--http", "0.0.0.0:9100", env=env)
+    assert bad.returncode == 1 and "not a loopback address" in bad.stderr
+    out = tandem("service", "uninstall", env=env)
+    assert (
+        out.returncode == 0 and not (units / "tandem-http.service").exists() and not (units / "tandem.service").exists()
+    )

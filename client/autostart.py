@@ -56,19 +56,37 @@ def start_daemon(
         cmd += ["--config", str(config_file)]  # the rest of the settings: as this command read them
     cmd += ["serve", "--model", model]
     with open(log_path, "ab") as log:
+        start = log.tell()  # this daemon's lines start here: an earlier daemon's failure is not its
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
         )
-    say(
-        f"tandem: no daemon was running; started one in the background (pid {proc.pid}, model {model}, "
-        f"socket {socket_path}, log {log_path}). Stop it with `tandem stop`."
-    )
-    deadline = time.monotonic() + 60
+    say(f"tandem: no daemon was running; starting one in the background (model {model}, log {log_path})")
+
+    def own_lines() -> list[str]:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace").splitlines()
+
+    deadline = time.monotonic() + 300  # loading a large model takes a while
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").splitlines()[-5:]
+            tail = own_lines()[-5:] or ["(it wrote nothing)"]
             raise TandemError(f"the daemon exited at start (code {proc.returncode}):\n  " + "\n  ".join(tail))
         if socket_path.exists() and daemon_answers(socket_path):
-            return proc.pid
+            state, failure = _state(socket_path)
+            if state == "ready":  # "started" only once the model is loaded
+                say(f"tandem: started it (pid {proc.pid}, socket {socket_path}); stop it with `tandem stop`")
+                return proc.pid
+            if state == "failed":
+                raise TandemError(f"the daemon exited at start: {failure} (log: {log_path})")
         time.sleep(0.1)
-    raise TandemError(f"the daemon did not answer within 60 s; see {log_path}")
+    raise TandemError(f"the daemon was not ready within 300 s; see {log_path}")
+
+
+def _state(socket_path: Path) -> tuple[str, str]:
+    try:
+        with Client(socket_path, connect_timeout=2) as client:
+            st = client.status()
+        return st.state, st.failure
+    except TandemError:
+        return "starting", ""

@@ -26,7 +26,8 @@ Unix socket; nothing leaves this machine.
   tandem serve --model qwen2.5-coder-1.5b run the daemon in the foreground
   tandem status | tandem stop             inspect / stop the daemon
   tandem http                             OpenAI, Ollama and Anthropic APIs on 127.0.0.1 for editors
-  tandem models pull NAME | list          fetch / list models
+  tandem pull NAME | list | show NAME     fetch (resumable, sha256-checked) / list / describe models
+  tandem tokens "TEXT"                    count tokens as the served model reads them
   tandem config show                      the effective settings and their sources
   tandem service install                  run the daemon as a systemd user service
 """
@@ -399,9 +400,15 @@ def cmd_serve(args) -> int:
     from .autostart import daemon_answers
 
     if daemon_answers(args.socket):  # before a model is pulled for nothing
+        try:
+            with Client(args.socket) as client:
+                st = client.status()
+            who = f" (pid {st.pid}, {st.model.name if st.model else 'loading'})"
+        except TandemError:
+            who = ""
         _say(
-            f"tandem serve: a daemon already answers at {args.socket}; stop it first (`tandem stop`), or give "
-            "this one another socket (--socket PATH)"
+            f"tandem serve: another tandem daemon{who} is already serving {args.socket}; stop it first "
+            "(`tandem stop`), or give this one another socket (--socket PATH)"
         )
         return 1
 

@@ -492,6 +492,15 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._serve(self._post)
 
+    def do_DELETE(self) -> None:  # Ollama's /api/delete
+        self._serve(self._post)
+
+    def do_HEAD(self) -> None:  # what some Ollama clients probe before they start
+        path = self.path.split("?", 1)[0].rstrip("/")
+        self.send_response(HTTPStatus.OK if path in ("", "/api/version", "/health") else HTTPStatus.NOT_FOUND)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def _get(self) -> None:
         from . import ollama_api
 
@@ -533,8 +542,8 @@ class Handler(BaseHTTPRequestHandler):
                     "tandem serves generation models only: it has no embedding model or path (use a dedicated "
                     "embedding server for /api/embed)",
                 )
-            manage = {"/api/pull": "tandem models pull NAME", "/api/delete": "tandem models rm NAME"}
-            if path in manage or path in ("/api/push", "/api/create", "/api/copy", "/api/blobs"):
+            manage = {"/api/pull": "tandem pull NAME", "/api/delete": "tandem rm NAME"}
+            if path in manage or path in ("/api/push", "/api/create", "/api/copy") or path.startswith("/api/blobs"):
                 raise ApiError(
                     HTTPStatus.NOT_IMPLEMENTED,
                     f"{path} is not served over HTTP: models are managed with the tandem command "
@@ -549,6 +558,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(HTTPStatus.OK, anthropic_api.count_tokens(self, self._body()))
         if path in ("/tokenize", "/detokenize", "/v1/tokenize"):
             return self._json(HTTPStatus.OK, self._tokens(path, self._body()))
+        if self.command == "DELETE":
+            raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"no route DELETE {path}")
         routes = {"/v1/completions": completions_call, "/v1/chat/completions": chat_call}
         if path not in routes:
             raise ApiError(

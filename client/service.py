@@ -61,6 +61,12 @@ PrivateTmp=yes
 NoNewPrivileges=yes
 # no network beyond loopback (the metrics endpoint on 127.0.0.1). A user manager may be unable
 # to enforce the IP rules (they need cgroup BPF); the daemon itself opens nothing else either.
+{sandbox}
+[Install]
+WantedBy=default.target
+"""
+
+SANDBOX = """\
 RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
 IPAddressDeny=any
 IPAddressAllow=localhost
@@ -68,10 +74,7 @@ LockPersonality=yes
 RestrictRealtime=yes
 RestrictSUIDSGID=yes
 SystemCallArchitectures=native
-
-[Install]
-WantedBy=default.target
-"""
+"""  # both units: loopback only, no privileges to gain
 
 HTTP_UNIT_NAME = "tandem-http.service"
 
@@ -99,14 +102,7 @@ ReadWritePaths=-%h/.local/state/tandem
 ProtectSystem=strict
 PrivateTmp=yes
 NoNewPrivileges=yes
-RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
-IPAddressDeny=any
-IPAddressAllow=localhost
-LockPersonality=yes
-RestrictRealtime=yes
-RestrictSUIDSGID=yes
-SystemCallArchitectures=native
-
+{sandbox}
 [Install]
 WantedBy=default.target
 """
@@ -125,11 +121,11 @@ def _quote(path: str) -> str:
 
 
 def render(command: Optional[str] = None) -> str:
-    return UNIT_TEMPLATE.format(exec_start=command or exec_start())
+    return UNIT_TEMPLATE.format(exec_start=command or exec_start(), sandbox=SANDBOX)
 
 
 def render_http(command: Optional[str] = None, listen: str = "127.0.0.1:8642") -> str:
-    return HTTP_UNIT_TEMPLATE.format(exec_start=command or exec_start(), listen=listen)
+    return HTTP_UNIT_TEMPLATE.format(exec_start=command or exec_start(), listen=listen, sandbox=SANDBOX)
 
 
 def unit_dir(environ=os.environ) -> Path:

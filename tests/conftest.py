@@ -271,3 +271,24 @@ class BridgeProcess:
 def bridge_process():
     """The BridgeProcess class: ``bridge_process(daemon, *args)`` starts ``tandem openai`` in front of it."""
     return BridgeProcess
+
+
+def restart_target(c, timeout: float = 60.0) -> None:
+    """Kill the daemon's target worker (SIGKILL) and wait until a new one is ready."""
+    import signal
+
+    old = c.status().worker_pids["target"]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while True:
+        st = c.status()
+        if st.state == "ready" and st.worker_pids.get("target") not in (None, old):
+            return
+        assert time.monotonic() < deadline, "the target worker did not come back"
+        time.sleep(0.05)
+
+
+@pytest.fixture(name="restart_target", scope="session")
+def _restart_target():
+    """``restart_target(client)``: kill the target worker and wait for its successor."""
+    return restart_target

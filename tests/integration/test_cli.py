@@ -113,7 +113,8 @@ def test_run_starts_a_daemon_when_none_runs_and_stop_stops_it(short_tmpdir, smol
     try:
         out = tandem("run", "--raw", "--temperature", "0", "--max-tokens", "5", "Hello", socket=socket, env=env)
         assert out.returncode == 0, out.stderr
-        assert "started one in the background" in out.stderr and "tandem stop" in out.stderr
+        assert "starting one in the background" in out.stderr and "started it (pid" in out.stderr
+        assert "tandem stop" in out.stderr
         assert out.stdout.strip()
         pid = json.loads(tandem("status", "--json", socket=socket).stdout)["pid"]
         again = tandem("run", "--raw", "--max-tokens", "3", "Hi", socket=socket, env=env)
@@ -135,6 +136,20 @@ def test_run_starts_a_daemon_when_none_runs_and_stop_stops_it(short_tmpdir, smol
             pytest.fail("the daemon process did not exit after `tandem stop`")
     finally:
         tandem("stop", socket=socket)
+
+
+def test_a_failed_auto_start_shows_its_own_log_lines_only(short_tmpdir, tmp_path):
+    """A failed start used to print "started one" and then an earlier daemon's failure from the log."""
+    base = short_tmpdir()
+    state = base / "state"
+    (state / "tandem").mkdir(parents=True)
+    (state / "tandem" / "daemon.log").write_text("tandem serve: AN EARLIER DAEMON'S FAILURE\n")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(64))  # exists, so the start gets as far as loading it
+    out = tandem("run", "--model", str(broken), "hi", socket=base / "s.sock", env={"XDG_STATE_HOME": str(state)})
+    assert out.returncode == 1
+    assert "the daemon exited at start" in out.stderr and "EARLIER DAEMON" not in out.stderr
+    assert "started it" not in out.stderr
 
 
 def test_models_list_and_bad_pull():

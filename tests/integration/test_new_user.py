@@ -60,7 +60,7 @@ def test_a_model_other_than_the_daemons_is_refused_with_the_fix(daemon, tandem_c
 def test_serve_beside_a_running_daemon_refuses_before_anything_else(daemon, tandem_cli):
     t0 = time.monotonic()
     out = tandem_cli(daemon.socket, "serve", "--model", "qwen2.5-coder-1.5b")
-    assert out.returncode == 1 and "a daemon already answers" in out.stderr and "tandem stop" in out.stderr
+    assert out.returncode == 1 and "is already serving" in out.stderr and "tandem stop" in out.stderr
     assert "pulling" not in out.stderr and time.monotonic() - t0 < 30
 
 

@@ -166,7 +166,13 @@ def test_bad_input_gets_ollamas_error_shape_with_the_fix(client, host, served):
     )
     assert status == 400 and "images" in body["error"]
     status, body = post(host, "/api/pull", {"model": "llama3"})
-    assert status == 501 and "tandem models pull" in body["error"]
+    assert status == 501 and "tandem pull" in body["error"]
+    with pytest.raises(ollama.ResponseError) as info:
+        client.delete(served)  # (a DELETE request)
+    assert info.value.status_code == 501 and "tandem rm" in info.value.error
+    head = urllib.request.Request(host + "/", method="HEAD")
+    with urllib.request.urlopen(head, timeout=30) as r:
+        assert r.status == 200
     status, body = post(host, "/api/generate", {"model": served, "prompt": "x"}, {"Origin": "https://evil.example"})
     assert status == 403 and "web pages" in body["error"]
     # a sandboxed frame or data: page sends "null"; a form post, text/plain: a page's requests all the same

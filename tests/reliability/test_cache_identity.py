@@ -7,25 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import time
 
 from tandem.daemon import models
 from tandem.daemon.page_store import model_identity
 
 PROMPT = "Notes for the next turn, kept in the prefix cache. " * 6
-
-
-def restart_target(c, timeout: float = 60.0) -> None:
-    old = c.status().worker_pids["target"]
-    os.kill(old, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while True:
-        st = c.status()
-        if st.state == "ready" and st.worker_pids.get("target") not in (None, old):
-            return
-        assert time.monotonic() < deadline, "the target worker did not come back"
-        time.sleep(0.05)
 
 
 def test_the_identity_changes_with_the_file_not_with_its_path(smollm2_path, tmp_path):
@@ -42,7 +28,9 @@ def test_the_identity_changes_with_the_file_not_with_its_path(smollm2_path, tmp_
     assert model_identity(a) not in (first, model_identity(smollm2_path))
 
 
-def test_a_model_file_replaced_under_the_daemon_does_not_restore_its_old_kv(start_daemon, smollm2_path, tmp_path):
+def test_a_model_file_replaced_under_the_daemon_does_not_restore_its_old_kv(
+    start_daemon, smollm2_path, tmp_path, restart_target
+):
     served = tmp_path / "model.gguf"
     shutil.copyfile(smollm2_path, served)  # Q4_1
     f16 = models.derive_f16(smollm2_path, tmp_path / "f16.gguf")  # same architecture, same KV layout

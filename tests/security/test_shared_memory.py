@@ -15,11 +15,9 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import zlib
 from pathlib import Path
 
@@ -182,23 +180,11 @@ def arena_of(pid: int) -> Path:
     return path
 
 
-def restart_target(c, timeout: float = 60.0) -> None:
-    old = c.status().worker_pids["target"]
-    os.kill(old, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while True:
-        st = c.status()
-        if st.state == "ready" and st.worker_pids.get("target") not in (None, old):
-            return
-        assert time.monotonic() < deadline, "the target worker did not come back"
-        time.sleep(0.05)
-
-
 PROMPT = "A prefix the cache keeps between turns. " * 8
 
 
 @root_only
-def test_an_index_another_user_planted_is_not_trusted(start_daemon):
+def test_an_index_another_user_planted_is_not_trusted(start_daemon, restart_target):
     d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M")
     with d.client() as c:
         plain = c.complete(prompt=PROMPT, max_tokens=8, ignore_eos=True, temperature=0).text
@@ -211,7 +197,7 @@ def test_an_index_another_user_planted_is_not_trusted(start_daemon):
     assert "ignoring the prefix-cache index" in d.log() and "owned by uid 65534" in d.log()
 
 
-def test_pages_that_do_not_restore_are_dropped_and_the_request_still_succeeds(start_daemon):
+def test_pages_that_do_not_restore_are_dropped_and_the_request_still_succeeds(start_daemon, restart_target):
     """An index whose pages point at zeroed bytes with the zero page's checksum
     (what a planted index did before owners were checked) passes the integrity
     check; restoring it must not fail the request (it was INTERNAL)."""

@@ -97,18 +97,7 @@ class Scheduler:
 
     def admit(self, identity: bytes, msg: Decoding) -> None:
         """Queue a request, or answer why not."""
-        if self.closing:
-            self.reply(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
-            return
-        if self.failure:
-            self.reply(identity, self._failed(msg.id))
-            return
-        if msg.id in self.jobs or msg.id in self.tokenizing:
-            why = f"a request with id {msg.id!r} is already queued or running; give each request a new id"
-            # the same connection: an error with that id would land on the live request's stream
-            owner = self.jobs[msg.id].identity if msg.id in self.jobs else self.tokenizing[msg.id]
-            same = owner == identity
-            self.reply(identity, Error.of(None if same else msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
+        if self._refused(identity, msg):
             return
         if len(self.queue) >= self.max_queue:
             self.counters.requests["busy"] += 1
@@ -161,19 +150,26 @@ class Scheduler:
             return
         self.clears.append((identity, msg))
 
-    def tokenize(self, identity: bytes, msg: Message) -> None:
-        """A tokenize or detokenize: not queued, the target answers it between steps."""
+    def _refused(self, identity: bytes, msg: Message) -> bool:
+        """Answer a request (generate, complete, tokenize) that cannot be taken: the daemon is
+        shutting down or has failed, or its id is in use. True when it was answered."""
         if self.closing:
             self.reply(identity, Error.of(msg.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
-            return
+            return True
         if self.failure:
             self.reply(identity, self._failed(msg.id))
-            return
-        if msg.id in self.tokenizing or msg.id in self.jobs:
-            why = f"a request with id {msg.id!r} is already being answered; give each request a new id"
-            owner = self.jobs[msg.id].identity if msg.id in self.jobs else self.tokenizing[msg.id]
-            # the same connection: an error with that id would land on its own live request
-            self.reply(identity, Error.of(None if owner == identity else msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
+            return True
+        owner = self.jobs[msg.id].identity if msg.id in self.jobs else self.tokenizing.get(msg.id)
+        if owner is None:
+            return False
+        why = f"a request with id {msg.id!r} is already queued or running; give each request a new id"
+        # the same connection: an error with that id would land on its own live request's stream
+        self.reply(identity, Error.of(None if owner == identity else msg.id, ErrorCode.DUPLICATE_REQUEST_ID, why))
+        return True
+
+    def tokenize(self, identity: bytes, msg: Message) -> None:
+        """A tokenize or detokenize: not queued, the target answers it between steps."""
+        if self._refused(identity, msg):
             return
         if len(self.tokenizing) >= MAX_TOKENIZING:
             why = f"{len(self.tokenizing)} tokenize requests are being answered already; retry"

@@ -20,11 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.protocol import FinishReason
 
-from .client import Client
-from .errors import TandemError
-
 if TYPE_CHECKING:
-    from .openai_bridge import Handler
+    from .bridge import Exchange
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -207,8 +204,8 @@ def _usage(done) -> dict:
     }
 
 
-def messages(handler: "Handler", body: dict) -> None:
-    hello = handler.daemon_hello()
+async def messages(ex: "Exchange", body: dict) -> None:
+    hello = await ex.hello()
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _error(HTTPStatus.BAD_REQUEST, "model: the name of the model is required (any name: one is served)")
@@ -219,9 +216,9 @@ def messages(handler: "Handler", body: dict) -> None:
     msg_id = "msg_" + __import__("secrets").token_hex(12)
     start = lambda c: c.generate(messages=chat, **params)  # noqa: E731
     if not stream:
-        done = handler.run_to_done(start)
+        done = await ex.run_to_done(start)
         reason, seq = _stop_reason(done)
-        handler.send_json(
+        ex.send_json(
             HTTPStatus.OK,
             {
                 "id": msg_id,
@@ -235,7 +232,21 @@ def messages(handler: "Handler", body: dict) -> None:
             },
         )
         return
-    handler.run_events(start, _Events(msg_id, model, params["stop"]))
+    from .bridge import sse
+
+    events = _Events(msg_id, model, params["stop"])
+
+    def out(pairs) -> list[bytes]:
+        return [sse(data, event=name) for name, data in pairs]
+
+    await ex.relay(
+        start,
+        "text/event-stream",
+        opening=lambda: out(events.start()),
+        each=lambda chunk: out(events.chunk(chunk)),
+        closing=lambda done: out(events.finish(done)),
+        failing=lambda exc: out([("error", exc.body("anthropic"))]),
+    )
 
 
 class _Events:
@@ -311,17 +322,12 @@ class _Events:
         return out
 
 
-def count_tokens(handler: "Handler", body: dict) -> dict:
+async def count_tokens(ex: "Exchange", body: dict) -> None:
     """``/v1/messages/count_tokens``: the prompt's tokens, as the daemon renders and reads it."""
     chat = _messages(body)
     tools = _tools(body)
     if tools.get("tool_choice") == "none":
         tools = {}  # generate renders no tools then: they cost nothing
-    try:
-        with Client(handler.server.socket_path) as client:
-            n = client.count_tokens(messages=chat, tools=tools.get("tools"))
-    except TandemError as exc:
-        from .openai_bridge import ApiError
-
-        raise ApiError.of(exc) from None
-    return {"input_tokens": n}
+    async with ex.daemon() as client:
+        n = await client.count_tokens(messages=chat, tools=tools.get("tools"))
+    ex.send_json(HTTPStatus.OK, {"input_tokens": n})

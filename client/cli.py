@@ -167,7 +167,7 @@ def _serving_commands(sub) -> None:
     _autostart_args(p)
     _sampling_args(p)
 
-    from .openai_bridge import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+    from .bridge import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
     p = sub.add_parser(
         "http",
@@ -487,13 +487,11 @@ def cmd_chat(args) -> int:
 
 
 def cmd_openai(args) -> int:
-    import signal
+    from . import bridge
 
-    from . import openai_bridge
-
-    listen = args.listen or os.environ.get("TANDEM_OPENAI_LISTEN") or openai_bridge.DEFAULT_LISTEN
+    listen = args.listen or os.environ.get("TANDEM_OPENAI_LISTEN") or bridge.DEFAULT_LISTEN
     try:
-        address = openai_bridge.parse_listen(listen)  # before a daemon is started for nothing
+        address = bridge.parse_listen(listen)  # before a daemon is started for nothing
     except ValueError as exc:
         _say(f"tandem: {exc}")
         return 2
@@ -507,7 +505,7 @@ def cmd_openai(args) -> int:
     with _connect(args.socket, args.model, args.no_start, args.config) as client:
         model = client.server.model
     try:
-        server = openai_bridge.BridgeServer(
+        server = bridge.BridgeServer(
             address,
             args.socket,
             model,
@@ -523,11 +521,7 @@ def cmd_openai(args) -> int:
         )
         return 2
 
-    def stop(signum, frame):
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    url = openai_bridge.url_of(server)
+    url = bridge.url_of(server)
     _say(
         f"tandem http: {url} serves {model} from {args.socket}; base URLs: OpenAI {url}, Anthropic and Ollama "
         f"{url.removesuffix('/v1')} (Ctrl-C stops the bridge)"
@@ -536,7 +530,7 @@ def cmd_openai(args) -> int:
         why = "--api-key on" if args.api_key == "on" else "this system has no /proc/net/tcp to check who connects"
         _say(f"tandem http: every request needs the API key that `tandem key` prints ({why})")
     try:
-        server.serve_forever(poll_interval=0.2)
+        server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
@@ -736,7 +730,7 @@ def cmd_service(args) -> int:
                 )
             )
         if args.http is not None:
-            from .openai_bridge import parse_listen
+            from .bridge import parse_listen
 
             try:
                 parse_listen(args.http)

@@ -314,6 +314,11 @@ class StreamState:
         self.text = ""
         self._finished = False
 
+    @property
+    def finished(self) -> bool:
+        """Has its last reply been read (or has it been abandoned)?"""
+        return self._finished
+
     def _take(self, msg: Message) -> Optional[Chunk]:
         """A chunk is returned; the terminal message ends the stream (None), or
         raises for ``error``/``busy``."""

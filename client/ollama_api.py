@@ -37,11 +37,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from tandem.protocol import MAX_TOKENS_LIMIT, FinishReason
 
-from .client import Client
-from .errors import TandemError
-
 if TYPE_CHECKING:
-    from .openai_bridge import Handler
+    from .bridge import Exchange
 
 API_VERSION = "0.6.0"  # the Ollama API level served (clients gate features on it)
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
@@ -151,13 +148,15 @@ def _entry(name: str, path: Path) -> dict:
     }
 
 
-def _served(handler: "Handler"):
-    """The daemon's status (its model's ModelInfo is ``.model``)."""
+async def _served(ex: "Exchange"):
+    """The daemon's status (its model's ModelInfo is ``.model``; the bridge's
+    idea of the served model's name is refreshed by it)."""
+    from .openai_bridge import ApiError
+
     try:
-        with Client(handler.server.socket_path) as client:
-            return client.status()
-    except TandemError as exc:
-        raise _error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from None
+        return await ex.status()
+    except ApiError as exc:
+        raise _error(HTTPStatus.SERVICE_UNAVAILABLE, exc.message) from None
 
 
 def _base(name: str) -> str:
@@ -184,38 +183,41 @@ def check_model(name: Any, served: str) -> None:
     raise _error(HTTPStatus.NOT_FOUND, f"model '{name}' not found; this daemon serves '{served}'")
 
 
-def tags(handler: "Handler") -> dict:
+async def tags(ex: "Exchange") -> dict:
+    import asyncio
+
     from tandem.daemon.models import list_models
 
-    handler.daemon_hello()  # the served model's name now (the daemon may have been restarted on another)
-    status = _served(handler)
+    status = await _served(ex)  # the served model now (the daemon may have been restarted on another)
     served = status.model
-    rows = []
-    if served is not None:
-        rows.append(_entry(handler.server.model, Path(served.path)))
-    for name, path, _ in list_models():
-        if path is not None and (served is None or Path(served.path) != path.resolve()):
-            rows.append(_entry(name, path))
-    return {"models": rows}
+
+    def rows() -> list[dict]:  # (reads each model's GGUF header: off the event loop)
+        out = [_entry(ex.server.model, Path(served.path))] if served is not None else []
+        for name, path, _ in list_models():
+            if path is not None and (served is None or Path(served.path) != path.resolve()):
+                out.append(_entry(name, path))
+        return out
+
+    return {"models": await asyncio.to_thread(rows)}
 
 
-def ps(handler: "Handler") -> dict:
-    handler.daemon_hello()
-    status = _served(handler)
+async def ps(ex: "Exchange") -> dict:
+    status = await _served(ex)
     info = status.model
     if info is None:
         return {"models": []}
-    entry = _entry(handler.server.model, Path(info.path))
+    entry = _entry(ex.server.model, Path(info.path))
     entry.update(expires_at="2999-01-01T00:00:00Z", size_vram=0, context_length=info.n_ctx)
     return {"models": [entry]}
 
 
-def show(handler: "Handler", body: dict) -> dict:
+async def show(ex: "Exchange", body: dict) -> None:
+    import asyncio
+
     name = body.get("model") or body.get("name")
-    handler.daemon_hello()
-    status = _served(handler)
+    status = await _served(ex)
     info = status.model
-    served = handler.server.model
+    served = ex.server.model
     if info is None:
         raise _error(HTTPStatus.SERVICE_UNAVAILABLE, "the daemon has not loaded its model yet; retry")
     from tandem.daemon.models import PRESETS, is_pulled, preset_path
@@ -225,7 +227,7 @@ def show(handler: "Handler", body: dict) -> dict:
     else:
         check_model(name, served)
         path, n_ctx, fim = Path(info.path), info.n_ctx, info.fim
-    facts = model_facts(path)
+    facts = await asyncio.to_thread(model_facts, path)
     arch = facts.get("architecture") or "unknown"
     model_info = dict(facts.get("metadata") or {})
     model_info["general.architecture"] = arch
@@ -236,7 +238,7 @@ def show(handler: "Handler", body: dict) -> dict:
         fim = bool(facts.get("fim"))
     if fim:
         capabilities.append("insert")
-    return {
+    reply = {
         "license": str(model_info.get("general.license", "")),
         "modelfile": f"# served by tandem\nFROM {path}\n",
         "parameters": "",
@@ -247,6 +249,7 @@ def show(handler: "Handler", body: dict) -> dict:
         "modified_at": _mtime(path),
         "tandem": {"path": str(path), "context_length": n_ctx, "trained_context_length": facts.get("context_length")},
     }
+    ex.send_json(HTTPStatus.OK, reply)
 
 
 # --------------------------------------------------------------------------- generation
@@ -308,8 +311,8 @@ def _refuse_images(where: str, value: Any) -> None:
         raise _error(HTTPStatus.BAD_REQUEST, f"{where}: tandem's models read text only; images are not supported")
 
 
-def generate(handler: "Handler", body: dict) -> None:
-    hello = handler.daemon_hello()
+async def generate(ex: "Exchange", body: dict) -> None:
+    hello = await ex.hello()
     check_model(body.get("model"), hello.model)
     _refuse_images("'images'", body.get("images"))
     if body.get("template"):
@@ -328,7 +331,7 @@ def generate(handler: "Handler", body: dict) -> None:
     if prompt == "" and not suffix:
         # Ollama: an empty prompt loads the model and answers done at once
         loaded = {"model": body["model"], "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
-        return _reply(handler, loaded, stream=bool(body.get("stream", True)))
+        return await _reply(ex, loaded, stream=bool(body.get("stream", True)))
     if suffix:
         if not isinstance(suffix, str):
             raise _error(HTTPStatus.BAD_REQUEST, "'suffix' must be a string")
@@ -342,7 +345,7 @@ def generate(handler: "Handler", body: dict) -> None:
             {"role": "user", "content": prompt}
         ]
         start = lambda c: c.generate(messages=messages, **params)  # noqa: E731
-    _run(handler, body, start, chat=False)
+    await _run(ex, body, start, chat=False)
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -405,8 +408,8 @@ def _tools(body: dict) -> dict:
     return {"tools": out}
 
 
-def chat(handler: "Handler", body: dict) -> None:
-    hello = handler.daemon_hello()
+async def chat(ex: "Exchange", body: dict) -> None:
+    hello = await ex.hello()
     check_model(body.get("model"), hello.model)
     messages = _chat_messages(body)
     params = _options(body, hello.n_ctx)
@@ -414,7 +417,7 @@ def chat(handler: "Handler", body: dict) -> None:
     rf = _format(body)
     if rf is not None:
         params["response_format"] = rf
-    _run(handler, body, lambda c: c.generate(messages=messages, **params), chat=True)
+    await _run(ex, body, lambda c: c.generate(messages=messages, **params), chat=True)
 
 
 # --------------------------------------------------------------------------- replies
@@ -447,7 +450,7 @@ def _ollama_calls(done) -> list[dict]:
     return out
 
 
-def _run(handler: "Handler", body: dict, start, chat: bool) -> None:
+async def _run(ex: "Exchange", body: dict, start, chat: bool) -> None:
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise _error(HTTPStatus.BAD_REQUEST, "'stream' must be a boolean")
@@ -475,13 +478,30 @@ def _run(handler: "Handler", body: dict, start, chat: bool) -> None:
         calls["message"]["tool_calls"] = _ollama_calls(done)
         return [calls, out]
 
-    handler.run_daemon_request(start, piece, final, stream)
+    if not stream:
+        ex.send_json(HTTPStatus.OK, final(await ex.run_to_done(start)))
+        return
+    from .bridge import ndjson
+
+    def closing(done) -> list[bytes]:
+        last = final(done)
+        return [ndjson(line) for line in (last if isinstance(last, list) else [last])]
+
+    await ex.relay(
+        start,
+        "application/x-ndjson",
+        opening=lambda: [],
+        each=lambda chunk: [ndjson(piece(chunk.text))] if chunk.text else [],
+        closing=closing,
+        failing=lambda exc: [ndjson(exc.body("ollama"))],
+    )
 
 
-def _reply(handler: "Handler", obj: dict, stream: bool) -> None:
+async def _reply(ex: "Exchange", obj: dict, stream: bool) -> None:
     if stream:
-        handler.start_stream("application/x-ndjson")
-        handler.write_line(obj)
-        handler.end_stream()
+        from .bridge import ndjson
+
+        await ex.start_stream("application/x-ndjson", [ndjson(obj)])
+        await ex.end_stream()
     else:
-        handler.send_json(HTTPStatus.OK, obj)
+        ex.send_json(HTTPStatus.OK, obj)

@@ -1,46 +1,27 @@
-"""``tandem openai``: an OpenAI-compatible HTTP API on loopback, translated to the daemon's protocol.
-
-Editor plugins and agents that speak the OpenAI API (``/v1/models``,
-``/v1/completions`` with ``suffix`` for fill-in-the-middle,
-``/v1/chat/completions``, ``stream: true`` as server-sent events) reach tandem
-through this bridge. It is a translator, not a second server: every HTTP
-request becomes one daemon request on its own connection, so the daemon's
-queue, drafter, governor and prefix cache serve it, and an HTTP client that
-goes away cancels its daemon request.
-
-The HTTP side is the standard library's ``ThreadingHTTPServer``: no new
-dependency for a few routes and one local user; a thread per connection suits
-the blocking ``Client``; and the handler owns the raw socket, which is what
-noticing a vanished client needs (a peek that reads end-of-file). It listens
-on loopback only, refuses a Host header that is not loopback (a web page
-cannot reach it by DNS rebinding) and a body that is not JSON (a web page
-cannot post one without a CORS preflight, which it never answers).
+"""The OpenAI dialect of the HTTP bridge (bridge.py): ``/v1/models``,
+``/v1/completions`` (with ``suffix`` for fill in the middle),
+``/v1/chat/completions`` (tools, ``response_format``), ``stream: true`` as
+server-sent events, and llama-server's ``/tokenize``/``/detokenize``, each
+translated to one daemon request. ``ApiError`` is every dialect's error.
 """
 
 from __future__ import annotations
 
 import json
-import select
-import socket
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
-from tandem.protocol import MAX_MESSAGE_BYTES, MAX_TOKENS_LIMIT, ErrorCode, FinishReason
+from tandem.protocol import MAX_TOKENS_LIMIT, ErrorCode, FinishReason
 
-from .client import Client, Stream
 from .core import assistant_message
-from .errors import DaemonGone, DaemonNotRunning, DaemonTimeout, InvalidRequest, QueueFull, RequestFailed, TandemError
+from .errors import DaemonGone, DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError
 
-DEFAULT_LISTEN = "127.0.0.1:8642"
-DEFAULT_IDLE_TIMEOUT = 60.0  # seconds a connection may stay silent (or stall a read or write) before it is closed
-DEFAULT_MAX_CONNECTIONS = 64
-POLL_SECONDS = 0.1  # how often a waiting handler looks whether its HTTP client is still there
+if TYPE_CHECKING:
+    from .aio import AsyncClient, AsyncStream
+    from .bridge import Exchange
+
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the API's default for /v1/completions
 
 # The daemon's 1xx codes are the request's fault: 400. The others are ours.
@@ -279,7 +260,7 @@ class Call:
     """One translated request: what to start on the daemon and how to shape the answer."""
 
     kind: str  # "text_completion" or "chat.completion"
-    start: Callable[[Client], Stream]
+    start: Callable[["AsyncClient"], Awaitable["AsyncStream"]]
     stream: bool
     include_usage: bool
 
@@ -379,623 +360,125 @@ def _usage(done) -> dict:
     }
 
 
-# --------------------------------------------------------------------------- HTTP
+# --------------------------------------------------------------------------- answers (on the HTTP side: bridge.py)
 
 
-def _cancel_quietly(client: Client, request_id: str) -> None:
-    """The HTTP client left: so does its daemon request (if the daemon is still there to be told)."""
-    try:
-        client.cancel(request_id)
-    except TandemError:
-        pass
+async def model_entry(ex: "Exchange") -> dict:
+    """/v1/models' entry for the daemon's model, as it is now."""
+    hello = await ex.hello()
+    return {"id": hello.model, "object": "model", "created": 0, "owned_by": "tandem", "context_length": hello.n_ctx}
 
 
-class ClientGone(Exception):
-    """The HTTP client closed its connection."""
+async def models(ex: "Exchange") -> None:
+    ex.send_json(HTTPStatus.OK, {"object": "list", "data": [await model_entry(ex)]})
 
 
-class BridgeServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        socket_path: Path,
-        model: str,
-        verbose: bool = False,
-        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        api_key: Optional[str] = None,
-    ):
-        """``address``: from parse_listen (loopback). ``api_key``: required of every request (None: not)."""
-        self.socket_path = socket_path
-        self.model = model  # the daemon's model when the bridge started (refreshed by /v1/models)
-        self.verbose = verbose  # log every HTTP request
-        self.idle_timeout = idle_timeout  # a connection silent this long (or this slow to read) is closed
-        self.slots = threading.BoundedSemaphore(max_connections)  # one thread per connection, at most this many
-        self.api_key = api_key  # every request must carry it (None: not required; see api_key.py)
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        super().__init__(address, Handler)
-
-    def verify_request(self, request, client_address) -> bool:
-        """Only the user who runs the bridge, checked as the connection is accepted (before
-        it takes a slot or a thread): a loopback port is open to every user of the
-        machine, so the connecting socket's owner is looked up (tcp_owner)."""
-        from tandem.daemon.tcp_owner import refusal
-
-        why = refusal(client_address, request.getsockname())
-        if why is None:
-            return True
-        _answer_and_close(request, 403, "Forbidden", why, "invalid_request_error", "another_user")
-        return False
-
-    def handle_error(self, request, client_address) -> None:
-        """A client that drops its connection (an editor or agent exiting) is not an error worth a traceback."""
-        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
-            return
-        super().handle_error(request, client_address)
-
-    def process_request(self, request, client_address) -> None:
-        if not self.slots.acquire(blocking=False):
-            # every slot is taken: say so and close, without a thread
-            message = "the bridge has as many connections open as it serves (--max-connections); retry"
-            _answer_and_close(request, 503, "Service Unavailable", message, "server_error", "too_many_connections")
-            return
-        try:
-            super().process_request(request, client_address)
-        except Exception:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+async def model(ex: "Exchange", name: str) -> None:
+    entry = await model_entry(ex)
+    if name not in (entry["id"], "tandem"):  # (chat takes model "tandem" too)
+        raise ApiError(HTTPStatus.NOT_FOUND, f"no model {name!r}; this daemon serves {entry['id']!r}", param="model")
+    ex.send_json(HTTPStatus.OK, entry)
 
 
-def _answer_and_close(request, status: int, reason: str, message: str, kind: str, code: str) -> None:
-    """An error in OpenAI's shape on a connection that gets no handler thread, then close it."""
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    try:
-        request.sendall(
-            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body)
-        )
-        request.shutdown(socket.SHUT_WR)
-        # read what the client sent (briefly, a little): closing with unread data makes the
-        # kernel send a reset, which can reach the client before it has read this answer
-        request.settimeout(0.05)
-        for _ in range(16):
-            if not request.recv(4096):
-                break
-    except OSError:
-        pass
-    request.close()
+async def generate(ex: "Exchange", call: Call) -> None:
+    """/v1/completions and /v1/chat/completions: one daemon request, answered whole or as server-sent events."""
+    if not call.stream:
+        done = await ex.run_to_done(call.start)
+        ex.send_json(HTTPStatus.OK, _answer(call, ex, done))
+        return
+    from .bridge import sse
 
+    chat = call.kind == "chat.completion"
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: BridgeServer
-    server_version = "tandem-openai"
-
-    def setup(self) -> None:
-        self.timeout = self.server.idle_timeout  # socketserver applies it to the connection
-        super().setup()
-
-    # ------------------------------------------------------------------ routes
-
-    def do_GET(self) -> None:
-        self._serve(self._get)
-
-    def do_POST(self) -> None:
-        self._serve(self._post)
-
-    def do_DELETE(self) -> None:  # Ollama's /api/delete
-        self._serve(self._post)
-
-    def do_HEAD(self) -> None:  # what some Ollama clients probe before they start
-        path = self.path.split("?", 1)[0].rstrip("/")
-        self.send_response(HTTPStatus.OK if path in ("", "/api/version", "/health") else HTTPStatus.NOT_FOUND)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def _get(self) -> None:
-        from . import ollama_api
-
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path == "/api/version":
-            self._json(HTTPStatus.OK, {"version": ollama_api.API_VERSION})
-        elif path in ("/api/tags", "/api/ps"):
-            self._json(HTTPStatus.OK, (ollama_api.tags if path == "/api/tags" else ollama_api.ps)(self))
-        elif path == "/v1/models":
-            model = self._model()
-            self._json(HTTPStatus.OK, {"object": "list", "data": [model]})
-        elif path.startswith("/v1/models/"):
-            model = self._model()
-            if path[len("/v1/models/") :] not in (model["id"], "tandem"):  # (chat takes model "tandem" too)
-                raise ApiError(
-                    HTTPStatus.NOT_FOUND,
-                    f"no model {path[len('/v1/models/') :]!r}; this daemon serves {model['id']!r}",
-                    param="model",
-                )
-            self._json(HTTPStatus.OK, model)
-        elif path in ("", "/health"):
-            self._json(HTTPStatus.OK, {"status": "ok", "model": self.server.model})
+    def event(delta: Optional[str], finish: Optional[str] = None, role: bool = False) -> bytes:
+        e = _envelope(call, ex, chunk=True)
+        if chat:
+            d: dict = (
+                {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+            )
+            e["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
         else:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"no route GET {path}; try GET /v1/models")
+            e["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+        return sse(e)
 
-    def _post(self) -> None:
-        from . import ollama_api
+    def each(chunk) -> list[bytes]:
+        out = [event(chunk.text)] if chunk.text else []
+        if chat and chunk.tool_calls:
+            e = _envelope(call, ex, chunk=True)
+            delta = {"tool_calls": _call_deltas(chunk.tool_calls)}
+            e["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+            out.append(sse(e))
+        return out
 
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path.startswith("/api/"):
-            ollama = {"/api/generate": ollama_api.generate, "/api/chat": ollama_api.chat}
-            if path in ollama:
-                return ollama[path](self, self._body())
-            if path == "/api/show":
-                return self._json(HTTPStatus.OK, ollama_api.show(self, self._body()))
-            if path in ("/api/embed", "/api/embeddings"):
-                raise ApiError(
-                    HTTPStatus.NOT_IMPLEMENTED,
-                    "tandem serves generation models only: it has no embedding model or path (use a dedicated "
-                    "embedding server for /api/embed)",
-                )
-            manage = {"/api/pull": "tandem pull NAME", "/api/delete": "tandem rm NAME"}
-            if path in manage or path in ("/api/push", "/api/create", "/api/copy") or path.startswith("/api/blobs"):
-                raise ApiError(
-                    HTTPStatus.NOT_IMPLEMENTED,
-                    f"{path} is not served over HTTP: models are managed with the tandem command "
-                    f"({manage.get(path, 'tandem models --help')})",
-                )
-            raise ApiError(HTTPStatus.NOT_FOUND, f"no route POST {path}")
-        if path in ("/v1/messages", "/v1/messages/count_tokens"):
-            from . import anthropic_api
-
-            if path == "/v1/messages":
-                return anthropic_api.messages(self, self._body())
-            return self._json(HTTPStatus.OK, anthropic_api.count_tokens(self, self._body()))
-        if path in ("/tokenize", "/detokenize", "/v1/tokenize"):
-            return self._json(HTTPStatus.OK, self._tokens(path, self._body()))
-        if self.command == "DELETE":
-            raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"no route DELETE {path}")
-        routes = {"/v1/completions": completions_call, "/v1/chat/completions": chat_call}
-        if path not in routes:
-            raise ApiError(
-                HTTPStatus.NOT_FOUND, f"no route POST {path}; tandem serves /v1/completions and /v1/chat/completions"
-            )
-        call = routes[path](self._body())
-        with Client(self.server.socket_path, timeout=None) as client:
-            try:
-                stream = call.start(client)
-            except TandemError as exc:
-                raise ApiError.of(exc) from None
-            with stream:
-                try:
-                    if call.stream:
-                        self._sse(call, stream)
-                    else:
-                        done = self._wait(stream)
-                        self._json(HTTPStatus.OK, self._answer(call, stream.request_id, done))
-                except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    _cancel_quietly(client, stream.request_id)  # the HTTP client left: so does its daemon request
-                    self.close_connection = True
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _serve(self, route: Callable[[], None]) -> None:
-        self._body_read = False
-        try:
-            self._check_origin()
-            self._check_key()
-            route()
-        except ApiError as exc:
-            if not self._body_read and self.headers.get("Content-Length", "0") != "0":
-                self.close_connection = True  # its body is still unread: the connection cannot go on
-            self._json(exc.status, exc.body(self._dialect()))
-        except (OverflowError, RecursionError) as exc:  # a number msgpack cannot carry, JSON nested too deep
-            self.close_connection = True
-            error = ApiError(HTTPStatus.BAD_REQUEST, f"the request has a value tandem cannot take: {exc}")
-            body = error.body(self._dialect())
-            self._json(HTTPStatus.BAD_REQUEST, body)
-        except (BrokenPipeError, ConnectionResetError, TimeoutError, ClientGone):
-            self.close_connection = True
-
-    def _dialect(self) -> str:
-        if self.path.startswith("/api/"):
-            return "ollama"
-        return "anthropic" if self.path.startswith("/v1/messages") else "openai"
-
-    def _check_origin(self) -> None:
-        from tandem.daemon.config import is_loopback_host
-
-        host = (self.headers.get("Host") or "").strip().lower()
-        if not is_loopback_host(host):
-            raise ApiError(
-                HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine"
-            )
-        origin = (self.headers.get("Origin") or "").strip().lower()
-        scheme, _, rest = origin.partition("://")
-        foreign = origin and (scheme not in ("http", "https") or not is_loopback_host(rest.split("/", 1)[0]))
-        # a web page's request: browsers send Origin ("null" from sandboxed frames, data: pages and
-        # redirects) and Sec-Fetch-Site; Ollama refuses foreign origins too (OLLAMA_ORIGINS)
-        if foreign or (self.headers.get("Sec-Fetch-Site") or "").lower() == "cross-site":
-            raise ApiError(
-                HTTPStatus.FORBIDDEN,
-                f"Origin {origin or '(cross-site)'!r} is not this machine: web pages may not use the bridge",
-            )
-
-    def _check_key(self) -> None:
-        from .api_key import matches, presented
-
-        key = self.server.api_key
-        if key is not None and not matches(presented(self.headers), key):
-            raise ApiError(
-                HTTPStatus.UNAUTHORIZED,
-                "this bridge requires its API key: send the key that `tandem key` prints as "
-                "Authorization: Bearer KEY (an OpenAI client's api_key)",
-                code="invalid_api_key",
-            )
-
-    def _body(self) -> dict:
-        ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-        # Ollama's API takes any type (its docs post with `curl -d`, a form type): the Origin check keeps
-        # web pages out there; the OpenAI routes also refuse what a page can post without a preflight
-        if ctype != "application/json" and not self.path.startswith("/api/"):
-            raise ApiError(
-                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                f"send the body as Content-Type: application/json (got {ctype or 'none'!r})",
-            )
-        try:
-            length = int(self.headers.get("Content-Length") or "")
-        except ValueError:
-            raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required") from None
-        if length < 0:
-            self.close_connection = True
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"Content-Length must be a byte count >= 0, got {length}")
-        if length > MAX_MESSAGE_BYTES:
-            self.close_connection = True
-            raise ApiError(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length:,} bytes; the limit is {MAX_MESSAGE_BYTES:,}"
-            )
-        raw = self.rfile.read(length)
-        self._body_read = True
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {exc or 'nested too deep'}") from None
-        if not isinstance(body, dict):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-        return body
-
-    def _model(self) -> dict:
-        try:
-            with Client(self.server.socket_path) as client:
-                hello = client.connect()
-        except TandemError as exc:
-            raise ApiError.of(exc) from None
-        self.server.model = hello.model
-        return {"id": hello.model, "object": "model", "created": 0, "owned_by": "tandem", "context_length": hello.n_ctx}
-
-    # ------------------------------------------------------------------ for the dialect modules
-
-    def daemon_hello(self):
-        try:
-            with Client(self.server.socket_path) as client:
-                hello = client.connect()
-        except TandemError as exc:
-            raise ApiError.of(exc) from None
-        self.server.model = hello.model
-        return hello
-
-    def send_json(self, status: int, body: dict) -> None:
-        self._json(status, body)
-
-    def start_stream(self, content_type: str) -> None:
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-
-    def write_line(self, obj: dict) -> None:
-        """One NDJSON line."""
-        self._write_chunk(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
-
-    def end_stream(self) -> None:
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
-
-    def _tokens(self, path: str, body: dict) -> dict:
-        """llama-server's /tokenize and /detokenize; /v1/tokenize: an OpenAI-style
-        request's prompt or messages (and tools) counted as generate would read them."""
-        try:
-            with Client(self.server.socket_path) as client:
-                if path == "/detokenize":
-                    tokens = _get(body, "tokens", (list,), [])
-                    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-                        raise ApiError(HTTPStatus.BAD_REQUEST, "'tokens' must be an array of integers", param="tokens")
-                    return {"content": client.detokenize(tokens)}
-                if path == "/tokenize":
-                    content = _get(body, "content", (str,))
-                    if content is None:
-                        raise ApiError(HTTPStatus.BAD_REQUEST, "'content' (the text) is required", param="content")
-                    pieces = bool(_get(body, "with_pieces", (bool,), False))
-                    reply = client.tokenize(
-                        content,
-                        add_special=bool(_get(body, "add_special", (bool,), False)),
-                        parse_special=bool(_get(body, "parse_special", (bool,), True)),
-                        with_pieces=pieces,
-                    )
-                    if pieces:
-                        return {"tokens": [{"id": t, "piece": p} for t, p in zip(reply.tokens, reply.pieces)]}
-                    return {"tokens": reply.tokens}
-                if body.get("messages") is not None:
-                    tools = _tools(body).get("tools")
-                    reply = client.tokenize(messages=_chat_messages(body), tools=tools)
-                else:
-                    prompt = _get(body, "prompt", (str,))
-                    if prompt is None:
-                        raise ApiError(HTTPStatus.BAD_REQUEST, "give 'prompt' or 'messages'", param="prompt")
-                    reply = client.tokenize(prompt, parse_special=True)
-                return {"tokens": reply.tokens, "count": len(reply.tokens), "model": self.server.model}
-        except TandemError as exc:
-            raise ApiError.of(exc) from None
-
-    def run_to_done(self, start):
-        """One daemon request, waited for (cancelled if the HTTP client leaves)."""
-        with Client(self.server.socket_path, timeout=None) as client:
-            try:
-                s = start(client)
-            except TandemError as exc:
-                raise ApiError.of(exc) from None
-            with s:
-                try:
-                    return self._wait(s)
-                except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    _cancel_quietly(client, s.request_id)
-                    self.close_connection = True
-                    raise ClientGone() from None
-
-    def run_events(self, start, events) -> None:
-        """One daemon request streamed as named server-sent events (Anthropic's):
-        ``events.start()``, ``.chunk(chunk)`` and ``.finish(done)`` give (name, data) pairs."""
-        with Client(self.server.socket_path, timeout=None) as client:
-            try:
-                s = start(client)
-            except TandemError as exc:
-                raise ApiError.of(exc) from None
-            with s:
-                started = False
-                try:
-                    try:
-                        for chunk in self._chunks(s):
-                            if not started:
-                                self._start_sse()
-                                self._named_events(events.start())
-                                started = True
-                            self._named_events(events.chunk(chunk))
-                    except ApiError as exc:
-                        if not started:
-                            raise
-                        self._named_events([("error", exc.body(self._dialect()))])
-                        self.wfile.write(b"0\r\n\r\n")
-                        return
-                    if not started:
-                        self._start_sse()
-                        self._named_events(events.start())
-                    self._named_events(events.finish(s.done))
-                    self.wfile.write(b"0\r\n\r\n")
-                    self.wfile.flush()
-                except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    _cancel_quietly(client, s.request_id)
-                    self.close_connection = True
-
-    def _named_events(self, pairs) -> None:
-        for name, data in pairs:
-            self._write_chunk(f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
-
-    def run_daemon_request(self, start, piece, final, stream: bool, content_type: str = "application/x-ndjson"):
-        """One daemon request: ``start(client)`` starts it; streamed, each chunk's
-        text goes out as ``piece(text)`` (one line), then ``final(done)``; not
-        streamed, ``final(done)`` is the answer. An HTTP client that leaves
-        cancels it; an error after the stream started is a last ``{"error"}`` line."""
-        with Client(self.server.socket_path, timeout=None) as client:
-            try:
-                s = start(client)
-            except TandemError as exc:
-                raise ApiError.of(exc) from None
-            with s:
-                try:
-                    if not stream:
-                        self._json(HTTPStatus.OK, final(self._wait(s)))
-                        return
-                    started = False
-                    try:
-                        for chunk in self._chunks(s):
-                            if not started:  # headers once the daemon took it: errors before are plain HTTP
-                                self.start_stream(content_type)
-                                started = True
-                            if chunk.text:
-                                self.write_line(piece(chunk.text))
-                    except ApiError as exc:
-                        if not started:
-                            raise
-                        self.write_line(exc.body(self._dialect()))
-                        self.end_stream()
-                        return
-                    if not started:
-                        self.start_stream(content_type)
-                    last = final(s.done)
-                    for line in last if isinstance(last, list) else [last]:
-                        self.write_line(line)
-                    self.end_stream()
-                except (ClientGone, BrokenPipeError, ConnectionResetError):
-                    _cancel_quietly(client, s.request_id)  # the HTTP client left: so does its daemon request
-                    self.close_connection = True
-
-    def _gone(self) -> bool:
-        """Has the HTTP client closed its end? (Readable with nothing to read.)"""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
-
-    def _chunks(self, stream: Stream) -> Iterator:
-        """The stream's chunks (the daemon streams even when the HTTP client does
-        not: the chunks pace the checks); ClientGone if the HTTP client leaves
-        meanwhile, noticed within POLL_SECONDS."""
-        checked = time.monotonic()
-        while True:
-            try:
-                chunk = stream.next_chunk(POLL_SECONDS)
-            except DaemonTimeout:
-                chunk = False
-            except TandemError as exc:
-                raise ApiError.of(exc) from None
-            if chunk is None:
-                return
-            now = time.monotonic()
-            if now - checked >= POLL_SECONDS:
-                checked = now
-                if self._gone():
-                    raise ClientGone()
-            if chunk is not False:
-                yield chunk
-
-    def _wait(self, stream: Stream):
-        for _ in self._chunks(stream):
-            pass
-        return stream.done
-
-    def _answer(self, call: Call, request_id: str, done) -> dict:
-        reply = self._envelope(call, request_id)
-        if call.kind == "chat.completion":
-            message = assistant_message(done)
-            if done.tool_calls:
-                message["content"] = done.text or None
-            choice = {"index": 0, "message": message, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": done.text, "logprobs": None}
-        choice["finish_reason"] = _finish(done.finish_reason)
-        reply["choices"] = [choice]
-        reply["usage"] = _usage(done)
-        return reply
-
-    def _envelope(self, call: Call, request_id: str, chunk: bool = False) -> dict:
-        prefix = "chatcmpl-" if call.kind == "chat.completion" else "cmpl-"
-        obj = call.kind + (".chunk" if chunk and call.kind == "chat.completion" else "")
-        return {"id": prefix + request_id, "object": obj, "created": int(time.time()), "model": self.server.model}
-
-    def _sse(self, call: Call, stream: Stream) -> None:
-        chat = call.kind == "chat.completion"
-
-        def event(delta: Optional[str], finish: Optional[str] = None, role: bool = False) -> dict:
-            e = self._envelope(call, stream.request_id, chunk=True)
-            if chat:
-                d: dict = (
-                    {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
-                )
-                e["choices"] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]
-            else:
-                e["choices"] = [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]
-            return e
-
-        started = False
-
-        def start() -> None:
-            # headers only once the daemon accepted the request: errors before it are plain HTTP errors
-            nonlocal started
-            if not started:
-                self._start_sse()
-                if chat:
-                    self._send_event(event(None, role=True))
-                started = True
-
-        try:
-            for chunk in self._chunks(stream):
-                start()
-                if chunk.text:
-                    self._send_event(event(chunk.text))
-                if chat and chunk.tool_calls:
-                    e = self._envelope(call, stream.request_id, chunk=True)
-                    delta = {"tool_calls": _call_deltas(chunk.tool_calls)}
-                    e["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
-                    self._send_event(e)
-        except ApiError as exc:
-            if not started:
-                raise
-            self._send_event(exc.body())
-            self._end_sse()
-            return
-        start()
-        done = stream.done
-        self._send_event(event(None, finish=_finish(done.finish_reason)))
+    def closing(done) -> list[bytes]:
+        out = [event(None, finish=_finish(done.finish_reason))]
         if call.include_usage:
-            e = self._envelope(call, stream.request_id, chunk=True)
+            e = _envelope(call, ex, chunk=True)
             e["choices"] = []
             e["usage"] = _usage(done)
-            self._send_event(e)
-        self._end_sse()
+            out.append(sse(e))
+        return out + [sse("[DONE]")]
 
-    def _start_sse(self) -> None:
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-
-    def _send_event(self, data: Any) -> None:
-        self._write_chunk(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
-
-    def _write_chunk(self, payload: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(payload), payload))
-        self.wfile.flush()
-
-    def _end_sse(self) -> None:
-        self._send_event("[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
-
-    def _json(self, status: int, body: dict) -> None:
-        payload = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        if status == HTTPStatus.TOO_MANY_REQUESTS:
-            self.send_header("Retry-After", "1")
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(payload)
-        self.wfile.flush()
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        if self.server.verbose:
-            sys.stderr.write(f"tandem http: {self.address_string()} {format % args}\n")
+    await ex.relay(
+        call.start,
+        "text/event-stream",
+        opening=lambda: [event(None, role=True)] if chat else [],
+        each=each,
+        closing=closing,
+        failing=lambda exc: [sse(exc.body()), sse("[DONE]")],
+    )
 
 
-# --------------------------------------------------------------------------- entry point
+def _answer(call: Call, ex: "Exchange", done) -> dict:
+    reply = _envelope(call, ex)
+    if call.kind == "chat.completion":
+        message = assistant_message(done)
+        if done.tool_calls:
+            message["content"] = done.text or None
+        choice = {"index": 0, "message": message, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": done.text, "logprobs": None}
+    choice["finish_reason"] = _finish(done.finish_reason)
+    reply["choices"] = [choice]
+    reply["usage"] = _usage(done)
+    return reply
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """HOST:PORT (loopback only) -> (host, port). Raises ValueError naming the fix."""
-    from tandem.daemon.config import is_loopback
-
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--listen must be HOST:PORT, e.g. {DEFAULT_LISTEN}; got {listen!r}")
-    if not is_loopback(listen):
-        raise ValueError(
-            f"--listen {listen} is not a loopback address; the bridge serves this machine only "
-            f"(use 127.0.0.1:{port}; to reach it from elsewhere, tunnel: ssh -L {port}:127.0.0.1:{port} ...)"
-        )
-    return host, int(port)
+def _envelope(call: Call, ex: "Exchange", chunk: bool = False) -> dict:
+    prefix = "chatcmpl-" if call.kind == "chat.completion" else "cmpl-"
+    obj = call.kind + (".chunk" if chunk and call.kind == "chat.completion" else "")
+    return {"id": prefix + ex.request_id, "object": obj, "created": int(time.time()), "model": ex.server.model}
 
 
-def url_of(server: BridgeServer) -> str:
-    host, port = server.server_address[:2]
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
+async def tokens(ex: "Exchange", path: str, body: dict) -> None:
+    """llama-server's /tokenize and /detokenize; /v1/tokenize: an OpenAI-style
+    request's prompt or messages (and tools) counted as generate would read them."""
+    async with ex.daemon() as client:
+        if path == "/detokenize":
+            ids = _get(body, "tokens", (list,), [])
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ApiError(HTTPStatus.BAD_REQUEST, "'tokens' must be an array of integers", param="tokens")
+            return ex.send_json(HTTPStatus.OK, {"content": await client.detokenize(ids)})
+        if path == "/tokenize":
+            content = _get(body, "content", (str,))
+            if content is None:
+                raise ApiError(HTTPStatus.BAD_REQUEST, "'content' (the text) is required", param="content")
+            pieces = bool(_get(body, "with_pieces", (bool,), False))
+            reply = await client.tokenize(
+                content,
+                add_special=bool(_get(body, "add_special", (bool,), False)),
+                parse_special=bool(_get(body, "parse_special", (bool,), True)),
+                with_pieces=pieces,
+            )
+            if pieces:
+                out = [{"id": t, "piece": p} for t, p in zip(reply.tokens, reply.pieces)]
+                return ex.send_json(HTTPStatus.OK, {"tokens": out})
+            return ex.send_json(HTTPStatus.OK, {"tokens": reply.tokens})
+        if body.get("messages") is not None:
+            reply = await client.tokenize(messages=_chat_messages(body), tools=_tools(body).get("tools"))
+        else:
+            prompt = _get(body, "prompt", (str,))
+            if prompt is None:
+                raise ApiError(HTTPStatus.BAD_REQUEST, "give 'prompt' or 'messages'", param="prompt")
+            reply = await client.tokenize(prompt, parse_special=True)
+        ex.send_json(HTTPStatus.OK, {"tokens": reply.tokens, "count": len(reply.tokens), "model": ex.server.model})

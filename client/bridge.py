@@ -1,0 +1,471 @@
+"""``tandem http``: the HTTP bridge: OpenAI's, Ollama's and Anthropic's APIs on one loopback port.
+
+Every HTTP request becomes one daemon request on its own connection, so the
+daemon's queue, drafter, governor and prefix cache serve it; an HTTP client
+that goes away cancels its daemon request. The dialects translate
+(openai_bridge.py, ollama_api.py, anthropic_api.py); this module is the HTTP
+side, on aiohttp's low-level server: its parser (llhttp), keep-alive and
+idle timeouts, chunked bodies both ways, graceful shutdown, and a handler task
+that is cancelled the moment its connection is lost.
+
+What it guarantees, each checked before a request is parsed or answered:
+loopback only (parse_listen); the connecting socket's owner is the user who
+runs the bridge (tcp_owner); at most --max-connections at once; a Host header
+that is loopback (no DNS rebinding); no web page's Origin; the API key where
+one is required; bodies of at most MAX_MESSAGE_BYTES, read within the idle
+timeout; and a stream that its client stops reading is dropped after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import sys
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from tandem.protocol import MAX_MESSAGE_BYTES
+
+from .aio import AsyncClient, AsyncStream
+from .errors import TandemError
+from .openai_bridge import ApiError
+
+DEFAULT_LISTEN = "127.0.0.1:8642"
+DEFAULT_IDLE_TIMEOUT = 60.0  # seconds a connection may stay silent (or stall a read or write) before it is closed
+DEFAULT_MAX_CONNECTIONS = 64
+SHUTDOWN_SECONDS = 2.0  # how long a stopping bridge lets running requests finish before it cancels them
+
+Start = Callable[[AsyncClient], Awaitable[AsyncStream]]
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection, or stopped reading for the idle timeout."""
+
+
+def dialect_of(path: str) -> str:
+    if path.startswith("/api/"):
+        return "ollama"
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def _json_bytes(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _raw_answer(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP answer, for a connection refused before aiohttp sees it."""
+    body = _json_bytes({"error": {"message": message, "type": ApiError(status, "").type, "param": None, "code": code}})
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        f"Retry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class _Refused(asyncio.Protocol):
+    """A refused connection: one answer, then what the client sends is read and
+    dropped until it closes (or 1 s): closing with its request unread would make
+    the kernel send a reset, which can reach the client before the answer."""
+
+    def __init__(self, transport: asyncio.Transport, answer: bytes):
+        transport.write(answer)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(1.0, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        self._timer.cancel()
+        return False  # close
+
+    def connection_lost(self, exc) -> None:
+        self._timer.cancel()
+
+
+class _Gate(asyncio.Protocol):
+    """Every accepted connection's first protocol: another user's connection,
+    or one beyond --max-connections, gets one answer and no parser; the others
+    are handed to aiohttp's request handler."""
+
+    def __init__(self, bridge: "BridgeServer"):
+        self.bridge = bridge
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        from tandem.daemon.tcp_owner import refusal
+
+        assert isinstance(transport, asyncio.Transport)
+        bridge = self.bridge
+        why = refusal(transport.get_extra_info("peername"), transport.get_extra_info("sockname"))
+        if why is not None:
+            transport.set_protocol(_Refused(transport, _raw_answer(403, why, "another_user")))
+            return
+        if len(bridge.manager.connections) >= bridge.max_connections:
+            message = "the bridge has as many connections open as it serves (--max-connections); retry"
+            transport.set_protocol(_Refused(transport, _raw_answer(503, message, "too_many_connections")))
+            return
+        handler = _Handler(
+            bridge.manager,
+            loop=asyncio.get_running_loop(),
+            keepalive_timeout=bridge.idle_timeout,  # also a new connection that sends nothing
+            access_log=None,
+            lingering_time=1.0,
+        )
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+
+
+class _Handler(RequestHandler):
+    """aiohttp's, with HTTP that does not parse answered in OpenAI's error shape (not text)."""
+
+    def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
+        if status >= 500:  # a bug of ours: worth a traceback
+            self.log_exception("tandem http: error handling a request", exc_info=exc)
+        text = message or (str(exc) if exc else HTTPStatus(status).phrase)
+        if status < 500:
+            text = f"the request is not valid HTTP: {text.splitlines()[0] if text else status}"
+        error = ApiError(status, text)
+        resp = web.Response(status=status, body=_json_bytes(error.body()), content_type="application/json")
+        resp.force_close()  # (what follows on the connection cannot be trusted to parse)
+        return resp
+
+
+class BridgeServer:
+    """The listening socket is bound at construction (so an address in use is
+    reported before anything starts); ``serve_forever`` runs the server until
+    ``stop()`` (or SIGINT/SIGTERM, where it installs handlers)."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        socket_path: Path,
+        model: str,
+        verbose: bool = False,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        api_key: Optional[str] = None,
+    ):
+        """``address``: from parse_listen (loopback). ``api_key``: required of every request (None: not)."""
+        self.socket_path = socket_path
+        self.model = model  # the daemon's model when the bridge started (refreshed by each hello)
+        self.verbose = verbose  # log every HTTP request
+        self.idle_timeout = idle_timeout  # a connection silent this long (or this slow to read or write) is closed
+        self.max_connections = max_connections
+        self.api_key = api_key  # every request must carry it (None: not required; see api_key.py)
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(address)
+            self.socket.listen(128)
+        except OSError:
+            self.socket.close()
+            raise
+        self.socket.setblocking(False)
+        self.server_address = self.socket.getsockname()
+        self.manager: web.Server  # made in serve_forever, on its event loop
+        self._stopping: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def serve_forever(self) -> None:
+        asyncio.run(self._serve())
+
+    def stop(self) -> None:
+        """From any thread: stop serving (running requests get SHUTDOWN_SECONDS, then are cancelled)."""
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+
+    def server_close(self) -> None:
+        self.socket.close()
+
+    async def _serve(self) -> None:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._stopping = asyncio.Event()
+        self.manager = web.Server(self._handle, request_factory=self._request, handler_cancellation=True)
+        listener = await loop.create_server(lambda: _Gate(self), sock=self.socket)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+                loop.add_signal_handler(sig, self._stopping.set)
+        try:
+            await self._stopping.wait()
+        finally:
+            listener.close()
+            await self.manager.shutdown(SHUTDOWN_SECONDS)
+
+    def _request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
+        return web.BaseRequest(
+            message, payload, protocol, writer, task, asyncio.get_running_loop(), client_max_size=MAX_MESSAGE_BYTES
+        )
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        from .routes import route
+
+        ex = Exchange(self, request)
+        try:
+            self._check_origin(request)
+            self._check_key(request)
+            await route(ex)
+        except ApiError as exc:
+            ex.send_json(exc.status, exc.body(ex.dialect))
+        except (OverflowError, RecursionError) as exc:  # a number msgpack cannot carry, JSON nested too deep
+            ex.send_json(
+                HTTPStatus.BAD_REQUEST,
+                ApiError(400, f"the request has a value tandem cannot take: {exc}").body(ex.dialect),
+            )
+        except (ClientGone, ConnectionError):
+            if request.transport is not None:
+                request.transport.close()
+            raise asyncio.CancelledError() from None  # nothing more to answer, to no one
+        if self.verbose:
+            sys.stderr.write(f"tandem http: {request.remote} {request.method} {request.path_qs} {ex.response.status}\n")
+        assert ex.response is not None, f"{request.method} {request.path}: no answer"
+        return ex.response
+
+    def _check_origin(self, request: web.BaseRequest) -> None:
+        from tandem.daemon.config import is_loopback_host
+
+        host = (request.headers.get("Host") or "").strip().lower()
+        if not is_loopback_host(host):
+            raise ApiError(
+                HTTPStatus.FORBIDDEN, f"Host {host!r} is not loopback: the bridge answers only clients on this machine"
+            )
+        origin = (request.headers.get("Origin") or "").strip().lower()
+        scheme, _, rest = origin.partition("://")
+        foreign = origin and (scheme not in ("http", "https") or not is_loopback_host(rest.split("/", 1)[0]))
+        # a web page's request: browsers send Origin ("null" from sandboxed frames, data: pages and
+        # redirects) and Sec-Fetch-Site; Ollama refuses foreign origins too (OLLAMA_ORIGINS)
+        if foreign or (request.headers.get("Sec-Fetch-Site") or "").lower() == "cross-site":
+            raise ApiError(
+                HTTPStatus.FORBIDDEN,
+                f"Origin {origin or '(cross-site)'!r} is not this machine: web pages may not use the bridge",
+            )
+
+    def _check_key(self, request: web.BaseRequest) -> None:
+        from .api_key import matches, presented
+
+        if self.api_key is not None and not matches(presented(request.headers), self.api_key):
+            raise ApiError(
+                HTTPStatus.UNAUTHORIZED,
+                "this bridge requires its API key: send the key that `tandem key` prints as "
+                "Authorization: Bearer KEY (an OpenAI client's api_key)",
+                code="invalid_api_key",
+            )
+
+
+class Exchange:
+    """One HTTP request being answered: what the dialect modules read and write."""
+
+    def __init__(self, server: BridgeServer, request: web.BaseRequest):
+        self.server = server
+        self.request = request
+        self.method = request.method
+        self.path = request.path.rstrip("/")
+        self.dialect = dialect_of(self.path)
+        self.response: Optional[web.StreamResponse] = None
+        self.request_id = ""  # the daemon request's, once started
+        self.done = None  # its Done, once it ends
+
+    # ------------------------------------------------------------------ reading
+
+    async def body(self) -> dict:
+        request = self.request
+        ctype = request.content_type.lower()
+        # Ollama's API takes any type (its docs post with `curl -d`, a form type): the Origin check keeps
+        # web pages out there; the other routes also refuse what a page can post without a preflight
+        if ctype != "application/json" and self.dialect != "ollama":
+            sent = request.headers.get("Content-Type") or "none"
+            raise ApiError(
+                HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"send the body as Content-Type: application/json (got {sent!r})"
+            )
+        if not request.body_exists:
+            raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a JSON body is required (with its Content-Length)")
+        length = request.content_length
+        # (a body refused unread is read and dropped for up to lingering_time, then the connection closes)
+        if length is not None and length > MAX_MESSAGE_BYTES:
+            raise ApiError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length:,} bytes; the limit is {MAX_MESSAGE_BYTES:,}"
+            )
+        try:
+            async with asyncio.timeout(self.server.idle_timeout):
+                raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body past the limit
+            raise ApiError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over the limit of {MAX_MESSAGE_BYTES:,} bytes"
+            ) from None
+        except TimeoutError:
+            raise ClientGone() from None  # a body that stalls is a client that left
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {exc or 'nested too deep'}") from None
+        if not isinstance(body, dict):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
+        return body
+
+    # ------------------------------------------------------------------ the daemon
+
+    @contextlib.asynccontextmanager
+    async def daemon(self, timeout: Optional[float] = 30.0) -> AsyncIterator[AsyncClient]:
+        """A connection to the daemon for this request; its errors as ApiError."""
+        client = AsyncClient(self.server.socket_path, timeout=timeout)
+        try:
+            await client.connect()
+            self.server.model = client.server.model
+            yield client
+        except TandemError as exc:
+            raise ApiError.of(exc) from None
+        finally:
+            client.close()
+
+    async def hello(self):
+        async with self.daemon() as client:
+            return client.server
+
+    async def status(self):
+        async with self.daemon() as client:
+            return await client.status()
+
+    @contextlib.asynccontextmanager
+    async def daemon_request(self, start: Start) -> AsyncIterator[AsyncIterator]:
+        """One daemon request: ``start(client)`` starts it; yields its chunks (the
+        stream's ``done`` once they end: ``self.done``). If the HTTP client leaves
+        (or stops reading), the daemon request is cancelled."""
+        async with self.daemon(timeout=None) as client:
+            stream = await start(client)
+            self.request_id = stream.request_id
+            try:
+                yield self._chunks(stream)
+            except (asyncio.CancelledError, ClientGone, ConnectionError):
+                if not stream.finished:  # the HTTP client left: so does its daemon request
+                    with contextlib.suppress(TandemError, asyncio.TimeoutError):
+                        await asyncio.shield(asyncio.wait_for(client.cancel(stream.request_id), 5.0))
+                raise
+            finally:
+                self.done = stream.done
+                stream.close()
+
+    async def _chunks(self, stream: AsyncStream) -> AsyncIterator:
+        while True:
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                self.done = stream.done
+                return
+            except TandemError as exc:
+                raise ApiError.of(exc) from None
+            yield chunk
+
+    async def run_to_done(self, start: Start):
+        """One daemon request, waited for."""
+        async with self.daemon_request(start) as chunks:
+            async for _ in chunks:
+                pass
+        return self.done
+
+    async def relay(
+        self,
+        start: Start,
+        content_type: str,
+        opening: Callable[[], list[bytes]],
+        each: Callable[[Any], list[bytes]],
+        closing: Callable[[Any], list[bytes]],
+        failing: Callable[[ApiError], list[bytes]],
+    ) -> None:
+        """One daemon request streamed: the response starts once the daemon has
+        taken the request (errors before are plain HTTP errors) with ``opening()``;
+        each chunk is written as ``each(chunk)``, the end as ``closing(done)``; an
+        error after the start as ``failing(error)``."""
+        async with self.daemon_request(start) as chunks:
+            started = False
+            try:
+                async for chunk in chunks:
+                    if not started:
+                        await self.start_stream(content_type, opening())
+                        started = True
+                    await self.write(*each(chunk))
+            except ApiError as exc:
+                if not started:
+                    raise
+                await self.write(*failing(exc))
+                await self.end_stream()
+                return
+            if not started:
+                await self.start_stream(content_type, opening())
+            await self.write(*closing(self.done))
+            await self.end_stream()
+
+    # ------------------------------------------------------------------ writing
+
+    def send_json(self, status: int, body: Any) -> None:
+        headers = (
+            {"Retry-After": "1"} if status in (HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.SERVICE_UNAVAILABLE) else {}
+        )
+        self.response = web.Response(
+            status=int(status), body=_json_bytes(body), content_type="application/json", headers=headers
+        )
+
+    async def start_stream(self, content_type: str, first: list[bytes] = ()) -> None:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+        resp.enable_chunked_encoding()
+        self.response = resp
+        async with self._in_time():
+            await resp.prepare(self.request)
+        await self.write(*first)
+
+    async def write(self, *pieces: bytes) -> None:
+        if pieces:
+            async with self._in_time():
+                await self.response.write(b"".join(pieces))
+
+    async def end_stream(self) -> None:
+        async with self._in_time():
+            await self.response.write_eof()
+
+    @contextlib.asynccontextmanager
+    async def _in_time(self):
+        """A client that stops reading blocks our writes: past the idle timeout, it has left."""
+        try:
+            async with asyncio.timeout(self.server.idle_timeout):
+                yield
+        except TimeoutError:
+            raise ClientGone() from None
+
+
+def ndjson(obj: Any) -> bytes:
+    return _json_bytes(obj) + b"\n"
+
+
+def sse(data: Any, event: Optional[str] = None) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {text}\n\n".encode()
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """HOST:PORT (loopback only) -> (host, port). Raises ValueError naming the fix."""
+    from tandem.daemon.config import is_loopback
+
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--listen must be HOST:PORT, e.g. {DEFAULT_LISTEN}; got {listen!r}")
+    if not is_loopback(listen):
+        raise ValueError(
+            f"--listen {listen} is not a loopback address; the bridge serves this machine only "
+            f"(use 127.0.0.1:{port}; to reach it from elsewhere, tunnel: ssh -L {port}:127.0.0.1:{port} ...)"
+        )
+    return host, int(port)
+
+
+def url_of(server: BridgeServer) -> str:
+    host, port = server.server_address[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"

@@ -1,0 +1,70 @@
+"""The bridge's routes: which dialect answers which method and path (bridge.py serves them)."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+from . import anthropic_api, ollama_api, openai_bridge
+from .openai_bridge import ApiError
+
+if TYPE_CHECKING:
+    from .bridge import Exchange
+
+_MANAGE = {"/api/pull": "tandem pull NAME", "/api/delete": "tandem rm NAME"}
+
+
+async def route(ex: "Exchange") -> None:
+    method, path = ex.method, ex.path
+    if method in ("GET", "HEAD"):
+        return await _get(ex, path)
+    if method not in ("POST", "DELETE"):  # DELETE: Ollama's /api/delete
+        raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"no route {method} {path}")
+    if path.startswith("/api/"):
+        ollama = {"/api/generate": ollama_api.generate, "/api/chat": ollama_api.chat, "/api/show": ollama_api.show}
+        if path in ollama:
+            return await ollama[path](ex, await ex.body())
+        if path in ("/api/embed", "/api/embeddings"):
+            raise ApiError(
+                HTTPStatus.NOT_IMPLEMENTED,
+                "tandem serves generation models only: it has no embedding model or path (use a dedicated "
+                "embedding server for /api/embed)",
+            )
+        if path in _MANAGE or path in ("/api/push", "/api/create", "/api/copy") or path.startswith("/api/blobs"):
+            raise ApiError(
+                HTTPStatus.NOT_IMPLEMENTED,
+                f"{path} is not served over HTTP: models are managed with the tandem command "
+                f"({_MANAGE.get(path, 'tandem models --help')})",
+            )
+        raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
+    if path == "/v1/messages":
+        return await anthropic_api.messages(ex, await ex.body())
+    if path == "/v1/messages/count_tokens":
+        return await anthropic_api.count_tokens(ex, await ex.body())
+    if path in ("/tokenize", "/detokenize", "/v1/tokenize"):
+        return await openai_bridge.tokens(ex, path, await ex.body())
+    if method == "DELETE":
+        raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"no route DELETE {path}")
+    calls = {"/v1/completions": openai_bridge.completions_call, "/v1/chat/completions": openai_bridge.chat_call}
+    if path not in calls:
+        raise ApiError(
+            HTTPStatus.NOT_FOUND, f"no route POST {path}; tandem serves /v1/completions and /v1/chat/completions"
+        )
+    await openai_bridge.generate(ex, calls[path](await ex.body()))
+
+
+async def _get(ex: "Exchange", path: str) -> None:
+    if path == "/api/version":
+        ex.send_json(HTTPStatus.OK, {"version": ollama_api.API_VERSION})
+    elif path == "/api/tags":
+        ex.send_json(HTTPStatus.OK, await ollama_api.tags(ex))
+    elif path == "/api/ps":
+        ex.send_json(HTTPStatus.OK, await ollama_api.ps(ex))
+    elif path == "/v1/models":
+        await openai_bridge.models(ex)
+    elif path.startswith("/v1/models/"):
+        await openai_bridge.model(ex, path[len("/v1/models/") :])
+    elif path in ("", "/health"):  # (HEAD / is what some Ollama clients probe before they start)
+        ex.send_json(HTTPStatus.OK, {"status": "ok", "model": ex.server.model})
+    else:
+        raise ApiError(HTTPStatus.NOT_FOUND, f"no route {ex.method} {path}; try GET /v1/models")

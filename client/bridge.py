@@ -226,9 +226,11 @@ class BridgeServer:
             if request.transport is not None:
                 request.transport.close()
             raise asyncio.CancelledError() from None  # nothing more to answer, to no one
+        finally:
+            ex.close()
+        assert ex.response is not None, f"{request.method} {request.path}: no answer"
         if self.verbose:
             sys.stderr.write(f"tandem http: {request.remote} {request.method} {request.path_qs} {ex.response.status}\n")
-        assert ex.response is not None, f"{request.method} {request.path}: no answer"
         return ex.response
 
     def _check_origin(self, request: web.BaseRequest) -> None:
@@ -274,6 +276,7 @@ class Exchange:
         self.response: Optional[web.StreamResponse] = None
         self.request_id = ""  # the daemon request's, once started
         self.done = None  # its Done, once it ends
+        self._client: Optional[AsyncClient] = None
 
     # ------------------------------------------------------------------ reading
 
@@ -315,17 +318,21 @@ class Exchange:
     # ------------------------------------------------------------------ the daemon
 
     @contextlib.asynccontextmanager
-    async def daemon(self, timeout: Optional[float] = 30.0) -> AsyncIterator[AsyncClient]:
-        """A connection to the daemon for this request; its errors as ApiError."""
-        client = AsyncClient(self.server.socket_path, timeout=timeout)
+    async def daemon(self) -> AsyncIterator[AsyncClient]:
+        """The request's connection to the daemon (one per HTTP request, made on
+        first use; closed by close()); its errors as ApiError."""
         try:
-            await client.connect()
-            self.server.model = client.server.model
-            yield client
+            if self._client is None:
+                self._client = AsyncClient(self.server.socket_path, timeout=None)
+            hello = await self._client.connect()
+            self.server.model = hello.model
+            yield self._client
         except TandemError as exc:
             raise ApiError.of(exc) from None
-        finally:
-            client.close()
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
     async def hello(self):
         async with self.daemon() as client:
@@ -340,7 +347,7 @@ class Exchange:
         """One daemon request: ``start(client)`` starts it; yields its chunks (the
         stream's ``done`` once they end: ``self.done``). If the HTTP client leaves
         (or stops reading), the daemon request is cancelled."""
-        async with self.daemon(timeout=None) as client:
+        async with self.daemon() as client:
             stream = await start(client)
             self.request_id = stream.request_id
             try:

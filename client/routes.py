@@ -14,8 +14,13 @@ if TYPE_CHECKING:
 _MANAGE = {"/api/pull": "tandem pull NAME", "/api/delete": "tandem rm NAME"}
 
 
+_UNVERSIONED = ("/chat/completions", "/completions", "/models")  # llama-server serves these without /v1 too
+
+
 async def route(ex: "Exchange") -> None:
     method, path = ex.method, ex.path
+    if path in _UNVERSIONED or path.startswith("/models/"):
+        path = "/v1" + path
     if method in ("GET", "HEAD"):
         return await _get(ex, path)
     if method not in ("POST", "DELETE"):  # DELETE: Ollama's /api/delete

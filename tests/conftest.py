@@ -221,7 +221,7 @@ def coder_daemon(coder_path):
 
 
 class BridgeProcess:
-    """`tandem openai` as a user runs it, on a free loopback port, in front of ``daemon``."""
+    """`tandem http` as a user runs it, on a free loopback port, in front of ``daemon``."""
 
     def __init__(self, daemon: DaemonProcess, *args: str):
         import re
@@ -234,7 +234,7 @@ class BridgeProcess:
                 "tandem.client.cli",
                 "--socket",
                 str(daemon.socket),
-                "openai",
+                "http",
                 "--listen",
                 "127.0.0.1:0",
                 "--no-start",
@@ -268,8 +268,32 @@ class BridgeProcess:
 
 
 @pytest.fixture(scope="session")
+def weather_tool() -> dict:
+    """One tool, in OpenAI's (and Ollama's) shape: what the tool-call tests of every dialect offer the model."""
+    return {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 40}},
+                "required": ["city"],
+            },
+        },
+    }
+
+
+@pytest.fixture(scope="session")
+def weather_tool_anthropic(weather_tool) -> dict:
+    """The same tool in Anthropic's shape."""
+    fn = weather_tool["function"]
+    return {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
+
+
+@pytest.fixture(scope="session")
 def bridge_process():
-    """The BridgeProcess class: ``bridge_process(daemon, *args)`` starts ``tandem openai`` in front of it."""
+    """The BridgeProcess class: ``bridge_process(daemon, *args)`` starts ``tandem http`` in front of it."""
     return BridgeProcess
 
 

@@ -14,15 +14,6 @@ import pytest
 
 GREEDY = {"temperature": 0}  # (this SDK takes sampling settings as extra fields)
 ONE_CALL = {"type": "any", "disable_parallel_tool_use": True}  # (in parallel this small model calls on and on)
-WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 40}},
-        "required": ["city"],
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +70,26 @@ def test_stop_sequences_end_the_message_and_are_named(client):
     assert "," not in m.content[0].text
 
 
-def test_tool_use_then_tool_result(client):
+def test_tool_use_then_tool_result(client, weather_tool_anthropic):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     m = client.messages.create(
-        model="tandem", max_tokens=80, tools=[WEATHER], tool_choice=ONE_CALL, messages=ask, extra_body=GREEDY
+        model="tandem",
+        max_tokens=80,
+        tools=[weather_tool_anthropic],
+        tool_choice=ONE_CALL,
+        messages=ask,
+        extra_body=GREEDY,
     )
     assert m.stop_reason == "tool_use"
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.input["city"].lower().startswith("paris") and use.id
     with client.messages.stream(
-        model="tandem", max_tokens=80, tools=[WEATHER], tool_choice=ONE_CALL, messages=ask, extra_body=GREEDY
+        model="tandem",
+        max_tokens=80,
+        tools=[weather_tool_anthropic],
+        tool_choice=ONE_CALL,
+        messages=ask,
+        extra_body=GREEDY,
     ) as stream:
         streamed = stream.get_final_message()
     (streamed_use,) = [b for b in streamed.content if b.type == "tool_use"]
@@ -97,19 +98,21 @@ def test_tool_use_then_tool_result(client):
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C and sunny"}]},
     ]
-    after = client.messages.create(model="tandem", max_tokens=40, tools=[WEATHER], messages=history, extra_body=GREEDY)
+    after = client.messages.create(
+        model="tandem", max_tokens=40, tools=[weather_tool_anthropic], messages=history, extra_body=GREEDY
+    )
     assert after.stop_reason in ("end_turn", "tool_use", "max_tokens") and after.content
     assert after.usage.input_tokens + after.usage.cache_read_input_tokens > (
         m.usage.input_tokens + m.usage.cache_read_input_tokens
     )
 
 
-def test_count_tokens_is_what_the_message_reads(client):
+def test_count_tokens_is_what_the_message_reads(client, weather_tool_anthropic):
     kw = dict(
         model="tandem",
         system="Be brief.",
         messages=[{"role": "user", "content": "Say hello to the team."}],
-        tools=[WEATHER],
+        tools=[weather_tool_anthropic],
     )
     counted = client.messages.count_tokens(**kw).input_tokens
     m = client.messages.create(max_tokens=1, **kw, extra_body=GREEDY)

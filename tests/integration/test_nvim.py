@@ -136,7 +136,7 @@ def test_no_bridge_is_a_clear_error_not_a_hang(tmp_path):
         setup=f"url = 'http://127.0.0.1:{closed_port()}/v1'",
     )
     assert r.returncode == 0, r.stderr
-    assert "tandem openai" in last.read_text()
+    assert "tandem http" in last.read_text()
     assert path.read_text() == "x = "
 
 

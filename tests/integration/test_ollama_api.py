@@ -20,18 +20,6 @@ import pytest
 from tandem.client import Client
 
 GREEDY = {"temperature": 0, "num_predict": 24}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40}},
-            "required": ["city"],
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +95,19 @@ def test_chat_streamed_matches_the_whole_reply(client, served):
     assert whole.message.role == "assistant" and whole.prompt_eval_count > 5
 
 
-def test_chat_with_tools_returns_a_parsed_call_and_takes_its_result(client, served):
+def test_chat_with_tools_returns_a_parsed_call_and_takes_its_result(client, served, weather_tool):
     messages = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
-    r = client.chat(model=served, messages=messages, tools=[WEATHER], options={"temperature": 0})
+    r = client.chat(model=served, messages=messages, tools=[weather_tool], options={"temperature": 0})
     (call,) = r.message.tool_calls
     assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
     assert call.function.arguments["city"].lower().startswith("paris")
     messages += [r.message, {"role": "tool", "content": '{"temp_c": 21, "sky": "clear"}', "tool_name": "get_weather"}]
-    after = client.chat(model=served, messages=messages, tools=[WEATHER], options={"temperature": 0, "num_predict": 40})
+    after = client.chat(
+        model=served, messages=messages, tools=[weather_tool], options={"temperature": 0, "num_predict": 40}
+    )
     # Qwen2.5-Coder-0.5B calls eagerly: after the result it may answer or call again; either is well-formed
     for again in after.message.tool_calls or []:
-        jsonschema.validate(again.function.arguments, WEATHER["function"]["parameters"])
+        jsonschema.validate(again.function.arguments, weather_tool["function"]["parameters"])
     assert after.message.tool_calls or after.message.content
     assert after.prompt_eval_count > r.prompt_eval_count + 15  # the call and its result were rendered in
 

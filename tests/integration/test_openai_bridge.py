@@ -1,4 +1,5 @@
-"""`tandem openai` against the real daemon, with the official `openai` package and curl as clients."""
+"""`tandem http` (its OpenAI dialect; `tandem openai` is its old name) against the real daemon,
+with the official `openai` package and curl as clients."""
 
 from __future__ import annotations
 

@@ -14,19 +14,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40}},
-            "required": ["city"],
-        },
-    },
-}
-
 
 @pytest.fixture(scope="module")
 def bridge(coder_daemon, bridge_process):
@@ -55,41 +42,41 @@ def streamed_call(client, messages, **kw):
     return text, [calls[i] for i in sorted(calls)], finish
 
 
-def test_openai_client_tool_loop_streamed_with_results_fed_back(bridge):
+def test_openai_client_tool_loop_streamed_with_results_fed_back(bridge, weather_tool):
     client = bridge.openai()
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    text, calls, finish = streamed_call(client, messages, tools=[WEATHER], temperature=0, max_tokens=100)
+    text, calls, finish = streamed_call(client, messages, tools=[weather_tool], temperature=0, max_tokens=100)
     assert finish == "tool_calls" and len(calls) == 1, (text, calls)
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     args = json.loads(calls[0]["function"]["arguments"])
-    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    jsonschema.validate(args, weather_tool["function"]["parameters"])
     messages += [
         {"role": "assistant", "content": text or None, "tool_calls": calls},
         {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18 degrees celsius and sunny"},
     ]
     first_prompt = client.chat.completions.create(
-        model="tandem", messages=messages[:1], tools=[WEATHER], temperature=0, max_tokens=1
+        model="tandem", messages=messages[:1], tools=[weather_tool], temperature=0, max_tokens=1
     ).usage.prompt_tokens
     answer = client.chat.completions.create(
-        model="tandem", messages=messages, tools=[WEATHER], temperature=0, max_tokens=60
+        model="tandem", messages=messages, tools=[weather_tool], temperature=0, max_tokens=60
     )
     choice = answer.choices[0]
     # Qwen2.5-Coder-0.5B calls eagerly: after the result it may answer or call again; either is well-formed
     if choice.finish_reason == "tool_calls":
         for call in choice.message.tool_calls:
-            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+            jsonschema.validate(json.loads(call.function.arguments), weather_tool["function"]["parameters"])
     else:
         assert choice.finish_reason == "stop" and choice.message.content
     assert answer.usage.prompt_tokens > first_prompt + 10  # the call and its result were rendered into the prompt
     assert answer.usage.prompt_tokens_details.cached_tokens >= first_prompt - 16  # and the first turn hit the cache
 
 
-def test_openai_client_non_streamed_calls_parse(bridge):
+def test_openai_client_non_streamed_calls_parse(bridge, weather_tool):
     client = bridge.openai()
     reply = client.chat.completions.create(
         model="tandem",
         messages=[{"role": "user", "content": "Weather in Oslo and in Rome?"}],
-        tools=[WEATHER],
+        tools=[weather_tool],
         tool_choice="required",
         parallel_tool_calls=False,  # on, this small model goes on calling until max_tokens
         temperature=0,
@@ -99,10 +86,10 @@ def test_openai_client_non_streamed_calls_parse(bridge):
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     for call in choice.message.tool_calls:
         assert call.type == "function" and call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        jsonschema.validate(json.loads(call.function.arguments), weather_tool["function"]["parameters"])
 
 
-def test_bad_tools_are_400s_naming_the_field(bridge):
+def test_bad_tools_are_400s_naming_the_field(bridge, weather_tool):
     import openai
 
     client = bridge.openai()
@@ -110,11 +97,13 @@ def test_bad_tools_are_400s_naming_the_field(bridge):
         client.chat.completions.create(
             model="tandem",
             messages=[{"role": "user", "content": "hi"}],
-            tools=[WEATHER],
+            tools=[weather_tool],
             tool_choice={"type": "function", "function": {"name": "rm_rf"}},
         )
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
-        client.chat.completions.create(model="tandem", messages=[{"role": "tool", "content": "x"}], tools=[WEATHER])
+        client.chat.completions.create(
+            model="tandem", messages=[{"role": "tool", "content": "x"}], tools=[weather_tool]
+        )
 
 
 def llm_cli() -> str:

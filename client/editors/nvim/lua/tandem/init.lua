@@ -1,5 +1,5 @@
 -- tandem.nvim: inline completion (fill in the middle) and chat from a local
--- tandem daemon, through its OpenAI-compatible bridge (`tandem openai`).
+-- tandem daemon, through its OpenAI-compatible bridge (`tandem http`).
 --
 --   require("tandem").setup({ url = "http://127.0.0.1:8642/v1" })
 --   vim.keymap.set("i", "<C-]>", require("tandem").complete)
@@ -15,7 +15,7 @@
 local M = {}
 
 M.config = {
-  url = "http://127.0.0.1:8642/v1", -- the bridge (tandem openai --listen ...)
+  url = "http://127.0.0.1:8642/v1", -- the bridge (tandem http --listen ...)
   max_tokens = 128, -- per completion
   max_lines = 0, -- stop a completion after this many lines; 0 = no limit
   stop_at_blank_line = true, -- stop a completion before a blank line
@@ -76,7 +76,7 @@ local function post(path, body, on_event, on_exit)
         if ok and type(obj) == "table" then event(obj) elseif code == 0 then err = err or "the bridge's answer is not JSON" end
       end
       if code ~= 0 then
-        err = (err or ("curl exited with " .. code)) .. " (is `tandem openai` running at " .. M.config.url .. "?)"
+        err = (err or ("curl exited with " .. code)) .. " (is `tandem http` running at " .. M.config.url .. "?)"
       elseif body.stream and not finished and not err then
         err = "the stream ended early"
       end

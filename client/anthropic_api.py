@@ -20,29 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.protocol import FinishReason
 
+from .answers import ApiError, sse
+
 if TYPE_CHECKING:
     from .bridge import Exchange
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def error_body(status: int, message: str) -> dict:
-    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def _error(status: int, message: str):
-    from .openai_bridge import ApiError
-
-    return ApiError(status, message)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -53,12 +34,12 @@ def _text_of(content: Any, where: str) -> str:
         parts = []
         for j, block in enumerate(content):
             if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
-                raise _error(HTTPStatus.BAD_REQUEST, f"{where}[{j}] must be a text block here")
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"{where}[{j}] must be a text block here")
             parts.append(block["text"])
         return "".join(parts)
     if content is None:
         return ""
-    raise _error(HTTPStatus.BAD_REQUEST, f"{where} must be a string or an array of text blocks")
+    raise ApiError(HTTPStatus.BAD_REQUEST, f"{where} must be a string or an array of text blocks")
 
 
 def _messages(body: dict) -> list[dict]:
@@ -70,16 +51,16 @@ def _messages(body: dict) -> list[dict]:
         out.append({"role": "system", "content": _text_of(system, "system")})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _error(HTTPStatus.BAD_REQUEST, "messages: an array of {role, content} is required")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "messages: an array of {role, content} is required")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise _error(HTTPStatus.BAD_REQUEST, f"messages.{i}.role must be 'user' or 'assistant'")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages.{i}.role must be 'user' or 'assistant'")
         content = m.get("content")
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
             continue
         if not isinstance(content, list):
-            raise _error(HTTPStatus.BAD_REQUEST, f"messages.{i}.content must be a string or an array of blocks")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages.{i}.content must be a string or an array of blocks")
         text, calls = [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -88,22 +69,22 @@ def _messages(body: dict) -> list[dict]:
                 text.append(_text_of([block], where))
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-                    raise _error(HTTPStatus.BAD_REQUEST, f"{where}: a tool_use block needs 'id' and 'name'")
+                    raise ApiError(HTTPStatus.BAD_REQUEST, f"{where}: a tool_use block needs 'id' and 'name'")
                 args = json.dumps(block.get("input") or {}, ensure_ascii=False)
                 calls.append({"id": block["id"], "function": {"name": block["name"], "arguments": args}})
             elif kind == "tool_result" and m["role"] == "user":
                 if not isinstance(block.get("tool_use_id"), str):
-                    raise _error(HTTPStatus.BAD_REQUEST, f"{where}: a tool_result block needs 'tool_use_id'")
+                    raise ApiError(HTTPStatus.BAD_REQUEST, f"{where}: a tool_result block needs 'tool_use_id'")
                 result = _text_of(block.get("content"), f"{where}.content")
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
             elif kind in ("image", "document"):
-                raise _error(HTTPStatus.BAD_REQUEST, f"{where}: tandem's models read text only ({kind} blocks)")
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"{where}: tandem's models read text only ({kind} blocks)")
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # a previous turn's reasoning: not shown to the model again
             else:
-                raise _error(HTTPStatus.BAD_REQUEST, f"{where}: block type {kind!r} is not supported here")
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"{where}: block type {kind!r} is not supported here")
         if text or calls:
             msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
             if calls:
@@ -117,16 +98,16 @@ def _tools(body: dict) -> dict:
     choice = body.get("tool_choice")
     if not tools:
         if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
-            raise _error(HTTPStatus.BAD_REQUEST, "tool_choice asks for a tool, but no tools are given")
+            raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice asks for a tool, but no tools are given")
         return {}
     if not isinstance(tools, list):
-        raise _error(HTTPStatus.BAD_REQUEST, "tools must be an array")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "tools must be an array")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise _error(HTTPStatus.BAD_REQUEST, f"tools.{i}: a tool needs 'name' and 'input_schema'")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"tools.{i}: a tool needs 'name' and 'input_schema'")
         if tool.get("type") not in (None, "custom"):
-            raise _error(HTTPStatus.BAD_REQUEST, f"tools.{i}: server tools ({tool['type']}) are not available here")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"tools.{i}: server tools ({tool['type']}) are not available here")
         fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
         if tool.get("description"):
             fn["description"] = tool["description"]
@@ -139,7 +120,7 @@ def _tools(body: dict) -> dict:
         elif kind in ("auto", "any", "none"):
             params["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
         else:
-            raise _error(HTTPStatus.BAD_REQUEST, "tool_choice.type must be auto, any, tool or none")
+            raise ApiError(HTTPStatus.BAD_REQUEST, "tool_choice.type must be auto, any, tool or none")
         if choice.get("disable_parallel_tool_use"):
             params["parallel_tool_calls"] = False
     return params
@@ -148,18 +129,18 @@ def _tools(body: dict) -> dict:
 def _number(body: dict, key: str, kinds=(int, float)) -> Any:
     value = body.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
-        raise _error(HTTPStatus.BAD_REQUEST, f"{key}: a number is required")
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{key}: a number is required")
     return value
 
 
 def _params(body: dict, n_ctx: int) -> dict:
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise _error(HTTPStatus.BAD_REQUEST, "max_tokens: a positive integer is required")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "max_tokens: a positive integer is required")
     max_tokens = min(max_tokens, n_ctx)  # a cap, as in the API (agents send 32k+): the context ends a reply first
     stop = body.get("stop_sequences") or []
     if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise _error(HTTPStatus.BAD_REQUEST, "stop_sequences must be an array of strings")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "stop_sequences must be an array of strings")
     params: dict[str, Any] = {"max_tokens": max_tokens, "stop": stop, "temperature": 1.0}  # Anthropic's default
     for key in ("temperature", "top_p"):
         if _number(body, key) is not None:
@@ -208,7 +189,7 @@ async def messages(ex: "Exchange", body: dict) -> None:
     hello = await ex.hello()
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _error(HTTPStatus.BAD_REQUEST, "model: the name of the model is required (any name: one is served)")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "model: the name of the model is required (any name: one is served)")
     chat = _messages(body)
     params = _params(body, hello.n_ctx)
     params.update(_tools(body))
@@ -232,8 +213,6 @@ async def messages(ex: "Exchange", body: dict) -> None:
             },
         )
         return
-    from .bridge import sse
-
     events = _Events(msg_id, model, params["stop"])
 
     def out(pairs) -> list[bytes]:

@@ -28,18 +28,20 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from tandem.protocol import MAX_MESSAGE_BYTES
 
 from .aio import AsyncClient, AsyncStream
+from .answers import ApiError
 from .errors import TandemError
-from .openai_bridge import ApiError
 
 DEFAULT_LISTEN = "127.0.0.1:8642"
 DEFAULT_IDLE_TIMEOUT = 60.0  # seconds a connection may stay silent (or stall a read or write) before it is closed
 DEFAULT_MAX_CONNECTIONS = 64
 SHUTDOWN_SECONDS = 2.0  # how long a stopping bridge lets running requests finish before it cancels them
+MAX_HEADER_BYTES = 65536  # a request line or header longer than this is refused (the standard library's limit)
 
 Start = Callable[[AsyncClient], Awaitable[AsyncStream]]
 
@@ -60,10 +62,10 @@ def _json_bytes(body: Any) -> bytes:
 
 def _raw_answer(status: int, message: str, code: str) -> bytes:
     """A whole HTTP answer, for a connection refused before aiohttp sees it."""
-    body = _json_bytes({"error": {"message": message, "type": ApiError(status, "").type, "param": None, "code": code}})
+    body = _json_bytes(ApiError(status, message, code=code).body())
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        f"Retry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Server: tandem\r\nRetry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
@@ -93,47 +95,79 @@ class _Refused(asyncio.Protocol):
 class _Gate(asyncio.Protocol):
     """Every accepted connection's first protocol: another user's connection,
     or one beyond --max-connections, gets one answer and no parser; the others
-    are handed to aiohttp's request handler."""
+    are handed to aiohttp's request handler. Who owns the connecting socket is
+    looked up in a thread (it reads /proc/net/tcp, which can be long), with the
+    connection's reading paused meanwhile."""
 
     def __init__(self, bridge: "BridgeServer"):
         self.bridge = bridge
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        task = asyncio.get_running_loop().create_task(self._admit(transport))
+        self.bridge.tasks.add(task)
+        task.add_done_callback(self.bridge.tasks.discard)
+
+    async def _admit(self, transport: asyncio.Transport) -> None:
         from tandem.daemon.tcp_owner import refusal
 
-        assert isinstance(transport, asyncio.Transport)
         bridge = self.bridge
-        why = refusal(transport.get_extra_info("peername"), transport.get_extra_info("sockname"))
+        peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+        try:
+            why = await asyncio.to_thread(refusal, peer, local)
+        except Exception as exc:  # noqa: BLE001 - whatever it was, this connection's owner is not known
+            why = f"this listener serves only the user who runs it, and cannot tell who connects: {exc}"
+        if transport.is_closing():
+            return  # it left meanwhile
         if why is not None:
             transport.set_protocol(_Refused(transport, _raw_answer(403, why, "another_user")))
-            return
-        if len(bridge.manager.connections) >= bridge.max_connections:
+        elif len(bridge.manager.connections) >= bridge.max_connections:
             message = "the bridge has as many connections open as it serves (--max-connections); retry"
             transport.set_protocol(_Refused(transport, _raw_answer(503, message, "too_many_connections")))
-            return
-        handler = _Handler(
-            bridge.manager,
-            loop=asyncio.get_running_loop(),
-            keepalive_timeout=bridge.idle_timeout,  # also a new connection that sends nothing
-            access_log=None,
-            lingering_time=1.0,
-        )
-        transport.set_protocol(handler)
-        handler.connection_made(transport)
+        else:
+            handler = _Handler(
+                bridge.manager,
+                loop=asyncio.get_running_loop(),
+                keepalive_timeout=bridge.idle_timeout,  # also a new connection that sends nothing
+                access_log=None,
+                lingering_time=1.0,  # a body refused unread is read and dropped this long, then the connection closes
+                max_line_size=MAX_HEADER_BYTES,
+                max_field_size=MAX_HEADER_BYTES,
+            )
+            handler.bridge = bridge  # (for --verbose)
+            transport.set_protocol(handler)
+            handler.connection_made(transport)
+        transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:  # (reading is paused until the handover)
+        pass
 
 
 class _Handler(RequestHandler):
-    """aiohttp's, with HTTP that does not parse answered in OpenAI's error shape (not text)."""
+    """aiohttp's, with HTTP that does not parse answered in the dialect's error shape (not text)."""
 
     def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # an answer has started: another cannot follow it
+            raise ConnectionError("the answer had started; the connection is closed instead")
         if status >= 500:  # a bug of ours: worth a traceback
             self.log_exception("tandem http: error handling a request", exc_info=exc)
         text = message or (str(exc) if exc else HTTPStatus(status).phrase)
         if status < 500:
             text = f"the request is not valid HTTP: {text.splitlines()[0] if text else status}"
+        try:
+            path = request.path
+        except Exception:  # noqa: BLE001 - a request line that did not parse
+            path = ""
         error = ApiError(status, text)
-        resp = web.Response(status=status, body=_json_bytes(error.body()), content_type="application/json")
+        resp = web.Response(
+            status=status, body=_json_bytes(error.body(dialect_of(path))), content_type="application/json"
+        )
+        resp.headers["Server"] = "tandem"
         resp.force_close()  # (what follows on the connection cannot be trusted to parse)
+        bridge = getattr(self, "bridge", None)
+        if bridge is not None and bridge.verbose:
+            sys.stderr.write(f"tandem http: {request.remote} {status} {text}\n")
         return resp
 
 
@@ -171,6 +205,7 @@ class BridgeServer:
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()
         self.manager: web.Server  # made in serve_forever, on its event loop
+        self.tasks: set[asyncio.Task] = set()  # the connection checks and the requests being answered
         self._stopping: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -199,8 +234,21 @@ class BridgeServer:
         try:
             await self._stopping.wait()
         finally:
-            listener.close()
-            await self.manager.shutdown(SHUTDOWN_SECONDS)
+            await self._shut_down(listener)
+
+    async def _shut_down(self, listener: asyncio.AbstractServer) -> None:
+        """No new connections; idle ones closed; running requests get SHUTDOWN_SECONDS
+        to finish, then are cancelled (each cancels its daemon request, and is waited for)."""
+        listener.close()
+        self.manager.pre_shutdown()  # (idle keep-alive connections close now)
+        running = {t for t in self.tasks if not t.done()}
+        if running:
+            _, late = await asyncio.wait(running, timeout=SHUTDOWN_SECONDS)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=10)
+        await self.manager.shutdown(0.5)
 
     def _request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
         return web.BaseRequest(
@@ -210,28 +258,44 @@ class BridgeServer:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         from .routes import route
 
+        task = asyncio.current_task()
+        if task is not None:
+            self.tasks.add(task)
         ex = Exchange(self, request)
+        outcome = ""
         try:
-            self._check_origin(request)
-            self._check_key(request)
-            await route(ex)
-        except ApiError as exc:
-            ex.send_json(exc.status, exc.body(ex.dialect))
-        except (OverflowError, RecursionError) as exc:  # a number msgpack cannot carry, JSON nested too deep
-            ex.send_json(
-                HTTPStatus.BAD_REQUEST,
-                ApiError(400, f"the request has a value tandem cannot take: {exc}").body(ex.dialect),
-            )
+            try:
+                self._check_origin(request)
+                self._check_key(request)
+                await route(ex)
+            except ApiError as exc:
+                if ex.response is not None and ex.response.prepared:
+                    raise ConnectionError("an error after the answer started") from exc  # (relay answers its own)
+                ex.send_json(exc.status, exc.body(ex.dialect), headers=exc.headers)
+            except (OverflowError, RecursionError) as exc:  # a number msgpack cannot carry, JSON nested too deep
+                error = ApiError(HTTPStatus.BAD_REQUEST, f"the request has a value tandem cannot take: {exc}")
+                ex.send_json(error.status, error.body(ex.dialect))
+            assert ex.response is not None, f"{request.method} {request.path}: no answer"
+            if not ex.response.prepared:  # a whole answer: written here, within the idle timeout
+                async with ex.in_time():
+                    await ex.response.prepare(request)
+                    await ex.response.write_eof()
+            outcome = str(ex.response.status)
+            return ex.response
         except (ClientGone, ConnectionError):
+            outcome = "client gone"
             if request.transport is not None:
                 request.transport.close()
             raise asyncio.CancelledError() from None  # nothing more to answer, to no one
+        except asyncio.CancelledError:
+            outcome = "client gone" if request.transport is None or request.transport.is_closing() else "cancelled"
+            raise
         finally:
             ex.close()
-        assert ex.response is not None, f"{request.method} {request.path}: no answer"
-        if self.verbose:
-            sys.stderr.write(f"tandem http: {request.remote} {request.method} {request.path_qs} {ex.response.status}\n")
-        return ex.response
+            if task is not None:
+                self.tasks.discard(task)
+            if self.verbose:
+                sys.stderr.write(f"tandem http: {request.remote} {request.method} {request.path_qs} {outcome}\n")
 
     def _check_origin(self, request: web.BaseRequest) -> None:
         from tandem.daemon.config import is_loopback_host
@@ -290,23 +354,17 @@ class Exchange:
             raise ApiError(
                 HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"send the body as Content-Type: application/json (got {sent!r})"
             )
-        if not request.body_exists:
-            raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a JSON body is required (with its Content-Length)")
+        if "Content-Length" not in request.headers and "Transfer-Encoding" not in request.headers:
+            raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required (or a chunked body)")
         length = request.content_length
-        # (a body refused unread is read and dropped for up to lingering_time, then the connection closes)
         if length is not None and length > MAX_MESSAGE_BYTES:
             raise ApiError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length:,} bytes; the limit is {MAX_MESSAGE_BYTES:,}"
             )
-        try:
-            async with asyncio.timeout(self.server.idle_timeout):
-                raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:  # a chunked body past the limit
-            raise ApiError(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over the limit of {MAX_MESSAGE_BYTES:,} bytes"
-            ) from None
-        except TimeoutError:
-            raise ClientGone() from None  # a body that stalls is a client that left
+        if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # (curl asks before a large body)
+            request.writer.output_size = 0
+        raw = await self._read(request)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
@@ -314,6 +372,29 @@ class Exchange:
         if not isinstance(body, dict):
             raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
         return body
+
+    async def _read(self, request: web.BaseRequest) -> bytes:
+        """The body, each read within the idle timeout (a slow body is fine, a stalled one is not)."""
+        parts, size = [], 0
+        try:
+            while True:
+                async with asyncio.timeout(self.server.idle_timeout):
+                    part = await request.content.readany()
+                if not part:
+                    return b"".join(parts)
+                size += len(part)
+                if size > MAX_MESSAGE_BYTES:  # a chunked body past the limit
+                    raise ApiError(
+                        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                        f"the body is over the limit of {MAX_MESSAGE_BYTES:,} bytes",
+                    )
+                parts.append(part)
+        except TimeoutError:
+            raise ClientGone() from None  # a body that stalls is a client that left
+        except (web.RequestPayloadError, HttpProcessingError) as exc:  # bad chunking, a Content-Encoding that lies
+            request.content.feed_eof()  # nothing more is read from it (aiohttp would read on, and fail again)
+            request.protocol.close()  # (after this answer: the rest of the connection cannot be trusted)
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body cannot be read: {exc}") from None
 
     # ------------------------------------------------------------------ the daemon
 
@@ -413,48 +494,40 @@ class Exchange:
 
     # ------------------------------------------------------------------ writing
 
-    def send_json(self, status: int, body: Any) -> None:
-        headers = (
-            {"Retry-After": "1"} if status in (HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.SERVICE_UNAVAILABLE) else {}
-        )
+    def send_json(self, status: int, body: Any, headers: Optional[dict] = None) -> None:
+        headers = {"Server": "tandem", **(headers or {})}
+        if status in (HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.SERVICE_UNAVAILABLE):
+            headers["Retry-After"] = "1"
         self.response = web.Response(
             status=int(status), body=_json_bytes(body), content_type="application/json", headers=headers
         )
 
     async def start_stream(self, content_type: str, first: list[bytes] = ()) -> None:
-        resp = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+        headers = {"Content-Type": content_type, "Cache-Control": "no-cache", "Server": "tandem"}
+        resp = web.StreamResponse(status=200, headers=headers)
         resp.enable_chunked_encoding()
         self.response = resp
-        async with self._in_time():
+        async with self.in_time():
             await resp.prepare(self.request)
         await self.write(*first)
 
     async def write(self, *pieces: bytes) -> None:
         if pieces:
-            async with self._in_time():
+            async with self.in_time():
                 await self.response.write(b"".join(pieces))
 
     async def end_stream(self) -> None:
-        async with self._in_time():
+        async with self.in_time():
             await self.response.write_eof()
 
     @contextlib.asynccontextmanager
-    async def _in_time(self):
+    async def in_time(self):
         """A client that stops reading blocks our writes: past the idle timeout, it has left."""
         try:
             async with asyncio.timeout(self.server.idle_timeout):
                 yield
         except TimeoutError:
             raise ClientGone() from None
-
-
-def ndjson(obj: Any) -> bytes:
-    return _json_bytes(obj) + b"\n"
-
-
-def sse(data: Any, event: Optional[str] = None) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return (f"event: {event}\n" if event else "").encode() + f"data: {text}\n\n".encode()
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

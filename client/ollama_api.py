@@ -27,6 +27,7 @@ Ollama accepts options a runner ignores. Errors are Ollama's ``{"error": "..."}`
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from tandem.protocol import MAX_TOKENS_LIMIT, FinishReason
+
+from .answers import ApiError, ndjson
 
 if TYPE_CHECKING:
     from .bridge import Exchange
@@ -65,12 +68,6 @@ IGNORED_OPTIONS = {  # Ollama options tandem accepts without applying them (no s
     "num_thread",
     "min_p",
 }
-
-
-def _error(status: int, message: str):
-    from .openai_bridge import ApiError
-
-    return ApiError(status, message)
 
 
 def _now() -> str:
@@ -151,12 +148,10 @@ def _entry(name: str, path: Path) -> dict:
 async def _served(ex: "Exchange"):
     """The daemon's status (its model's ModelInfo is ``.model``; the bridge's
     idea of the served model's name is refreshed by it)."""
-    from .openai_bridge import ApiError
-
     try:
         return await ex.status()
     except ApiError as exc:
-        raise _error(HTTPStatus.SERVICE_UNAVAILABLE, exc.message) from None
+        raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, exc.message) from None
 
 
 def _base(name: str) -> str:
@@ -170,22 +165,20 @@ def check_model(name: Any, served: str) -> None:
     from tandem.daemon.models import PRESETS, is_pulled
 
     if not isinstance(name, str) or not name:
-        raise _error(HTTPStatus.BAD_REQUEST, "'model' is required (the name /api/tags lists)")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'model' is required (the name /api/tags lists)")
     base = _base(name)
     if base in (served, "tandem"):
         return
     if base in PRESETS and is_pulled(base):
-        raise _error(
+        raise ApiError(
             HTTPStatus.BAD_REQUEST,
             f"model '{name}' is pulled but this daemon serves '{served}' (one resident target): restart it with "
             f"`tandem stop && tandem serve --model {base}`, or ask for '{served}'",
         )
-    raise _error(HTTPStatus.NOT_FOUND, f"model '{name}' not found; this daemon serves '{served}'")
+    raise ApiError(HTTPStatus.NOT_FOUND, f"model '{name}' not found; this daemon serves '{served}'")
 
 
 async def tags(ex: "Exchange") -> dict:
-    import asyncio
-
     from tandem.daemon.models import list_models
 
     status = await _served(ex)  # the served model now (the daemon may have been restarted on another)
@@ -206,20 +199,18 @@ async def ps(ex: "Exchange") -> dict:
     info = status.model
     if info is None:
         return {"models": []}
-    entry = _entry(ex.server.model, Path(info.path))
+    entry = await asyncio.to_thread(_entry, ex.server.model, Path(info.path))  # (reads the GGUF header)
     entry.update(expires_at="2999-01-01T00:00:00Z", size_vram=0, context_length=info.n_ctx)
     return {"models": [entry]}
 
 
 async def show(ex: "Exchange", body: dict) -> None:
-    import asyncio
-
     name = body.get("model") or body.get("name")
     status = await _served(ex)
     info = status.model
     served = ex.server.model
     if info is None:
-        raise _error(HTTPStatus.SERVICE_UNAVAILABLE, "the daemon has not loaded its model yet; retry")
+        raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, "the daemon has not loaded its model yet; retry")
     from tandem.daemon.models import PRESETS, is_pulled, preset_path
 
     if isinstance(name, str) and _base(name) in PRESETS and _base(name) != served and is_pulled(_base(name)):
@@ -259,13 +250,13 @@ def _options(body: dict, n_ctx: int) -> dict:
     """Ollama's options (and top-level sampling fields) as daemon request fields."""
     options = body.get("options") or {}
     if not isinstance(options, dict):
-        raise _error(HTTPStatus.BAD_REQUEST, "'options' must be an object")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'options' must be an object")
     num_ctx = options.get("num_ctx")
     if num_ctx is not None:
         if not isinstance(num_ctx, int) or isinstance(num_ctx, bool) or num_ctx <= 0:
-            raise _error(HTTPStatus.BAD_REQUEST, f"options.num_ctx must be a positive integer, got {num_ctx!r}")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"options.num_ctx must be a positive integer, got {num_ctx!r}")
         if num_ctx > n_ctx:
-            raise _error(
+            raise ApiError(
                 HTTPStatus.BAD_REQUEST,
                 f"options.num_ctx {num_ctx} is more than the daemon's context of {n_ctx} tokens; tandem never cuts "
                 f"a prompt silently: restart the daemon with --ctx-size {num_ctx} (or send num_ctx <= {n_ctx})",
@@ -276,7 +267,7 @@ def _options(body: dict, n_ctx: int) -> dict:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, kinds):
-            raise _error(HTTPStatus.BAD_REQUEST, f"options.{key} must be a number, got {json.dumps(value)[:60]}")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"options.{key} must be a number, got {json.dumps(value)[:60]}")
         params[key] = float(value) if float in kinds else value
     if params.get("top_p") == 0.0:
         params["top_p"], params["temperature"] = 1.0, 0.0
@@ -284,13 +275,13 @@ def _options(body: dict, n_ctx: int) -> dict:
         params["top_k"] = 0  # Ollama: 0 or less = off
     num_predict = options.get("num_predict", -1)
     if not isinstance(num_predict, int) or isinstance(num_predict, bool):
-        raise _error(HTTPStatus.BAD_REQUEST, f"options.num_predict must be an integer, got {num_predict!r}")
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"options.num_predict must be an integer, got {num_predict!r}")
     params["max_tokens"] = MAX_TOKENS_LIMIT if num_predict < 0 else max(num_predict, 1)  # -1, -2: to the end
     stop = options.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
     if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise _error(HTTPStatus.BAD_REQUEST, "options.stop must be an array of strings")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "options.stop must be an array of strings")
     params["stop"] = stop
     return params
 
@@ -303,12 +294,12 @@ def _format(body: dict) -> Optional[dict]:
         return {"type": "json_object"}
     if isinstance(fmt, dict):
         return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
-    raise _error(HTTPStatus.BAD_REQUEST, "'format' must be \"json\" or a JSON schema object")
+    raise ApiError(HTTPStatus.BAD_REQUEST, "'format' must be \"json\" or a JSON schema object")
 
 
 def _refuse_images(where: str, value: Any) -> None:
     if value:
-        raise _error(HTTPStatus.BAD_REQUEST, f"{where}: tandem's models read text only; images are not supported")
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{where}: tandem's models read text only; images are not supported")
 
 
 async def generate(ex: "Exchange", body: dict) -> None:
@@ -316,12 +307,12 @@ async def generate(ex: "Exchange", body: dict) -> None:
     check_model(body.get("model"), hello.model)
     _refuse_images("'images'", body.get("images"))
     if body.get("template"):
-        raise _error(HTTPStatus.BAD_REQUEST, "'template' is not supported: the model's own chat template is used")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'template' is not supported: the model's own chat template is used")
     if body.get("context"):
-        raise _error(HTTPStatus.BAD_REQUEST, "'context' (deprecated) is not supported: send the whole history")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'context' (deprecated) is not supported: send the whole history")
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
-        raise _error(HTTPStatus.BAD_REQUEST, "'prompt' must be a string")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'prompt' must be a string")
     params = _options(body, hello.n_ctx)
     rf = _format(body)
     if rf is not None:
@@ -334,9 +325,9 @@ async def generate(ex: "Exchange", body: dict) -> None:
         return await _reply(ex, loaded, stream=bool(body.get("stream", True)))
     if suffix:
         if not isinstance(suffix, str):
-            raise _error(HTTPStatus.BAD_REQUEST, "'suffix' must be a string")
+            raise ApiError(HTTPStatus.BAD_REQUEST, "'suffix' must be a string")
         if rf is not None:
-            raise _error(HTTPStatus.BAD_REQUEST, "'format' cannot constrain a fill in the middle ('suffix')")
+            raise ApiError(HTTPStatus.BAD_REQUEST, "'format' cannot constrain a fill in the middle ('suffix')")
         start = lambda c: c.infill(prompt, suffix, **params)  # noqa: E731
     elif body.get("raw"):
         start = lambda c: c.generate(prompt=prompt, **params)  # noqa: E731
@@ -351,24 +342,24 @@ async def generate(ex: "Exchange", body: dict) -> None:
 def _chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _error(HTTPStatus.BAD_REQUEST, "'messages' is required: an array of {role, content}")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'messages' is required: an array of {role, content}")
     out: list[dict] = []
     pending: list[tuple[str, str]] = []  # (call id, tool name) of the last assistant turn's calls
     serial = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise _error(HTTPStatus.BAD_REQUEST, f"messages[{i}] must have a role: system, user, assistant or tool")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] must have a role: system, user, assistant or tool")
         _refuse_images(f"messages[{i}].images", m.get("images"))
         content = m.get("content") or ""
         if not isinstance(content, str):
-            raise _error(HTTPStatus.BAD_REQUEST, f"messages[{i}].content must be a string")
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content must be a string")
         msg: dict[str, Any] = {"role": m["role"], "content": content}
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls, pending = [], []
             for j, call in enumerate(m["tool_calls"]):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
-                    raise _error(HTTPStatus.BAD_REQUEST, f"messages[{i}].tool_calls[{j}] needs function.name")
+                    raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].tool_calls[{j}] needs function.name")
                 args = fn.get("arguments", {})
                 serial += 1
                 call_id = f"call_{serial}"
@@ -396,12 +387,12 @@ def _tools(body: dict) -> dict:
     if not tools:
         return {}
     if not isinstance(tools, list):
-        raise _error(HTTPStatus.BAD_REQUEST, "'tools' must be an array")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'tools' must be an array")
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _error(
+            raise ApiError(
                 HTTPStatus.BAD_REQUEST, f'tools[{i}] must be {{"type": "function", "function": {{"name"...}}}}'
             )
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
@@ -453,7 +444,7 @@ def _ollama_calls(done) -> list[dict]:
 async def _run(ex: "Exchange", body: dict, start, chat: bool) -> None:
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
-        raise _error(HTTPStatus.BAD_REQUEST, "'stream' must be a boolean")
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'stream' must be a boolean")
     model = body["model"]
     started = time.monotonic()
 
@@ -481,7 +472,6 @@ async def _run(ex: "Exchange", body: dict, start, chat: bool) -> None:
     if not stream:
         ex.send_json(HTTPStatus.OK, final(await ex.run_to_done(start)))
         return
-    from .bridge import ndjson
 
     def closing(done) -> list[bytes]:
         last = final(done)
@@ -499,8 +489,6 @@ async def _run(ex: "Exchange", body: dict, start, chat: bool) -> None:
 
 async def _reply(ex: "Exchange", obj: dict, stream: bool) -> None:
     if stream:
-        from .bridge import ndjson
-
         await ex.start_stream("application/x-ndjson", [ndjson(obj)])
         await ex.end_stream()
     else:

@@ -13,81 +13,16 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
-from tandem.protocol import MAX_TOKENS_LIMIT, ErrorCode, FinishReason
+from tandem.protocol import MAX_TOKENS_LIMIT, FinishReason
 
+from .answers import ApiError, sse
 from .core import assistant_message
-from .errors import DaemonGone, DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError
 
 if TYPE_CHECKING:
     from .aio import AsyncClient, AsyncStream
     from .bridge import Exchange
 
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the API's default for /v1/completions
-
-# The daemon's 1xx codes are the request's fault: 400. The others are ours.
-_STATUS_OF_CODE = {
-    ErrorCode.NOT_READY: HTTPStatus.SERVICE_UNAVAILABLE,
-    ErrorCode.SHUTTING_DOWN: HTTPStatus.SERVICE_UNAVAILABLE,
-    ErrorCode.WORKER_DIED: HTTPStatus.SERVICE_UNAVAILABLE,
-    ErrorCode.DRAFTER_DIED: HTTPStatus.SERVICE_UNAVAILABLE,
-}
-_OPENAI_CODE = {  # where the API has a name for it
-    ErrorCode.PROMPT_TOO_LONG: "context_length_exceeded",
-}
-
-
-class ApiError(Exception):
-    """Answered as OpenAI's error shape: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status = int(status)
-        self.message = message
-        self.param = param
-        self.code = code
-
-    @property
-    def type(self) -> str:
-        if self.status == HTTPStatus.TOO_MANY_REQUESTS:
-            return "rate_limit_error"
-        if self.status >= 500:
-            return "server_error"
-        if self.status == HTTPStatus.NOT_FOUND:
-            return "not_found_error"
-        if self.status == HTTPStatus.UNAUTHORIZED:
-            return "authentication_error"
-        return "invalid_request_error"
-
-    def body(self, dialect: str = "openai") -> dict:
-        if dialect == "ollama":
-            return {"error": self.message}
-        if dialect == "anthropic":
-            from .anthropic_api import error_body
-
-            return error_body(self.status, self.message)
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    @classmethod
-    def of(cls, exc: TandemError) -> "ApiError":
-        if isinstance(exc, QueueFull):
-            return cls(HTTPStatus.TOO_MANY_REQUESTS, f"the daemon's queue is full: {exc}", code="queue_full")
-        if isinstance(exc, RequestFailed):
-            try:
-                code = ErrorCode(exc.code)
-            except ValueError:
-                code = ErrorCode.INTERNAL
-            status = (
-                HTTPStatus.BAD_REQUEST if code < 200 else _STATUS_OF_CODE.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
-            )
-            return cls(status, exc.message, code=_OPENAI_CODE.get(code, exc.name.lower()))
-        if isinstance(exc, InvalidRequest):
-            return cls(HTTPStatus.BAD_REQUEST, str(exc))
-        if isinstance(exc, DaemonNotRunning):
-            return cls(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="daemon_not_running")
-        if isinstance(exc, DaemonGone):
-            return cls(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="daemon_gone")
-        return cls(HTTPStatus.BAD_GATEWAY, str(exc), code="daemon_error")
-
 
 # --------------------------------------------------------------------------- request translation
 
@@ -386,8 +321,6 @@ async def generate(ex: "Exchange", call: Call) -> None:
         done = await ex.run_to_done(call.start)
         ex.send_json(HTTPStatus.OK, _answer(call, ex, done))
         return
-    from .bridge import sse
-
     chat = call.kind == "chat.completion"
 
     def event(delta: Optional[str], finish: Optional[str] = None, role: bool = False) -> bytes:

@@ -6,7 +6,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from . import anthropic_api, ollama_api, openai_bridge
-from .openai_bridge import ApiError
+from .answers import ApiError
 
 if TYPE_CHECKING:
     from .bridge import Exchange
@@ -23,8 +23,9 @@ async def route(ex: "Exchange") -> None:
         path = "/v1" + path
     if method in ("GET", "HEAD"):
         return await _get(ex, path)
-    if method not in ("POST", "DELETE"):  # DELETE: Ollama's /api/delete
-        raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"no route {method} {path}")
+    if method not in ("POST", "DELETE") or method == "DELETE" and path != "/api/delete":  # Ollama's delete
+        allow = "DELETE" if path == "/api/delete" else "GET, HEAD, POST"
+        raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"no route {method} {path}", headers={"Allow": allow})
     if path.startswith("/api/"):
         ollama = {"/api/generate": ollama_api.generate, "/api/chat": ollama_api.chat, "/api/show": ollama_api.show}
         if path in ollama:
@@ -48,8 +49,6 @@ async def route(ex: "Exchange") -> None:
         return await anthropic_api.count_tokens(ex, await ex.body())
     if path in ("/tokenize", "/detokenize", "/v1/tokenize"):
         return await openai_bridge.tokens(ex, path, await ex.body())
-    if method == "DELETE":
-        raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"no route DELETE {path}")
     calls = {"/v1/completions": openai_bridge.completions_call, "/v1/chat/completions": openai_bridge.chat_call}
     if path not in calls:
         raise ApiError(

@@ -12,8 +12,10 @@ Nothing else: every assertion about status codes, fields and shapes stands.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,7 @@ TARGET = os.environ.get("TANDEM_SUITE_TARGET", "tandem")  # "tandem" or "llama-s
 MODELS: dict[str, str] = json.loads(os.environ["TANDEM_SUITE_MODELS"])  # Hugging Face repo -> local .gguf
 LLAMA_SERVER = os.environ.get("TANDEM_SUITE_LLAMA_SERVER", "")
 WORK = Path(tempfile.mkdtemp(prefix="tandem-suite-"))
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 
 
 def _words(regex: str, text: str) -> bool:
@@ -70,9 +73,9 @@ def _start(self, timeout_seconds: int = utils.DEFAULT_HTTP_TIMEOUT) -> None:
     serve = [*cli, "serve", "--model", model, "--metrics-addr", "off", "--state-dir", str(run / "state")]
     if self.n_ctx:
         serve += ["--ctx-size", str(self.n_ctx)]
-    log = open(run / "tandem.log", "w")
+    self._tandem_log = log = open(run / "tandem.log", "w")
     self._tandem_daemon = subprocess.Popen(serve, stdout=log, stderr=log, env=env)
-    self._tandem_run = run
+    utils.server_instances.add(self)  # stopped after the test, whatever happens next
     deadline = time.monotonic() + timeout_seconds
     from tandem.client import Client
 
@@ -91,7 +94,6 @@ def _start(self, timeout_seconds: int = utils.DEFAULT_HTTP_TIMEOUT) -> None:
     bridge = [*cli, "http", "--listen", f"{self.server_host}:{self.server_port}", "--no-start"]
     bridge += ["--api-key", "on" if self.api_key else "off"]
     self.process = subprocess.Popen(bridge, stdout=log, stderr=log, env=env)
-    utils.server_instances.add(self)
     while True:
         try:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
@@ -118,6 +120,7 @@ def _stop(self) -> None:
             daemon.kill()
             daemon.wait(5)
         self._tandem_daemon = None
+        self._tandem_log.close()
 
 
 utils.ServerProcess.start = _start

@@ -100,6 +100,85 @@ def test_connections_beyond_the_limit_get_503_and_the_bridge_recovers(tight):
     finally:
         for s in held:
             s.close()
-    time.sleep(1.5)  # the held connections' threads end
+    time.sleep(1.5)  # the held connections are closed
     status, _ = exchange(bridge, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert status == 200
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """One whole answer: (status, headers, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _length(data):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    return int(lines[0].split(" ", 2)[1]), headers, body
+
+
+def test_a_body_that_cannot_be_read_is_a_400_with_no_traceback(bridge):
+    """A Content-Encoding that lies, and chunks that do not parse: the client's fault, answered as such."""
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    head = post(raw).replace(b"Content-Type", b"Content-Encoding: gzip\r\nContent-Type")
+    status, body = exchange(bridge, head, raw)
+    assert status == 400 and "cannot be read" in body["error"]["message"]
+    chunked = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
+    )
+    status, body = exchange(bridge, chunked)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    time.sleep(0.2)
+    assert not any("Traceback" in line for line in bridge.lines), "".join(bridge.lines)
+
+
+def test_expect_100_continue_is_answered_before_the_body(bridge):
+    """What curl sends before a body over 1 MiB: without the interim answer it waits a second, every time."""
+    raw = json.dumps({"content": "hello " * 200_000}).encode()
+    with connect(bridge) as sock:
+        sock.sendall(
+            b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(raw)
+        )
+        sock.settimeout(5)
+        interim = sock.recv(25)  # (within the timeout: no body has been sent yet)
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), interim
+        sock.sendall(raw)
+        status, _, body = _answer(sock)
+    assert status == 200 and len(json.loads(body)["tokens"]) >= 200_000
+
+
+def test_methods_the_bridge_does_not_serve_get_405_with_allow(bridge):
+    for head in (
+        b"PUT /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n",
+        b"DELETE /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        b"OPTIONS /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://127.0.0.1\r\n\r\n",
+    ):
+        with connect(bridge) as sock:
+            sock.sendall(head)
+            status, headers, body = _answer(sock)
+        assert status == 405 and "POST" in headers["allow"], head
+        assert json.loads(body)["error"]["message"].startswith("no route")
+
+
+def test_an_empty_body_is_a_400_and_no_length_a_411(bridge):
+    status, body = exchange(bridge, post(b""))
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = exchange(
+        bridge, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\r\n"
+    )
+    assert status == 411 and "Content-Length" in body["error"]["message"]
+
+
+def test_head_answers_without_a_body(bridge):
+    with connect(bridge) as sock:
+        sock.sendall(b"HEAD / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        sock.settimeout(5)
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and rest == b""

@@ -94,9 +94,12 @@ def main() -> None:
         "ggml-org/stories15M_MOE": coder,
     }
     work = args.out or Path(tempfile.mkdtemp(prefix="llama-suite-"))
-    shutil.rmtree(work / "tests", ignore_errors=True)
-    shutil.copytree(suite, work / "tests", ignore=shutil.ignore_patterns("tmp", "__pycache__"))
-    shutil.copy(HERE / "llama_server_suite" / "conftest.py", work / "tests" / "conftest.py")
+    # the suite reads chat templates from ../../../models/templates: the copy keeps llama.cpp's layout
+    tests = work / "llama.cpp" / "tools" / "server" / "tests"
+    shutil.rmtree(work / "llama.cpp", ignore_errors=True)
+    shutil.copytree(suite, tests, ignore=shutil.ignore_patterns("tmp", "__pycache__"))
+    (work / "llama.cpp" / "models").symlink_to(args.sdist / "llama.cpp" / "models")
+    shutil.copy(HERE / "llama_server_suite" / "conftest.py", tests / "conftest.py")
     results = {}
     for target in targets:
         xml = work / f"{target}.xml"
@@ -112,7 +115,7 @@ def main() -> None:
         cmd += ["-o", "addopts=", *[f"unit/{f}" for f in args.files]]
         print(f"--- {target}: {' '.join(cmd[3:])}", flush=True)
         with open(work / f"{target}.log", "w") as log:
-            code = subprocess.run(cmd, cwd=work / "tests", env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            code = subprocess.run(cmd, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
         if not xml.exists():
             raise SystemExit(f"pytest exited with {code} and wrote no results: see {work / (target + '.log')}")
     for target in ("llama-server", "tandem"):

@@ -192,7 +192,8 @@ async def messages(ex: "Exchange", body: dict) -> None:
         raise ApiError(HTTPStatus.BAD_REQUEST, "model: the name of the model is required (any name: one is served)")
     chat = _messages(body)
     params = _params(body, hello.n_ctx)
-    params.update(_tools(body))
+    tools = _tools(body)
+    params.update(tools)
     stream = body.get("stream", False)
     msg_id = "msg_" + __import__("secrets").token_hex(12)
     start = lambda c: c.generate(messages=chat, **params)  # noqa: E731
@@ -214,6 +215,7 @@ async def messages(ex: "Exchange", body: dict) -> None:
         )
         return
     events = _Events(msg_id, model, params["stop"])
+    prompt_tokens = await _prompt_tokens(ex, chat, tools)  # message_start carries them, as Anthropic's does
 
     def out(pairs) -> list[bytes]:
         return [sse(data, event=name) for name, data in pairs]
@@ -221,7 +223,7 @@ async def messages(ex: "Exchange", body: dict) -> None:
     await ex.relay(
         start,
         "text/event-stream",
-        opening=lambda: out(events.start()),
+        opening=lambda: out(events.start(prompt_tokens)),
         each=lambda chunk: out(events.chunk(chunk)),
         closing=lambda done: out(events.finish(done)),
         failing=lambda exc: out([("error", exc.body("anthropic"))]),
@@ -303,10 +305,11 @@ class _Events:
 
 async def count_tokens(ex: "Exchange", body: dict) -> None:
     """``/v1/messages/count_tokens``: the prompt's tokens, as the daemon renders and reads it."""
-    chat = _messages(body)
-    tools = _tools(body)
-    if tools.get("tool_choice") == "none":
-        tools = {}  # generate renders no tools then: they cost nothing
+    ex.send_json(HTTPStatus.OK, {"input_tokens": await _prompt_tokens(ex, _messages(body), _tools(body))})
+
+
+async def _prompt_tokens(ex: "Exchange", chat: list[dict], tools: dict) -> int:
+    """The prompt's tokens as generate renders it (with no tools under tool_choice none: they cost nothing then)."""
+    offered = None if tools.get("tool_choice") == "none" else tools.get("tools")
     async with ex.daemon() as client:
-        n = await client.count_tokens(messages=chat, tools=tools.get("tools"))
-    ex.send_json(HTTPStatus.OK, {"input_tokens": n})
+        return await client.count_tokens(messages=chat, tools=offered)

@@ -319,6 +319,8 @@ class BridgeServer:
     def _check_key(self, request: web.BaseRequest) -> None:
         from .api_key import matches, presented
 
+        if request.method in ("GET", "HEAD") and request.path.rstrip("/") in ("", "/health"):
+            return  # a liveness probe needs no key (and is told nothing else)
         if self.api_key is not None and not matches(presented(request.headers), self.api_key):
             raise ApiError(
                 HTTPStatus.UNAUTHORIZED,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
+from tandem.daemon.version import __version__
 from tandem.protocol import MAX_TOKENS_LIMIT, FinishReason
 
 from .answers import ApiError, sse
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from .bridge import Exchange
 
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the API's default for /v1/completions
+FINGERPRINT = f"tandem-{__version__}"  # OpenAI's system_fingerprint: which backend answered
 
 # --------------------------------------------------------------------------- request translation
 
@@ -380,7 +382,13 @@ def _answer(call: Call, ex: "Exchange", done) -> dict:
 def _envelope(call: Call, ex: "Exchange", chunk: bool = False) -> dict:
     prefix = "chatcmpl-" if call.kind == "chat.completion" else "cmpl-"
     obj = call.kind + (".chunk" if chunk and call.kind == "chat.completion" else "")
-    return {"id": prefix + ex.request_id, "object": obj, "created": int(time.time()), "model": ex.server.model}
+    return {
+        "id": prefix + ex.request_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": ex.server.model,
+        "system_fingerprint": FINGERPRINT,
+    }
 
 
 async def tokens(ex: "Exchange", path: str, body: dict) -> None:

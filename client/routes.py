@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 _MANAGE = {"/api/pull": "tandem pull NAME", "/api/delete": "tandem rm NAME"}
 
 
-_UNVERSIONED = ("/chat/completions", "/completions", "/models")  # llama-server serves these without /v1 too
+# llama-server serves these OpenAI routes without /v1 too (not /completions: there it is its own native API)
+_UNVERSIONED = ("/chat/completions", "/models")
 
 
 async def route(ex: "Exchange") -> None:
@@ -69,6 +70,8 @@ async def _get(ex: "Exchange", path: str) -> None:
     elif path.startswith("/v1/models/"):
         await openai_bridge.model(ex, path[len("/v1/models/") :])
     elif path in ("", "/health"):  # (HEAD / is what some Ollama clients probe before they start)
-        ex.send_json(HTTPStatus.OK, {"status": "ok", "model": ex.server.model})
+        # open without the API key, as llama-server's: then it says no more than that the bridge is up
+        keyed = ex.server.api_key is not None
+        ex.send_json(HTTPStatus.OK, {"status": "ok"} if keyed else {"status": "ok", "model": ex.server.model})
     else:
         raise ApiError(HTTPStatus.NOT_FOUND, f"no route {ex.method} {path}; try GET /v1/models")

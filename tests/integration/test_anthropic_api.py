@@ -51,10 +51,13 @@ def test_streamed_events_assemble_to_the_same_message(client):
         final = stream.get_final_message()
     assert text == whole.content[0].text == final.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
-    events = []
     with client.messages.stream(**kw, extra_body=GREEDY) as stream:
-        events = [e.type for e in stream]
+        received = list(stream)
+    events = [e.type for e in received]
     assert events[0] == "message_start" and events[-1] == "message_stop"
+    # the prompt's size comes first, as Anthropic's does (an agent shows its context from it)
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert received[0].message.usage.input_tokens == prompt
     assert events[1] == "content_block_start" and "content_block_stop" in events and "message_delta" in events
 
 

@@ -102,6 +102,12 @@ def test_a_bridge_with_api_key_on_serves_only_requests_that_carry_it(daemon, bri
         good = openai.OpenAI(base_url=bridge.url, api_key=key, max_retries=0)
         assert good.completions.create(model="x", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
         assert good.models.list().data[0].id
+        # a liveness probe needs no key, as llama-server's /health; then it names nothing, not even the model
+        with urllib.request.urlopen(bridge.url.removesuffix("/v1") + "/health", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(bridge.url + "/models", timeout=10)
+        assert err.value.code == 401
     finally:
         bridge.stop()
 

@@ -98,7 +98,7 @@ def main() -> None:
     tests = work / "llama.cpp" / "tools" / "server" / "tests"
     shutil.rmtree(work / "llama.cpp", ignore_errors=True)
     shutil.copytree(suite, tests, ignore=shutil.ignore_patterns("tmp", "__pycache__"))
-    (work / "llama.cpp" / "models").symlink_to(args.sdist / "llama.cpp" / "models")
+    (work / "llama.cpp" / "models").symlink_to(args.sdist.resolve() / "llama.cpp" / "models")
     shutil.copy(HERE / "llama_server_suite" / "conftest.py", tests / "conftest.py")
     results = {}
     for target in targets:

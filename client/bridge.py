@@ -42,6 +42,7 @@ DEFAULT_IDLE_TIMEOUT = 60.0  # seconds a connection may stay silent (or stall a 
 DEFAULT_MAX_CONNECTIONS = 64
 SHUTDOWN_SECONDS = 2.0  # how long a stopping bridge lets running requests finish before it cancels them
 MAX_HEADER_BYTES = 65536  # a request line or header longer than this is refused (the standard library's limit)
+TOO_MANY = "the bridge has as many connections open as it serves (--max-connections); retry"
 
 Start = Callable[[AsyncClient], Awaitable[AsyncStream]]
 
@@ -104,10 +105,15 @@ class _Gate(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
+        bridge = self.bridge
+        if len(bridge.manager.connections) + bridge.admitting >= bridge.max_connections:
+            transport.set_protocol(_Refused(transport, _raw_answer(503, TOO_MANY, "too_many_connections")))
+            return
         transport.pause_reading()
+        bridge.admitting += 1
         task = asyncio.get_running_loop().create_task(self._admit(transport))
-        self.bridge.tasks.add(task)
-        task.add_done_callback(self.bridge.tasks.discard)
+        bridge.tasks.add(task)
+        task.add_done_callback(bridge.tasks.discard)
 
     async def _admit(self, transport: asyncio.Transport) -> None:
         from tandem.daemon.tcp_owner import refusal
@@ -115,16 +121,20 @@ class _Gate(asyncio.Protocol):
         bridge = self.bridge
         peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
         try:
-            why = await asyncio.to_thread(refusal, peer, local)
-        except Exception as exc:  # noqa: BLE001 - whatever it was, this connection's owner is not known
-            why = f"this listener serves only the user who runs it, and cannot tell who connects: {exc}"
-        if transport.is_closing():
-            return  # it left meanwhile
+            try:
+                why = await asyncio.to_thread(refusal, peer, local)
+            except Exception as exc:  # noqa: BLE001 - whatever it was, this connection's owner is not known
+                why = f"this listener serves only the user who runs it, and cannot tell who connects: {exc}"
+        except BaseException:  # the bridge is stopping: this connection is not served
+            transport.abort()
+            raise
+        finally:
+            bridge.admitting -= 1
         if why is not None:
             transport.set_protocol(_Refused(transport, _raw_answer(403, why, "another_user")))
-        elif len(bridge.manager.connections) >= bridge.max_connections:
-            message = "the bridge has as many connections open as it serves (--max-connections); retry"
-            transport.set_protocol(_Refused(transport, _raw_answer(503, message, "too_many_connections")))
+        elif bridge.stopping_now:
+            message = "the bridge is stopping; retry when it is back"
+            transport.set_protocol(_Refused(transport, _raw_answer(503, message, "shutting_down")))
         else:
             handler = _Handler(
                 bridge.manager,
@@ -145,13 +155,25 @@ class _Gate(asyncio.Protocol):
 
 
 class _Handler(RequestHandler):
-    """aiohttp's, with HTTP that does not parse answered in the dialect's error shape (not text)."""
+    """aiohttp's, with HTTP that does not parse answered in OpenAI's error shape (not text),
+    and a body whose chunks stop parsing failing its reader (not leaving it waiting)."""
+
+    def data_received(self, data: bytes) -> None:
+        request, queued = self._current_request, len(self._messages)
+        super().data_received(data)
+        # A chunk header that does not parse, arriving after the request's headers, is queued as a parse
+        # error for the *next* message, and the body being read never hears of it: it would wait for the
+        # idle timeout and close unanswered. Fail its reader instead: the request gets its 400.
+        if request is not None and len(self._messages) > queued:
+            err = self._messages[-1][0]
+            if not hasattr(err, "method") and getattr(err, "status", None) == 400:  # (aiohttp's _ErrInfo)
+                request.content.set_exception(web.RequestPayloadError(f"bad chunk: {getattr(err, 'message', err)}"))
 
     def handle_error(self, request, status: int = 500, exc=None, message=None) -> web.StreamResponse:
+        if status >= 500:  # a bug of ours: worth a traceback (even when the answer cannot say so)
+            self.log_exception("tandem http: error handling a request", exc_info=exc)
         if request.writer.output_size > 0:  # an answer has started: another cannot follow it
             raise ConnectionError("the answer had started; the connection is closed instead")
-        if status >= 500:  # a bug of ours: worth a traceback
-            self.log_exception("tandem http: error handling a request", exc_info=exc)
         text = message or (str(exc) if exc else HTTPStatus(status).phrase)
         if status < 500:
             text = f"the request is not valid HTTP: {text.splitlines()[0] if text else status}"
@@ -206,6 +228,8 @@ class BridgeServer:
         self.server_address = self.socket.getsockname()
         self.manager: web.Server  # made in serve_forever, on its event loop
         self.tasks: set[asyncio.Task] = set()  # the connection checks and the requests being answered
+        self.admitting = 0  # connections whose owner is being looked up (they count against max_connections)
+        self.stopping_now = False  # set as the bridge stops: new connections and answers close
         self._stopping: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -237,18 +261,21 @@ class BridgeServer:
             await self._shut_down(listener)
 
     async def _shut_down(self, listener: asyncio.AbstractServer) -> None:
-        """No new connections; idle ones closed; running requests get SHUTDOWN_SECONDS
-        to finish, then are cancelled (each cancels its daemon request, and is waited for)."""
+        """No new connections; idle ones closed at once; running requests get
+        SHUTDOWN_SECONDS to finish, then are cancelled (each cancels its daemon
+        request, and is waited for)."""
+        self.stopping_now = True
         listener.close()
-        self.manager.pre_shutdown()  # (idle keep-alive connections close now)
         running = {t for t in self.tasks if not t.done()}
+        self.manager.pre_shutdown()  # (idle connections: their handlers end, and shutdown closes them now)
+        closing = asyncio.ensure_future(self.manager.shutdown(SHUTDOWN_SECONDS))
         if running:
             _, late = await asyncio.wait(running, timeout=SHUTDOWN_SECONDS)
             for task in late:
                 task.cancel()
             if late:
                 await asyncio.wait(late, timeout=10)
-        await self.manager.shutdown(0.5)
+        await asyncio.wait([closing], timeout=2 * SHUTDOWN_SECONDS)
 
     def _request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
         return web.BaseRequest(
@@ -277,6 +304,8 @@ class BridgeServer:
                 ex.send_json(error.status, error.body(ex.dialect))
             assert ex.response is not None, f"{request.method} {request.path}: no answer"
             if not ex.response.prepared:  # a whole answer: written here, within the idle timeout
+                if self.stopping_now:
+                    ex.response.force_close()  # (keep-alive clients reconnect, and are told the bridge stops)
                 async with ex.in_time():
                     await ex.response.prepare(request)
                     await ex.response.write_eof()
@@ -289,6 +318,9 @@ class BridgeServer:
             raise asyncio.CancelledError() from None  # nothing more to answer, to no one
         except asyncio.CancelledError:
             outcome = "client gone" if request.transport is None or request.transport.is_closing() else "cancelled"
+            raise
+        except Exception:
+            outcome = "500 (a bug: its traceback follows)"
             raise
         finally:
             ex.close()

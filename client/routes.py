@@ -18,15 +18,45 @@ _MANAGE = {"/api/pull": "tandem pull NAME", "/api/delete": "tandem rm NAME"}
 _UNVERSIONED = ("/chat/completions", "/models")
 
 
+_GET = {"", "/health", "/api/version", "/api/tags", "/api/ps", "/v1/models"}
+_POST = {
+    *("/api/generate", "/api/chat", "/api/show", "/api/embed", "/api/embeddings"),
+    *("/api/pull", "/api/push", "/api/create", "/api/copy"),
+    *("/v1/messages", "/v1/messages/count_tokens", "/v1/completions", "/v1/chat/completions"),
+    *("/tokenize", "/detokenize", "/v1/tokenize"),
+}
+
+
+def allowed(path: str) -> tuple[str, ...]:
+    """The methods ``path`` is served with (none: no such route)."""
+    if path in _GET or path.startswith("/v1/models/"):
+        return ("GET", "HEAD")
+    if path == "/api/delete":  # Ollama's is DELETE
+        return ("DELETE", "POST")
+    if path in _POST or path.startswith("/api/blobs"):
+        return ("POST",)
+    return ()
+
+
 async def route(ex: "Exchange") -> None:
     method, path = ex.method, ex.path
     if path in _UNVERSIONED or path.startswith("/models/"):
         path = "/v1" + path
+    methods = allowed(path)
+    if not methods:
+        hint = (
+            "try GET /v1/models"
+            if method in ("GET", "HEAD")
+            else "tandem serves /v1/completions and /v1/chat/completions"
+        )
+        raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}; {hint}")
+    if method not in methods:
+        allow = ", ".join(methods)
+        raise ApiError(
+            HTTPStatus.METHOD_NOT_ALLOWED, f"no route {method} {path} (it takes {allow})", headers={"Allow": allow}
+        )
     if method in ("GET", "HEAD"):
         return await _get(ex, path)
-    if method not in ("POST", "DELETE") or method == "DELETE" and path != "/api/delete":  # Ollama's delete
-        allow = "DELETE" if path == "/api/delete" else "GET, HEAD, POST"
-        raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"no route {method} {path}", headers={"Allow": allow})
     if path.startswith("/api/"):
         ollama = {"/api/generate": ollama_api.generate, "/api/chat": ollama_api.chat, "/api/show": ollama_api.show}
         if path in ollama:
@@ -43,7 +73,6 @@ async def route(ex: "Exchange") -> None:
                 f"{path} is not served over HTTP: models are managed with the tandem command "
                 f"({_MANAGE.get(path, 'tandem models --help')})",
             )
-        raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
     if path == "/v1/messages":
         return await anthropic_api.messages(ex, await ex.body())
     if path == "/v1/messages/count_tokens":
@@ -51,10 +80,6 @@ async def route(ex: "Exchange") -> None:
     if path in ("/tokenize", "/detokenize", "/v1/tokenize"):
         return await openai_bridge.tokens(ex, path, await ex.body())
     calls = {"/v1/completions": openai_bridge.completions_call, "/v1/chat/completions": openai_bridge.chat_call}
-    if path not in calls:
-        raise ApiError(
-            HTTPStatus.NOT_FOUND, f"no route POST {path}; tandem serves /v1/completions and /v1/chat/completions"
-        )
     await openai_bridge.generate(ex, calls[path](await ex.body()))
 
 

@@ -105,8 +105,13 @@ def test_a_bridge_with_api_key_on_serves_only_requests_that_carry_it(daemon, bri
         # a liveness probe needs no key, as llama-server's /health; then it names nothing, not even the model
         with urllib.request.urlopen(bridge.url.removesuffix("/v1") + "/health", timeout=10) as r:
             assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(bridge.url + "/models", timeout=10)
+        base = bridge.url.removesuffix("/v1")
+        for path in ("/v1/models", "/healthz", "//health", "/api/tags"):  # the exemption is that probe only
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(base + path, timeout=10)
+            assert err.value.code == 401, path
+        with pytest.raises(urllib.error.HTTPError) as err:  # (and only to GET or HEAD)
+            urllib.request.urlopen(urllib.request.Request(base + "/health", b"{}", method="POST"), timeout=10)
         assert err.value.code == 401
     finally:
         bridge.stop()

@@ -131,6 +131,13 @@ def test_a_body_that_cannot_be_read_is_a_400_with_no_traceback(bridge):
     )
     status, body = exchange(bridge, chunked)
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    with connect(bridge) as sock:  # the bad chunk after the headers, as the body is being read: 400, not a hang
+        sock.sendall(chunked.split(b"zz")[0] + b'5\r\n{"con\r\n')
+        time.sleep(0.3)
+        sock.sendall(b"zz\r\nxx\r\n0\r\n\r\n")
+        sock.settimeout(10)
+        status, _, answer = _answer(sock)
+    assert status == 400 and "cannot be read" in json.loads(answer)["error"]["message"]
     time.sleep(0.2)
     assert not any("Traceback" in line for line in bridge.lines), "".join(bridge.lines)
 
@@ -152,16 +159,21 @@ def test_expect_100_continue_is_answered_before_the_body(bridge):
 
 
 def test_methods_the_bridge_does_not_serve_get_405_with_allow(bridge):
-    for head in (
-        b"PUT /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n",
-        b"DELETE /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
-        b"OPTIONS /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://127.0.0.1\r\n\r\n",
+    for head, allow in (
+        (b"PUT /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n", "POST"),
+        (b"DELETE /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "POST"),
+        (b"OPTIONS /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://127.0.0.1\r\n\r\n", "GET, HEAD"),
+        (b"GET /api/delete HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "DELETE, POST"),
     ):
         with connect(bridge) as sock:
             sock.sendall(head)
             status, headers, body = _answer(sock)
-        assert status == 405 and "POST" in headers["allow"], head
-        assert json.loads(body)["error"]["message"].startswith("no route")
+        assert status == 405 and headers["allow"] == allow, head
+        error = json.loads(body)["error"]  # (Ollama's shape for /api: a string)
+        assert (error if isinstance(error, str) else error["message"]).startswith("no route")
+    with connect(bridge) as sock:  # a path that is not served at all: 404, whatever the method
+        sock.sendall(b"PUT /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n")
+        assert _answer(sock)[0] == 404
 
 
 def test_an_empty_body_is_a_400_and_no_length_a_411(bridge):

@@ -75,25 +75,12 @@ def test_stop_sequences_end_the_message_and_are_named(client):
 
 def test_tool_use_then_tool_result(client, weather_tool_anthropic):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    m = client.messages.create(
-        model="tandem",
-        max_tokens=80,
-        tools=[weather_tool_anthropic],
-        tool_choice=ONE_CALL,
-        messages=ask,
-        extra_body=GREEDY,
-    )
+    kw = dict(model="tandem", max_tokens=80, tools=[weather_tool_anthropic], tool_choice=ONE_CALL, messages=ask)
+    m = client.messages.create(**kw, extra_body=GREEDY)
     assert m.stop_reason == "tool_use"
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.input["city"].lower().startswith("paris") and use.id
-    with client.messages.stream(
-        model="tandem",
-        max_tokens=80,
-        tools=[weather_tool_anthropic],
-        tool_choice=ONE_CALL,
-        messages=ask,
-        extra_body=GREEDY,
-    ) as stream:
+    with client.messages.stream(**kw, extra_body=GREEDY) as stream:
         streamed = stream.get_final_message()
     (streamed_use,) = [b for b in streamed.content if b.type == "tool_use"]
     assert streamed_use.name == use.name and streamed_use.input == use.input  # input_json_delta pieces assembled

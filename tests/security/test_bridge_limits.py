@@ -37,14 +37,8 @@ def connect(bridge) -> socket.socket:
 def exchange(bridge, head: bytes, body: bytes = b"") -> tuple[int, dict]:
     with connect(bridge) as sock:
         sock.sendall(head + body)
-        data = b""
-        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _length(data):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    status = int(data.split(b" ", 2)[1])
-    return status, json.loads(data.split(b"\r\n\r\n", 1)[1] or b"{}")
+        status, _, answer = _answer(sock)
+    return status, json.loads(answer or b"{}")
 
 
 def _length(data: bytes) -> int:

@@ -95,9 +95,14 @@ class ApiError(Exception):
         return cls(HTTPStatus.BAD_GATEWAY, str(exc), code="daemon_error")
 
 
+def json_bytes(obj: Any) -> bytes:
+    """A JSON body as the bridge sends it (UTF-8, not escaped to ASCII)."""
+    return json.dumps(obj, ensure_ascii=False).encode()
+
+
 def ndjson(obj: Any) -> bytes:
     """One NDJSON line (Ollama's streams)."""
-    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+    return json_bytes(obj) + b"\n"
 
 
 def sse(data: Any, event: Optional[str] = None) -> bytes:

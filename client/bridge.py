@@ -34,7 +34,7 @@ from aiohttp.web_protocol import RequestHandler
 from tandem.protocol import MAX_MESSAGE_BYTES
 
 from .aio import AsyncClient, AsyncStream
-from .answers import ApiError
+from .answers import ApiError, json_bytes
 from .errors import TandemError
 
 DEFAULT_LISTEN = "127.0.0.1:8642"
@@ -57,13 +57,9 @@ def dialect_of(path: str) -> str:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
-def _json_bytes(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False).encode()
-
-
 def _raw_answer(status: int, message: str, code: str) -> bytes:
     """A whole HTTP answer, for a connection refused before aiohttp sees it."""
-    body = _json_bytes(ApiError(status, message, code=code).body())
+    body = json_bytes(ApiError(status, message, code=code).body())
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\nConnection: close\r\n"
         f"Server: tandem\r\nRetry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -183,7 +179,7 @@ class _Handler(RequestHandler):
             path = ""
         error = ApiError(status, text)
         resp = web.Response(
-            status=status, body=_json_bytes(error.body(dialect_of(path))), content_type="application/json"
+            status=status, body=json_bytes(error.body(dialect_of(path))), content_type="application/json"
         )
         resp.headers["Server"] = "tandem"
         resp.force_close()  # (what follows on the connection cannot be trusted to parse)
@@ -229,9 +225,13 @@ class BridgeServer:
         self.manager: web.Server  # made in serve_forever, on its event loop
         self.tasks: set[asyncio.Task] = set()  # the connection checks and the requests being answered
         self.admitting = 0  # connections whose owner is being looked up (they count against max_connections)
-        self.stopping_now = False  # set as the bridge stops: new connections and answers close
-        self._stopping: Optional[asyncio.Event] = None
+        self._stopping: Optional[asyncio.Event] = None  # set by stop() or a signal
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    @property
+    def stopping_now(self) -> bool:
+        """The bridge is stopping: new connections are refused, answers close their connection."""
+        return self._stopping is not None and self._stopping.is_set()
 
     def serve_forever(self) -> None:
         asyncio.run(self._serve())
@@ -250,7 +250,7 @@ class BridgeServer:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._stopping = asyncio.Event()
-        self.manager = web.Server(self._handle, request_factory=self._request, handler_cancellation=True)
+        self.manager = web.Server(self._handle, handler_cancellation=True)  # (bodies: Exchange._read, limited)
         listener = await loop.create_server(lambda: _Gate(self), sock=self.socket)
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
@@ -264,7 +264,6 @@ class BridgeServer:
         """No new connections; idle ones closed at once; running requests get
         SHUTDOWN_SECONDS to finish, then are cancelled (each cancels its daemon
         request, and is waited for)."""
-        self.stopping_now = True
         listener.close()
         running = {t for t in self.tasks if not t.done()}
         self.manager.pre_shutdown()  # (idle connections: their handlers end, and shutdown closes them now)
@@ -276,11 +275,6 @@ class BridgeServer:
             if late:
                 await asyncio.wait(late, timeout=10)
         await asyncio.wait([closing], timeout=2 * SHUTDOWN_SECONDS)
-
-    def _request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
-        return web.BaseRequest(
-            message, payload, protocol, writer, task, asyncio.get_running_loop(), client_max_size=MAX_MESSAGE_BYTES
-        )
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         from .routes import route
@@ -473,7 +467,6 @@ class Exchange:
                         await asyncio.shield(asyncio.wait_for(client.cancel(stream.request_id), 5.0))
                 raise
             finally:
-                self.done = stream.done
                 stream.close()
 
     async def _chunks(self, stream: AsyncStream) -> AsyncIterator:
@@ -533,7 +526,7 @@ class Exchange:
         if status in (HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.SERVICE_UNAVAILABLE):
             headers["Retry-After"] = "1"
         self.response = web.Response(
-            status=int(status), body=_json_bytes(body), content_type="application/json", headers=headers
+            status=int(status), body=json_bytes(body), content_type="application/json", headers=headers
         )
 
     async def start_stream(self, content_type: str, first: list[bytes] = ()) -> None:

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -228,8 +229,15 @@ def free_port() -> int:
 
 class LlamaServer:
     def __init__(
-        self, binary: Path, model: Path, n_ctx: int, threads: int, flash_attn: bool, extra: tuple[str, ...] = ()
+        self,
+        binary: Path,
+        model: Path,
+        n_ctx: int,
+        threads: int,
+        flash_attn: Optional[bool],
+        extra: tuple[str, ...] = (),
     ):
+        """``flash_attn`` None: llama-server's own default (auto)."""
         self.port = free_port()
         self.command = [
             str(binary),
@@ -241,14 +249,14 @@ class LlamaServer:
             str(threads),
             "-tb",
             str(threads),
-            "-fa",
-            "on" if flash_attn else "off",
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
             "--no-webui",
         ]
+        if flash_attn is not None:
+            self.command += ["-fa", "on" if flash_attn else "off"]
         if cpu_has_amx():
             self.command.append("--no-repack")  # like tandem's --extra-buffers auto: AMX repacking crashes
         self.command += extra

@@ -4,6 +4,7 @@ llama-cpp-python in-process and llama.cpp's llama-server, on this machine.
     python -m bench --quick            # a few minutes (SmolLM2 F16 target, Q4_1 drafter); CI runs it
     python -m bench --full             # Qwen2.5-Coder 1.5B target, 0.5B drafter, 3 runs: about 75 minutes here
     python -m bench --full --llama-server PATH   # include llama-server (bench/build_llama_server.sh builds it)
+    python -m bench --peer             # tandem vs llama-server alone, SmolLM2 and Qwen2.5-Coder-1.5B (bench/peer.py)
 
 Every system runs in one process tree at once and idles while another works; in
 each run the order of systems rotates per task, so drift on a shared machine
@@ -33,6 +34,7 @@ from typing import Optional
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
+import peer  # noqa: E402
 import psutil  # noqa: E402
 from common import model_path, start_daemon, temp_socket  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
@@ -661,6 +663,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="a few minutes, small models (the CI smoke run)")
     g.add_argument("--full", action="store_true", help="the real pair, 3 runs (the committed report)")
+    g.add_argument(
+        "--peer",
+        action="store_true",
+        help="tandem vs llama-server only: decode, TTFT (new, repeated, extended prompt), prefill (bench/peer.py)",
+    )
     ap.add_argument("--runs", type=int, default=None, help="override the preset's number of runs")
     ap.add_argument(
         "--llama-server",
@@ -671,7 +678,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     ap.add_argument("--no-peers", action="store_true", help="leave llama-server out even if it is there")
     ap.add_argument("--out", type=Path, default=None, help="report directory (default bench/results/<date>-<machine>)")
+    peer.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.peer:
+        server = args.llama_server or DEFAULT_LLAMA_SERVER
+        if not server.exists():
+            raise SystemExit(f"no llama-server at {server}; build it with bench/build_llama_server.sh")
+        args.runs = args.runs or 3
+        print(peer.run(args, server, args.out))
+        return 0
     preset = "full" if args.full else "quick"
     server = args.llama_server
     if server is None and preset == "full" and DEFAULT_LLAMA_SERVER.exists():

@@ -193,6 +193,19 @@ class Engine:
         drafts a round is exactly one plain decoding step."""
         state = self._begin(req)
         try:
+            return self._run(state, emit, should_cancel)
+        finally:
+            if not req.cache:
+                self.forget_live()  # cache: false: what it read is not kept for the next request either
+
+    def forget_live(self) -> None:
+        """What the model's KV cache holds is never reused (``cache: false``, a cache clear)."""
+        forget = getattr(self.model, "forget_history", None)
+        if forget is not None:
+            forget()
+
+    def _run(self, state: RequestState, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool]) -> Done:
+        try:
             logits = self._prefill(state, should_cancel)
         except DecodeAborted:
             if state.cache is not None:
@@ -275,8 +288,14 @@ class Engine:
     def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
         """Restore what the prefix cache holds of the prompt, start the drafter,
         read the rest; the logits after the prompt. A long prefill can be cancelled."""
+        # what the model still holds of this prompt from the request before (an
+        # agent's next turn, an editor's next keystroke): kept, to the token
+        live = self._live_prefix(state.tokens) if state.req.cache else 0
         if state.cache is not None:
-            state.cached = state.cache.restore(state.tokens)
+            state.cached = state.cache.restore(state.tokens, live)
+        elif live:
+            self.model.truncate(live)
+            state.cached = live
         else:
             self.model.clear()
         if self.drafter is not None:
@@ -291,6 +310,12 @@ class Engine:
         logits = self.model.decode(state.tokens[state.cached :], abort=should_cancel)[0]
         state.prefilled = self.clock()
         return logits
+
+    def _live_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (at most all but one: the last one's logits are
+        needed) the model's KV cache holds from the request before."""
+        live_prefix = getattr(self.model, "live_prefix", None)
+        return live_prefix(tokens[: len(tokens) - 1]) if live_prefix is not None else 0
 
     def _take(self, state: RequestState, new_tokens: list[int], emit: Callable[[Chunk], None]) -> None:
         """Add a round's tokens to the output until one ends the request; stream them."""

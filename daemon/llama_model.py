@@ -137,6 +137,8 @@ class LlamaModel:
         self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
         self._pieces: dict[int, bytes] = {}
         self.n_past = 0  # tokens in the KV cache of sequence 0
+        # the tokens at those positions (-1: unknown), so a next request can keep the prefix it shares
+        self.history: list[int] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -311,12 +313,27 @@ class LlamaModel:
     def clear(self) -> None:
         llama.llama_memory_clear(self.memory, True)
         self.n_past = 0
+        self.history = []
 
     def truncate(self, n_keep: int) -> None:
         """Drop KV cache positions >= n_keep."""
         if n_keep < self.n_past:
             llama.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
             self.n_past = n_keep
+            del self.history[n_keep:]
+
+    def forget_history(self) -> None:
+        """The KV cache's contents are no longer to be reused (``live_prefix`` 0)."""
+        self.history = [-1] * self.n_past
+
+    def live_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the KV cache already holds, from the start."""
+        n = 0
+        for have, want in zip(self.history, tokens):
+            if have != want:
+                break
+            n += 1
+        return n
 
     def seq_state(self) -> bytes:
         """llama.cpp's serialized KV state of sequence 0 (all ``n_past`` tokens)."""
@@ -327,9 +344,11 @@ class LlamaModel:
             raise DecodeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return bytes(buf)
 
-    def set_seq_state(self, blob: bytes | bytearray | memoryview, n_tokens: int) -> None:
+    def set_seq_state(
+        self, blob: bytes | bytearray | memoryview, n_tokens: int, tokens: Optional[Sequence[int]] = None
+    ) -> None:
         """Replace sequence 0 with a state from ``seq_state`` (or assembled from
-        pages) that holds ``n_tokens`` tokens."""
+        pages) that holds ``n_tokens`` tokens (``tokens``, where the caller knows them)."""
         self.clear()
         data = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         read = llama.llama_state_seq_set_data(self.ctx, data, len(blob), 0)
@@ -337,6 +356,7 @@ class LlamaModel:
             self.clear()
             raise DecodeError(f"llama_state_seq_set_data read {read} of {len(blob)} bytes")
         self.n_past = n_tokens
+        self.history = list(tokens[:n_tokens]) if tokens is not None else [-1] * n_tokens
 
     def decode(
         self,
@@ -370,8 +390,10 @@ class LlamaModel:
                 batch.logits[j] = (start + j) in wanted
             rc = llama.llama_decode(self.ctx, batch)
             if rc != 0:
+                self.history = [-1] * self.n_past  # what it left in the cache is not known: never reused
                 raise DecodeError(f"llama_decode returned {rc}")
             self.n_past += len(chunk)
+            self.history.extend(chunk)
             for idx in wanted:
                 if start <= idx < start + len(chunk):
                     ptr = llama.llama_get_logits_ith(self.ctx, idx - start)

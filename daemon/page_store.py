@@ -71,12 +71,18 @@ def write_pages(model, arena, page_tokens: int, pages: Sequence[tuple[int, int]]
         arena[offset : offset + len(data)] = data
 
 
-def read_pages(model, arena, layout: Layout, page_tokens: int, offsets: Sequence[int]) -> int:
+def read_pages(
+    model, arena, layout: Layout, page_tokens: int, offsets: Sequence[int], tokens: Optional[Sequence[int]] = None
+) -> int:
     """Replace ``model``'s KV state by the pages at ``offsets`` (a prefix, in
-    order); returns the tokens it holds now."""
+    order; of ``tokens``, where known); returns the tokens it holds now."""
     size = layout.page_bytes(page_tokens)
     n = len(offsets) * page_tokens
-    model.set_seq_state(assemble(layout, [arena[o : o + size] for o in offsets], page_tokens), n)
+    blob = assemble(layout, [arena[o : o + size] for o in offsets], page_tokens)
+    if tokens is None:
+        model.set_seq_state(blob, n)
+    else:
+        model.set_seq_state(blob, n, tokens[:n])
     return n
 
 
@@ -135,6 +141,7 @@ class PageStore:
         self.model_identity = ""  # the target's model file (``model_identity``): its index is valid for it only
         self.role_bytes: dict[str, int] = {}  # page size of each model that has stored pages
         self.drafter_tokens_from_cache = 0
+        self.tokens_from_live = 0  # of tokens_from_cache: kept in the model's own KV from the request before
 
     def _page_bytes(self) -> int:
         assert self.layout is not None
@@ -145,18 +152,33 @@ class PageStore:
         self.layout = probe_layout(self.model)
         return self.layout
 
-    def restore(self, tokens: Sequence[int]) -> int:
+    def restore(self, tokens: Sequence[int], live: int = 0) -> int:
         """Put the longest cached prefix of ``tokens`` (at most all but one token)
         into the model; returns how many tokens it holds now (0: nothing cached,
-        the model is cleared)."""
+        the model is cleared). ``live``: the model already holds that many of
+        ``tokens`` (at most all but one) from the request before; when the pages
+        hold no more, it keeps them, to the token, and nothing is read."""
         self.release()
-        self.model.clear()
         chain = self.tree.match(list(tokens)[: len(tokens) - 1], self.role) if self.layout is not None else []
         n = len(chain) * self.page_tokens
+        if live and live >= n:
+            self.model.truncate(live)
+            stats = self.tree.stats
+            if not chain:  # counted as a miss: it is a hit, served from the model's own cache
+                stats.misses -= 1
+                stats.hits += 1
+            stats.tokens_from_cache += live - n
+            self.tokens_from_live += live
+            self.tokens_prefilled += len(tokens) - live
+            if chain:
+                self.tree.lock(chain)  # (unlocked by release, as when they are read)
+                self.locked = chain
+            return live
+        self.model.clear()
         if chain:
             try:
                 offsets = [node.pages[self.role].offset for node in chain]
-                read_pages(self.model, self.arena, self.layout, self.page_tokens, offsets)
+                read_pages(self.model, self.arena, self.layout, self.page_tokens, offsets, tokens)
             except Exception as exc:  # bytes that are not this model's state: drop them, read the prompt
                 log.warning("prefix cache: dropping pages that could not be restored (%s: %s)", type(exc).__name__, exc)
                 for node in reversed(chain):
@@ -192,6 +214,7 @@ class PageStore:
             pages_total=t.allocator.capacity // per_node * len(sizes) if per_node else 0,
             page_bytes=sizes,
             drafter_tokens_from_cache=self.drafter_tokens_from_cache,
+            tokens_from_live=self.tokens_from_live,
             page_tokens=self.page_tokens,
             pages=t.pages(),
             bytes_used=t.allocator.used,

@@ -291,6 +291,7 @@ class TargetLoop:
         self.send(Detokenized(id=msg.id, text=text))
 
     def _clear_cache(self, msg: CacheClear) -> None:
+        self.engine.forget_live()  # nothing the requests before left is reused after a clear
         cache = self.engine.cache
         if cache is None:
             self.send(CacheCleared(id=msg.id, pages=0, bytes=0, cache=None))

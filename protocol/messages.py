@@ -574,6 +574,7 @@ class CacheInfo:
     pages_total: int = 0  # pages the budget holds (each cached page of tokens has one page per model)
     page_bytes: dict[str, int] = field(default_factory=dict)  # bytes of one page, by model: "target", "drafter"
     drafter_tokens_from_cache: int = 0  # tokens the drafter restored instead of reading
+    tokens_from_live: int = 0  # of tokens_from_cache: kept in the target's KV from the request before (no pages read)
 
 
 @dataclass

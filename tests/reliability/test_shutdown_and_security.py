@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def shm_of(pid: int) -> list[Path]:
     """The prefix-cache arena (and index) a living daemon holds open: its names are unpredictable."""
     held = [Path(f.path) for f in psutil.Process(pid).open_files()]
-    arenas = {p for p in held if p.name.startswith("tandem-kv-") and p.suffix != ".index"}  # a set: one file may be open twice
+    # a set: one file may be open on two descriptors
+    arenas = {p for p in held if p.name.startswith("tandem-kv-") and p.suffix != ".index"}
     return sorted(p for a in arenas for p in (a, a.with_name(a.name + ".index")) if p.exists())
 
 

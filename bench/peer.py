@@ -1,0 +1,428 @@
+"""tandem against llama.cpp's own server, side by side, on the same model file.
+
+    python -m bench --peer                        # SmolLM2-135M and Qwen2.5-Coder-1.5B, 3 runs: ~10 minutes here
+    python -m bench --peer --models smollm2-135m --runs 5
+
+Both run as a user would start them, with their defaults: ``tandem serve --model M
+--ctx-size C`` (no drafter) and ``llama-server -m M -c C -t N -tb N`` (its prompt
+cache on, flash attention auto), with ``--no-repack`` on CPUs with AMX for both
+(tandem's ``--extra-buffers auto`` turns repacking off there: it crashes). tandem
+is asked over its socket with its Python client, llama-server over HTTP on
+127.0.0.1 (its OpenAI chat endpoint, streamed); greedy, ``ignore_eos``, so both
+write the same number of tokens. For each prompt kind, the two systems take turns
+(the order flips each run), so drift on a shared machine hits both alike:
+
+- **new**: a ~200-token chat prompt neither has seen (a salt in its first words);
+- **repeated**: the same prompt again (an editor re-sending, a retried request);
+- **extended**: that conversation with the system's own reply and a new user turn
+  appended (an agent's next turn);
+- **prefill**: a new ~1,000-token prompt, 2 tokens written: prompt tokens / TTFT.
+
+Decode tok/s is what a streaming client sees after the first token: (tokens - 1)
+/ (last chunk - first chunk), over the new, repeated and extended requests.
+Reported: median (min–max) over runs of each figure and of the tandem /
+llama-server ratio taken within a run. Goals (the performance issue): decode >=
+1.0x, TTFT <= 1.1x llama-server on every prompt kind. The report, with the
+machine and both builds' CPU features, goes to bench/results/<date>-<host>-peer/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import os
+import random
+import re
+import socket as socketlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from common import model_path, start_daemon, temp_socket  # noqa: E402
+from prefix_cache import LlamaServer  # noqa: E402
+
+from tandem.client import Client  # noqa: E402
+
+DEFAULT_MODELS = ["smollm2-135m", "qwen2.5-coder-1.5b"]
+KINDS = ["new", "repeated", "extended", "prefill"]
+GOALS = {"decode": 1.0, "ttft": 1.1}  # tandem / llama-server: decode at least, TTFT at most
+
+TOPICS = (
+    "a lighthouse keeper who collects shipwrecked clocks",
+    "the first winter of a city built on a frozen lake",
+    "a cartographer mapping a library that rearranges itself",
+    "two rival bakers in a mountain village during a storm",
+    "a courier who delivers letters between ships at sea",
+    "an old robot tending a greenhouse on an empty station",
+)
+FILLER = (
+    "The town kept its records in a tall stone building near the harbour, and every family had a drawer there. "
+    "Traders arrived in spring with salt, copper wire and news from the coast; in autumn they left with wool, "
+    "dried fish and the letters nobody trusted to the post. The school had one teacher, who also repaired the "
+    "radios, and the bell in the square rang twice at noon because the first ring was always early. "
+)
+
+
+def chat_prompt(rng: random.Random, salt: str, filler_repeats: int) -> list[dict]:
+    topic = rng.choice(TOPICS)
+    body = " ".join(FILLER for _ in range(filler_repeats))
+    return [
+        {
+            "role": "user",
+            "content": f"Request {salt}. Background: {body}\nWrite a short story about {topic}, "
+            "in plain prose, without a title.",
+        }
+    ]
+
+
+class Sample(dict):
+    """ttft, seconds, tokens, prompt_tokens, decode (tok/s after the first token), text"""
+
+
+def measure(pieces: Callable, started: float) -> tuple[Optional[float], Optional[float], int]:
+    """(first chunk time, last chunk time, chunks) of a stream of non-empty pieces"""
+    first = last = None
+    n = 0
+    for piece in pieces:
+        if not piece:
+            continue
+        now = time.perf_counter()
+        first = first if first is not None else now
+        last = now
+        n += 1
+    return first, last, n
+
+
+def tandem_request(client: Client, messages: list[dict], tokens: int) -> Sample:
+    started = time.perf_counter()
+    stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    first, last, _ = measure((len(c.token_ids) for c in stream), started)
+    done = stream.done
+    n = done.usage.completion_tokens
+    return Sample(
+        ttft=first - started,
+        seconds=last - started,
+        tokens=n,
+        prompt_tokens=done.usage.prompt_tokens,
+        cached_tokens=done.usage.cached_tokens,
+        decode=(n - 1) / (last - first) if n > 1 and last > first else None,
+        text=done.text,
+    )
+
+
+def server_request(port: int, messages: list[dict], tokens: int) -> Sample:
+    body = json.dumps(
+        {
+            "messages": messages,
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+    started = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise SystemExit(f"llama-server answered {resp.status}: {resp.read()[:300]!r}")
+    final: dict = {}
+    text: list[str] = []
+
+    def pieces():
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                final.update(event["usage"])
+            if event.get("timings"):
+                final["timings"] = event["timings"]
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    text.append(piece)
+                    yield piece
+
+    first, last, chunks = measure(pieces(), started)
+    conn.close()
+    n = int(final.get("completion_tokens") or final.get("timings", {}).get("predicted_n") or chunks)
+    timings = final.get("timings", {})
+    return Sample(
+        ttft=first - started,
+        seconds=last - started,
+        tokens=n,
+        prompt_tokens=int(final.get("prompt_tokens") or -1),
+        cached_tokens=int(timings.get("cache_n", -1)),
+        decode=(n - 1) / (last - first) if n > 1 and last > first else None,
+        text="".join(text),
+    )
+
+
+# --------------------------------------------------------------------------- builds and machine
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                keep = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni")
+                return [f for f in keep if f in flags] + sorted(f for f in flags if f.startswith("amx"))
+    except OSError:
+        pass
+    return []
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def server_system_info(log_path: str) -> str:
+    """llama-server's own 'system_info' line (its CPU features as built)."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return "unknown"
+    m = re.search(r"system_info: (.*)", text)
+    return m.group(1).strip() if m else "unknown"
+
+
+# --------------------------------------------------------------------------- one model
+
+
+def bench_model(name: str, server_bin: Path, runs: int, tokens: int, ctx: int, threads: int) -> dict:
+    import llama_cpp
+
+    path = model_path(name)
+    say(f"{name}: {path.name}")
+    sock = temp_socket("tdm-peer-")
+    serve_args = ["--model", str(path), "--ctx-size", str(ctx)]
+    daemon = start_daemon(sock, *serve_args)
+    server = None
+    try:
+        server = LlamaServer(server_bin, path, ctx, threads, flash_attn=None)
+        client = Client(sock)
+        systems = {
+            "tandem": lambda m, n: tandem_request(client, m, n),
+            "llama-server": lambda m, n, port=server.port: server_request(port, m, n),
+        }
+        for fn in systems.values():  # warm up: first-request costs are not what is compared
+            fn([{"role": "user", "content": "Say hi."}], 4)
+        rows: list[dict] = []
+        for r in range(runs):
+            rng = random.Random(r)
+            salt = f"{r}-{rng.randrange(10**9)}"
+            order = list(systems) if r % 2 == 0 else list(systems)[::-1]
+            prompt = chat_prompt(rng, salt, filler_repeats=2)
+            long_prompt = chat_prompt(rng, salt + "-long", filler_repeats=11)
+            replies: dict[str, str] = {}
+            for kind in KINDS:
+                for system in order:
+                    if kind == "new" or kind == "repeated":
+                        messages, n = prompt, tokens
+                    elif kind == "extended":
+                        messages = prompt + [
+                            {"role": "assistant", "content": replies[system]},
+                            {"role": "user", "content": "Now tell the same story from another character's view."},
+                        ]
+                        n = tokens
+                    else:
+                        messages, n = long_prompt, 2
+                    s = systems[system](messages, n)
+                    if kind == "new":
+                        replies[system] = s["text"]
+                    rows.append({"run": r, "kind": kind, "system": system, **s})
+                    say(
+                        f"  run {r + 1} {kind:9s} {system:12s} ttft {s['ttft'] * 1000:8.1f} ms  "
+                        f"prompt {s['prompt_tokens']:5d} (cached {s['cached_tokens']})  "
+                        + (f"decode {s['decode']:.1f} tok/s" if s["decode"] else "")
+                    )
+        status = client.status()
+        client.close()
+        return {
+            "model": name,
+            "file": path.name,
+            "bytes": path.stat().st_size,
+            "commands": {
+                "tandem": "tandem serve " + " ".join(serve_args),
+                "llama-server": " ".join(server.command),
+            },
+            "builds": {
+                "tandem": llama_cpp.llama_print_system_info().decode().strip(),
+                "llama-server": server_system_info(server.log.name),
+            },
+            "tandem_settings": {
+                "flash_attn": status.model.flash_attn if status.model else None,
+                "kernels": status.model.kernels if status.model else None,
+            },
+            "rows": rows,
+        }
+    finally:
+        if server is not None:
+            server.stop()
+        daemon.terminate()
+        daemon.wait(30)
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def med(values: list[float], digits: int = 2) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def figures(result: dict) -> dict:
+    """Per figure: {'tandem': [per run], 'llama-server': [...], 'ratio': [...]}"""
+    rows = result["rows"]
+    runs = sorted({r["run"] for r in rows})
+
+    def one(run, kind, system, key):
+        return next(r[key] for r in rows if r["run"] == run and r["kind"] == kind and r["system"] == system)
+
+    out: dict = {}
+    for system in ("tandem", "llama-server"):
+        decode = [
+            statistics.median(one(run, k, system, "decode") for k in ("new", "repeated", "extended")) for run in runs
+        ]
+        out.setdefault("decode tok/s", {})[system] = decode
+        for kind in ("new", "repeated", "extended", "prefill"):
+            out.setdefault(f"TTFT {kind} (ms)", {})[system] = [one(run, kind, system, "ttft") * 1000 for run in runs]
+        out.setdefault("prefill tok/s", {})[system] = [
+            one(run, "prefill", system, "prompt_tokens") / one(run, "prefill", system, "ttft") for run in runs
+        ]
+    for fig in out.values():
+        fig["ratio"] = [a / b for a, b in zip(fig["tandem"], fig["llama-server"])]
+    return out
+
+
+def goal_of(figure: str) -> Optional[tuple[str, float]]:
+    if figure == "decode tok/s":
+        return (">=", GOALS["decode"])
+    if figure in ("TTFT new (ms)", "TTFT repeated (ms)", "TTFT extended (ms)"):
+        return ("<=", GOALS["ttft"])
+    return None
+
+
+def write_report(results: dict, out_dir: Path) -> Path:
+    m = results["machine"]
+    lines = [
+        "# tandem vs llama-server, side by side",
+        "",
+        f"Run {results['started'][:16]} → {results['finished'][:16]} with `{results['command']}`: "
+        f"{results['runs']} alternating runs, greedy, {results['tokens']} tokens (`ignore_eos`), "
+        f"context {results['ctx']}, {results['threads']} threads each. Median (min–max) over runs; "
+        "ratios are tandem / llama-server within a run. Method: bench/peer.py's docstring.",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores; CPU flags: {', '.join(m['cpu_flags'])}",
+        f"- tandem {m['tandem']}, llama-cpp-python {m['llama_cpp_python']}; llama-server {results['server']}",
+    ]
+    for result in results["models"]:
+        figs = figures(result)
+        lines += [
+            "",
+            f"## {result['model']} ({result['file']}, {result['bytes'] / 2**20:,.0f} MiB)",
+            "",
+            f"- tandem: `{result['commands']['tandem']}` (flash attention "
+            f"{'on' if result['tandem_settings']['flash_attn'] else 'off'}, "
+            f"{result['tandem_settings']['kernels']} kernels)",
+            f"- llama-server: `{result['commands']['llama-server']}`",
+            f"- tandem's llama.cpp build: `{result['builds']['tandem']}`",
+            f"- llama-server's build: `{result['builds']['llama-server']}`",
+            "",
+            "| figure | tandem | llama-server | tandem / llama-server | goal | met |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, fig in figs.items():
+            goal = goal_of(name)
+            ratio = statistics.median(fig["ratio"])
+            met = "–"
+            if goal is not None:
+                met = "yes" if (ratio >= goal[1] if goal[0] == ">=" else ratio <= goal[1]) else "**no**"
+            digits = 1 if "ms" in name or "prefill tok/s" in name else 2
+            lines.append(
+                f"| {name} | {med(fig['tandem'], digits)} | {med(fig['llama-server'], digits)} | "
+                f"{med(fig['ratio'])} | {f'{goal[0]} {goal[1]:.1f}×' if goal else '–'} | {met} |"
+            )
+        cached = [
+            (r["kind"], r["system"], r["prompt_tokens"], r["cached_tokens"])
+            for r in result["rows"]
+            if r["run"] == 0 and r["kind"] != "prefill"
+        ]
+        lines += [
+            "",
+            "Prompt tokens and tokens each took from its cache (run 1; llama-server's `cache_n`): "
+            + "; ".join(f"{k} {s} {p}/{c}" for k, s, p, c in cached)
+            + ".",
+        ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "REPORT.md").write_text("\n".join(lines) + "\n")
+    return out_dir / "REPORT.md"
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace, server_bin: Path, out: Optional[Path]) -> Path:
+    import llama_cpp
+
+    from tandem.daemon.version import __version__
+
+    threads = os.cpu_count() or 2
+    results = {
+        "command": "python -m bench --peer" + (f" --models {','.join(args.models)}" if args.models else ""),
+        "started": datetime.datetime.now().isoformat(),
+        "runs": args.runs,
+        "tokens": args.tokens,
+        "ctx": args.ctx,
+        "threads": threads,
+        "server": str(server_bin),
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "cpu_flags": cpu_flags(),
+            "tandem": __version__,
+            "llama_cpp_python": llama_cpp.__version__,
+        },
+        "models": [],
+    }
+    for name in args.models or DEFAULT_MODELS:
+        results["models"].append(bench_model(name, server_bin, args.runs, args.tokens, args.ctx, threads))
+    results["finished"] = datetime.datetime.now().isoformat()
+    out = out or BENCH / "results" / f"{datetime.date.today().isoformat()}-{socketlib.gethostname()}-peer"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    return write_report(results, out)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--models",
+        type=lambda s: s.split(","),
+        default=None,
+        metavar="A,B",
+        help=f"with --peer: models (presets or .gguf paths; default {','.join(DEFAULT_MODELS)})",
+    )
+    ap.add_argument("--tokens", type=int, default=96, help="with --peer: tokens per request (default 96)")
+    ap.add_argument("--ctx", type=int, default=4096, help="with --peer: context size of both (default 4096)")

@@ -52,6 +52,7 @@ from tandem.client import Client  # noqa: E402
 
 DEFAULT_MODELS = ["smollm2-135m", "qwen2.5-coder-1.5b"]
 KINDS = ["new", "repeated", "extended", "prefill"]
+SYSTEMS = ["tandem", "llama-server", "tandem fast"]
 GOALS = {"decode": 1.0, "ttft": 1.1}  # tandem / llama-server: decode at least, TTFT at most
 
 TOPICS = (
@@ -206,7 +207,9 @@ def server_system_info(log_path: str) -> str:
 # --------------------------------------------------------------------------- one model
 
 
-def bench_model(name: str, server_bin: Path, runs: int, tokens: int, ctx: int, threads: int) -> dict:
+def bench_model(
+    name: str, server_bin: Path, runs: int, tokens: int, ctx: int, threads: int, also_fast: bool = False
+) -> dict:
     import llama_cpp
 
     path = model_path(name)
@@ -214,7 +217,7 @@ def bench_model(name: str, server_bin: Path, runs: int, tokens: int, ctx: int, t
     sock = temp_socket("tdm-peer-")
     serve_args = ["--model", str(path), "--ctx-size", str(ctx)]
     daemon = start_daemon(sock, *serve_args)
-    server = None
+    server = fast_daemon = None
     try:
         server = LlamaServer(server_bin, path, ctx, threads, flash_attn=None)
         client = Client(sock)
@@ -222,13 +225,18 @@ def bench_model(name: str, server_bin: Path, runs: int, tokens: int, ctx: int, t
             "tandem": lambda m, n: tandem_request(client, m, n),
             "llama-server": lambda m, n, port=server.port: server_request(port, m, n),
         }
+        if also_fast:
+            fast_sock = temp_socket("tdm-peerf-")
+            fast_daemon = start_daemon(fast_sock, *serve_args, "--kernels", "fast")
+            fast_client = Client(fast_sock)
+            systems["tandem fast"] = lambda m, n: tandem_request(fast_client, m, n)
         for fn in systems.values():  # warm up: first-request costs are not what is compared
             fn([{"role": "user", "content": "Say hi."}], 4)
         rows: list[dict] = []
         for r in range(runs):
             rng = random.Random(r)
             salt = f"{r}-{rng.randrange(10**9)}"
-            order = list(systems) if r % 2 == 0 else list(systems)[::-1]
+            order = list(systems)[r % len(systems) :] + list(systems)[: r % len(systems)]  # rotated each run
             prompt = chat_prompt(rng, salt, filler_repeats=2)
             long_prompt = chat_prompt(rng, salt + "-long", filler_repeats=11)
             replies: dict[str, str] = {}
@@ -262,6 +270,7 @@ def bench_model(name: str, server_bin: Path, runs: int, tokens: int, ctx: int, t
             "commands": {
                 "tandem": "tandem serve " + " ".join(serve_args),
                 "llama-server": " ".join(server.command),
+                **({"tandem fast": "tandem serve " + " ".join(serve_args) + " --kernels fast"} if also_fast else {}),
             },
             "builds": {
                 "tandem": llama_cpp.llama_print_system_info().decode().strip(),
@@ -276,8 +285,10 @@ def bench_model(name: str, server_bin: Path, runs: int, tokens: int, ctx: int, t
     finally:
         if server is not None:
             server.stop()
-        daemon.terminate()
-        daemon.wait(30)
+        for proc in (daemon, fast_daemon):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
 
 
 # --------------------------------------------------------------------------- the report
@@ -301,7 +312,7 @@ def figures(result: dict) -> dict:
         return next(r[key] for r in rows if r["run"] == run and r["kind"] == kind and r["system"] == system)
 
     out: dict = {}
-    for system in ("tandem", "llama-server"):
+    for system in sorted({r["system"] for r in rows}, key=SYSTEMS.index):
         decode = [
             statistics.median(one(run, k, system, "decode") for k in ("new", "repeated", "extended")) for run in runs
         ]
@@ -312,7 +323,8 @@ def figures(result: dict) -> dict:
             one(run, "prefill", system, "prompt_tokens") / one(run, "prefill", system, "ttft") for run in runs
         ]
     for fig in out.values():
-        fig["ratio"] = [a / b for a, b in zip(fig["tandem"], fig["llama-server"])]
+        for system in [s for s in fig if s.startswith("tandem")]:
+            fig[f"{system} ratio"] = [a / b for a, b in zip(fig[system], fig["llama-server"])]
     return out
 
 
@@ -339,6 +351,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
     ]
     for result in results["models"]:
         figs = figures(result)
+        fast = "tandem fast" in result["commands"]
         lines += [
             "",
             f"## {result['model']} ({result['file']}, {result['bytes'] / 2**20:,.0f} MiB)",
@@ -350,19 +363,21 @@ def write_report(results: dict, out_dir: Path) -> Path:
             f"- tandem's llama.cpp build: `{result['builds']['tandem']}`",
             f"- llama-server's build: `{result['builds']['llama-server']}`",
             "",
-            "| figure | tandem | llama-server | tandem / llama-server | goal | met |",
-            "|---|---|---|---|---|---|",
+            "| figure | tandem | llama-server | tandem / llama-server | goal | met |"
+            + (" tandem `--kernels fast` | fast / llama-server |" if fast else ""),
+            "|---|---|---|---|---|---|" + ("---|---|" if fast else ""),
         ]
         for name, fig in figs.items():
             goal = goal_of(name)
-            ratio = statistics.median(fig["ratio"])
+            ratio = statistics.median(fig["tandem ratio"])
             met = "–"
             if goal is not None:
                 met = "yes" if (ratio >= goal[1] if goal[0] == ">=" else ratio <= goal[1]) else "**no**"
             digits = 1 if "ms" in name or "prefill tok/s" in name else 2
             lines.append(
                 f"| {name} | {med(fig['tandem'], digits)} | {med(fig['llama-server'], digits)} | "
-                f"{med(fig['ratio'])} | {f'{goal[0]} {goal[1]:.1f}×' if goal else '–'} | {met} |"
+                f"{med(fig['tandem ratio'])} | {f'{goal[0]} {goal[1]:.1f}×' if goal else '–'} | {met} |"
+                + (f" {med(fig['tandem fast'], digits)} | {med(fig['tandem fast ratio'])} |" if fast else "")
             )
         cached = [
             (r["kind"], r["system"], r["prompt_tokens"], r["cached_tokens"])
@@ -391,7 +406,9 @@ def run(args: argparse.Namespace, server_bin: Path, out: Optional[Path]) -> Path
 
     threads = os.cpu_count() or 2
     results = {
-        "command": "python -m bench --peer" + (f" --models {','.join(args.models)}" if args.models else ""),
+        "command": "python -m bench --peer"
+        + (f" --models {','.join(args.models)}" if args.models else "")
+        + (" --also-fast" if args.also_fast else ""),
         "started": datetime.datetime.now().isoformat(),
         "runs": args.runs,
         "tokens": args.tokens,
@@ -408,7 +425,9 @@ def run(args: argparse.Namespace, server_bin: Path, out: Optional[Path]) -> Path
         "models": [],
     }
     for name in args.models or DEFAULT_MODELS:
-        results["models"].append(bench_model(name, server_bin, args.runs, args.tokens, args.ctx, threads))
+        results["models"].append(
+            bench_model(name, server_bin, args.runs, args.tokens, args.ctx, threads, args.also_fast)
+        )
     results["finished"] = datetime.datetime.now().isoformat()
     out = out or BENCH / "results" / f"{datetime.date.today().isoformat()}-{socketlib.gethostname()}-peer"
     out.mkdir(parents=True, exist_ok=True)
@@ -426,3 +445,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--tokens", type=int, default=96, help="with --peer: tokens per request (default 96)")
     ap.add_argument("--ctx", type=int, default=4096, help="with --peer: context size of both (default 4096)")
+    ap.add_argument(
+        "--also-fast",
+        action="store_true",
+        help="with --peer: a third system, tandem with --kernels fast (not batch-invariant: what exactness costs)",
+    )

@@ -29,7 +29,7 @@ from .restart_policy import RestartPolicy
 from .scheduler import Scheduler
 from .sdnotify import Notifier
 from .vocab import vocab_mismatch
-from .worker_config import WorkerConfig
+from .worker_config import WorkerConfig, spin_count_for
 from .worker_handle import WorkerHandle
 
 log = logging.getLogger("tandem.daemon")
@@ -98,6 +98,7 @@ class Supervisor:
             draft_endpoint=endpoint(socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else "",
             cache_shm=cache_shm,
             cache_bytes=cache_bytes,
+            spin_count=spin_count_for(kind),
         )
         target = WorkerConfig(
             role="target",

@@ -31,7 +31,7 @@ class WorkerConfig:
     governor_state: str = ""  # file the governor's state is kept in ("": not kept)
     governor_identity: str = ""  # target, drafter, k and kernels: the state is valid only for these
     probe_cache: str = ""  # file keeping the batch-invariance probe's verdicts across restarts ("": not kept)
-    spin_count: Optional[int] = 10000  # GOMP_SPINCOUNT; see FACTS.md on two llama.cpp processes
+    spin_count: Optional[int] = None  # GOMP_SPINCOUNT (None: libgomp's default); see ``spin_count_for``
 
     def __getitem__(self, key: str) -> Any:
         """A setting: ``config["kernels"]``."""
@@ -73,3 +73,21 @@ def load_model(config: WorkerConfig):
         flash_attn=config["flash_attn"],
         reference_kernels=config["kernels"] == "reference",
     )
+
+
+TWO_PROCESS_SPIN = 10_000
+
+
+def spin_count_for(drafter_kind: str) -> Optional[int]:
+    """The OpenMP spin (GOMP_SPINCOUNT) of the workers of a daemon with this drafter.
+
+    llama.cpp's threads spin after each graph. With a model drafter, two llama.cpp
+    processes take turns on the same cores and the idle one's spinning steals the
+    busy one's: a short spin (10,000) removes that (FACTS.md: +23% on a target step
+    right after drafter steps at the default, none at 10,000). With one llama.cpp
+    process (no drafter, or the n-gram drafter, which is Python) nothing competes,
+    and libgomp's default spin (300,000) decodes 2-5% faster than the short one
+    (measured against llama-server, bench/peer.py). The environment's own
+    GOMP_SPINCOUNT, where set, wins in both cases."""
+    return TWO_PROCESS_SPIN if drafter_kind == "model" else None
+

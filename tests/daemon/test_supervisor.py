@@ -194,3 +194,40 @@ def test_a_death_while_the_models_load_fails_the_daemon_and_stops_it():
     h.sup.target.die(code=1)
     h.sup.check(1000.0)
     assert h.sup.state == "failed" and h.stopped and "while loading /m.gguf" in h.sup.failure
+
+
+@pytest.mark.parametrize(
+    "drafter_name, drafter_path, spins",
+    [("none", None, [None]), ("ngram", None, [None]), ("d", Path("/d.gguf"), [10_000, 10_000])],
+)
+def test_the_openmp_spin_is_short_only_where_two_llama_processes_share_the_cores(
+    monkeypatch, tmp_path, drafter_name, drafter_path, spins
+):
+    """One llama.cpp process gets libgomp's default spin (faster plain decoding); a
+    target and a model drafter, which take turns on the same cores, the short one."""
+    from tandem.daemon import supervisor as sup_module
+
+    started = []
+
+    class Recorder:
+        def __init__(self, zctx, config, socket_dir, policy):
+            started.append(config)
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(sup_module, "WorkerHandle", Recorder)
+    values = {o.key: o.default for o in settings.OPTIONS}
+    s = settings.Settings(values, {k: "default" for k in values}, Path("/nonexistent.toml"), False)
+    config = ServeConfig(
+        settings=s,
+        model_name="m",
+        model_path=Path("/m.gguf"),
+        socket_path=tmp_path / "t.sock",
+        drafter_name=drafter_name,
+        drafter_path=drafter_path,
+    )
+    scheduler = Scheduler(lambda i, m: True, lambda i, f: True, lambda m: None, Metrics(lambda: {}), max_queue=8)
+    sup = Supervisor(None, config, scheduler, scheduler.metrics, Notifier(None), lambda: False, lambda: None)
+    sup.start(tmp_path, "", 0)
+    assert [c.spin_count for c in started] == spins

@@ -143,6 +143,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="PRESET|PATH|ngram|none",
     ),
     Option(
+        "drafter_quantize",
+        "choice",
+        "auto",
+        "auto: a drafter file at 16 or 32 bits (F16, BF16, F32) is quantized once to Q8_0 into the model "
+        "cache and that copy is loaded (its steps cost about half; at 8 bits its guesses are confirmed as often); "
+        "off: the file as given",
+        choices=("auto", "off"),
+    ),
+    Option(
         "draft_tokens", "int", 4, "tokens drafted per round; requests may override", minimum=0, maximum=16, metavar="K"
     ),
     Option(

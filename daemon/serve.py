@@ -44,6 +44,9 @@ def serve(
         drafter_name, drafter_path = s.drafter, None
         if s.drafter not in ("none", "ngram"):
             drafter_name, drafter_path = _resolve(s.drafter, say)
+            loaded = models.drafter_file(drafter_path, s.drafter_quantize, say)
+            if loaded != drafter_path:
+                drafter_name, drafter_path = f"{drafter_name} as Q8_0 ({loaded})", loaded
         daemon = Daemon(
             ServeConfig(
                 settings=s,

@@ -90,4 +90,3 @@ def spin_count_for(drafter_kind: str) -> Optional[int]:
     (measured against llama-server, bench/peer.py). The environment's own
     GOMP_SPINCOUNT, where set, wins in both cases."""
     return TWO_PROCESS_SPIN if drafter_kind == "model" else None
-

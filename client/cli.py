@@ -595,6 +595,12 @@ def cmd_status(args) -> int:
             f"{rate(g.draft_tokens_per_second)} tok/s; {g.plain_rounds:,} plain and {g.draft_rounds:,} drafting "
             f"rounds, {g.failed_probes} of {g.probes} probes failed, interval {g.probe_interval} "
             f"(task {g.task}, {g.tasks} task(s) known)"
+            + (
+                f"; predicted from pass costs: acceptance {g.alpha:.2f}, {g.draft_length} per draft, "
+                f"{g.predicted_speedup:.2f}x plain"
+                if g.alpha is not None and g.draft_length is not None and g.predicted_speedup is not None
+                else ""
+            )
         )
     if st.cache:
         c = st.cache

@@ -74,6 +74,8 @@ class RequestState:
     first_token_at: float = 0.0
     completion: list[int] = field(default_factory=list)
     drafted_last: bool = False  # the previous round drafted
+    # the last round: drafts, accepted, drafter seconds, target seconds, tokens the target read
+    last_round: tuple[int, int, float, float, int] = (0, 0, 0.0, 0.0, 1)
     finish: Optional[FinishReason] = None
 
     def context(self) -> list[int]:
@@ -439,23 +441,30 @@ class Engine:
             drafter.sync(state.context()[:-1])
             governor.caught_up(self.clock() - started)
         governor.start_round()
-        tokens, timed = self._round(state, drafter if drafting else None)
+        k = governor.draft_length(state.k) if drafting else 0
+        tokens, timed = self._round(state, drafter if drafting else None, k)
         if timed:
             governor.end_round(len(tokens))
+            governor.observe(*state.last_round)
         else:
             governor.skip_round()
         state.drafted_last = drafting
         return tokens
 
-    def _round(self, state: RequestState, drafter: Optional[Drafter]) -> tuple[list[int], bool]:
-        """One round. The context ends with the last sampled token, which the
-        target has not seen yet. Returns the tokens this round adds (>= 1) and
-        whether it ran as asked (False: no room left to draft in it)."""
+    def _round(
+        self, state: RequestState, drafter: Optional[Drafter], k: Optional[int] = None
+    ) -> tuple[list[int], bool]:
+        """One round (of at most ``k`` drafts; None: the request's). The context
+        ends with the last sampled token, which the target has not seen yet.
+        Returns the tokens this round adds (>= 1) and whether it ran as asked
+        (False: no room left to draft in it). ``state.last_round`` says what it
+        did: (drafts, accepted, drafter seconds, target seconds, tokens read)."""
         model, context = self.model, state.context()
         # room for drafts: before max_tokens (the round adds one token of its own)
         # and inside the context (the target reads the pending token + the drafts)
         left = min(state.req.max_tokens - len(state.completion) - 1, model.n_ctx - len(context))
-        room = min(state.k, left)
+        room = min(state.k if k is None else k, left)
+        started = self.clock()
         drafts: list[int] = []
         dists = None
         constraint = state.constraint
@@ -481,6 +490,7 @@ class Engine:
             drafts, dists = [guess], [SparseDist.one_hot(guess)]
         n_before = model.n_past
         allowed = self._masks(constraint, drafts) if constraint is not None else None
+        proposed = self.clock()
         logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
         if allowed is not None:
             rows = self._padded(allowed, logits.shape[1])
@@ -489,8 +499,17 @@ class Engine:
                 dists = [_restricted(q, rows[i]) for i, q in enumerate(dists)]
         timed = (drafter is None or room > 0) and not forced  # a forced round is neither plain nor drafting
         if not drafts:
-            return [state.sampler.sample(logits[0])], timed
+            token = state.sampler.sample(logits[0])
+            state.last_round = (0, 0, 0.0, self.clock() - proposed, 1)
+            return [token], timed
         n_accepted, own = verify(logits, drafts, dists, state.sampler)
+        state.last_round = (
+            len(drafts) if counted else 0,
+            n_accepted,
+            proposed - started,
+            self.clock() - proposed,
+            len(drafts) + 1,
+        )
         if forced and state.stats is not None:
             state.stats.forced += n_accepted
         model.truncate(n_before + 1 + n_accepted)

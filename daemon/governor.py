@@ -36,6 +36,20 @@ not free either: its time becomes a debt that plain rounds pay off at
 well as the interval. With a short context this never delays anything; with a
 long one it keeps catching up under 1% of the time.
 
+**Predicting (with ``PassCosts``).** The target worker measures, at load, what
+one pass over 1 ... k+1 tokens costs on this machine; every timed round corrects
+those costs (and the drafter's step cost) with moving averages. With them and the
+task's acceptance α (accepted drafts over accepted plus rejected ones, smoothed
+toward the α of every task seen), a drafting round of k drafts is predicted to
+give (1 - α^(k+1)) / (1 - α) tokens in pass(k+1) + k·step seconds. That chooses
+the draft length of every drafting round (the k that maximises predicted
+tokens/s), lets a new task start ``plain`` (the drafter does not even read its
+prompt) when drafting is predicted not to pay, and makes probes cheap: one
+draft per round, and never more often than a worst-case (α = 0) probe costs
+``probe_budget`` (1%) of the plain time between probes. The measured averages
+above still decide whether drafting goes on: a prediction never overrules a
+measurement.
+
 A ``GovernorBank`` keeps one governor per task (see ``task_key``) and persists
 them; ``Engine`` drives them.
 """
@@ -47,6 +61,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -80,6 +95,9 @@ class GovernorParams:
     first_interval: int = 32  # plain rounds before the first re-probe
     max_interval: int = 512
     catch_up_share: float = 0.01  # at most this share of plain time goes to catching the drafter up for probes
+    probe_budget: float = 0.01  # with pass costs: a failed probe costs at most this share of the time between probes
+    prior_weight: float = 4.0  # with pass costs: drafting rounds' worth of weight the pooled α has for a task
+    alpha_window: int = 64  # drafting rounds: acceptance counts decay with this time constant
 
 
 @dataclass
@@ -108,6 +126,117 @@ class MovingRate:
 
 
 @dataclass
+class PassCosts:
+    """What a round costs on this machine: the target's pass over w tokens
+    (measured at load, then kept current by every timed round) and the
+    drafter's step per drafted token (a prior until drafting rounds measure it).
+    Shared by every task's governor: it is the machine's, not the task's."""
+
+    load: dict[int, float]  # seconds of one target pass over w tokens, measured at load
+    drafter_prior: float  # seconds per drafted token before any was measured
+    window: int = 16
+    plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
+    seen: dict[int, MovingRate] = field(default_factory=dict)  # by width: seconds per pass, as rounds ran
+    drafter_seen: Optional[MovingRate] = None
+
+    def __post_init__(self) -> None:
+        if not self.load or any(w < 1 or not v > 0 for w, v in self.load.items()):
+            raise ValueError("pass costs need a positive cost for at least one width >= 1")
+
+    def _at_load(self, w: int) -> float:
+        widths = sorted(self.load)
+        if w in self.load:
+            return self.load[w]
+        lo = [x for x in widths if x < w]
+        hi = [x for x in widths if x > w]
+        if lo and hi:
+            a, b = lo[-1], hi[0]
+            return self.load[a] + (self.load[b] - self.load[a]) * (w - a) / (b - a)
+        if len(widths) == 1:
+            return self.load[widths[0]] * w / widths[0]
+        a, b = (widths[-2], widths[-1]) if lo else (widths[0], widths[1])
+        slope = max(0.0, (self.load[b] - self.load[a]) / (b - a))
+        return max(self.load[a] + slope * (w - a), 1e-9)
+
+    def target(self, w: int) -> float:
+        """Seconds of one target pass over ``w`` tokens, as this machine runs them now."""
+        seen = self.seen.get(w)
+        if seen is not None and seen.rate is not None:
+            return seen.seconds / seen.tokens
+        cost = self._at_load(w)
+        one = self.seen.get(1)
+        if one is not None and one.tokens > 0 and w != 1:  # the machine is busier or quieter than at load
+            cost *= (one.seconds / one.tokens) / self._at_load(1)
+        return cost
+
+    def drafter(self) -> float:
+        d = self.drafter_seen
+        return d.seconds / d.tokens if d is not None and d.tokens > 0 else self.drafter_prior
+
+    def observe_target(self, w: int, seconds: float) -> None:
+        self.seen.setdefault(w, MovingRate(self.window)).add(1.0, seconds)
+
+    def observe_drafter(self, drafted: int, seconds: float) -> None:
+        if drafted > 0:
+            if self.drafter_seen is None:
+                self.drafter_seen = MovingRate(self.window)
+            self.drafter_seen.add(float(drafted), seconds)
+
+    def round_seconds(self, k: int) -> float:
+        return self.target(max(k + 1, self.plain_width)) + k * self.drafter()
+
+    def speedup(self, k: int, alpha: float) -> float:
+        """Predicted tokens/s of rounds with ``k`` drafts over plain rounds' (a
+        plain round of exact steps is counted as one token: its guess rarely holds)."""
+        a = min(max(alpha, 0.0), 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens * self.target(self.plain_width) / self.round_seconds(k)
+
+    def best(self, alpha: float, k_max: int) -> tuple[int, float]:
+        """(the draft length in 1..k_max with the highest predicted speedup, that speedup)."""
+        options = [(self.speedup(k, alpha), -k) for k in range(1, max(1, k_max) + 1)]
+        speedup, k = max(options)
+        return -k, speedup
+
+    def probe_interval(self, probe_rounds: int, budget: float) -> int:
+        """Plain rounds between probes so that a probe that finds nothing (α = 0:
+        each of its rounds yields one token, at a one-draft round's cost) costs at
+        most ``budget`` of the time they take."""
+        plain = self.target(self.plain_width)
+        excess = probe_rounds * max(0.0, self.round_seconds(1) - plain)
+        return max(1, math.ceil(excess / (budget * plain)))
+
+
+def measure_pass_costs(model, widths, reps: int = 3) -> dict[int, float]:
+    """Median seconds of one decode pass over w tokens for each w, after a 32-token
+    prefix (the model is cleared afterwards)."""
+    import statistics
+
+    tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_special=True)
+    widths = sorted(set(widths))
+    need = 32 + max(widths)
+    while len(tokens) < need:
+        tokens = tokens + tokens
+    if need >= model.n_ctx:
+        return {}
+    out: dict[int, float] = {}
+    try:
+        model.clear()
+        model.decode(tokens[:32])
+        for w in widths:
+            times = []
+            for _ in range(reps):
+                started = time.perf_counter()
+                model.decode(tokens[32 : 32 + w], logits_for=range(w))
+                times.append(time.perf_counter() - started)
+                model.truncate(32)
+            out[w] = statistics.median(times)
+    finally:
+        model.clear()
+    return out
+
+
+@dataclass
 class Governor:
     params: GovernorParams = field(default_factory=GovernorParams)
     clock: Callable[[], float] = time.perf_counter
@@ -121,6 +250,10 @@ class Governor:
     probes: int = 0
     failed_probes: int = 0
     debt: float = 0.0  # seconds of plain rounds still to run before the next probe (catch-up costs)
+    accepted: float = 0.0  # drafts accepted (decaying over ``alpha_window`` drafting rounds)
+    rejected: float = 0.0  # drafting rounds that ended in a rejected draft (decaying likewise)
+    alpha_prior: float = 0.5  # the pooled α of every task when this one started
+    costs: Optional[PassCosts] = field(default=None, repr=False)  # the machine's, shared; None: no predictions
     plain: MovingRate = field(init=False)
     draft: MovingRate = field(init=False)
     _started: Optional[float] = field(default=None, init=False, repr=False)
@@ -140,6 +273,41 @@ class Governor:
     def drafting(self) -> bool:
         """Whether the next round drafts."""
         return self.phase in DRAFTING_PHASES
+
+    @property
+    def alpha(self) -> float:
+        """This task's acceptance rate, smoothed toward the pooled prior."""
+        w = self.params.prior_weight
+        return (self.accepted + w * self.alpha_prior) / (self.accepted + self.rejected + w)
+
+    def draft_length(self, k_max: int) -> int:
+        """Drafts in the next drafting round: with pass costs, the predicted best
+        (one in a probe: the cheapest test); without, ``k_max``."""
+        if self.costs is None or k_max <= 1:
+            return k_max
+        if self.phase == PROBING:
+            return 1
+        return self.costs.best(self.alpha, k_max)[0]
+
+    def predicted_speedup(self, k_max: int) -> Optional[float]:
+        if self.costs is None:
+            return None
+        return self.costs.best(self.alpha, k_max)[1]
+
+    def observe(
+        self, drafted: int, accepted: int, drafter_seconds: float, target_seconds: float, width: int = 0
+    ) -> None:
+        """What a timed round did: its drafts (0: a plain round), how many the
+        target kept, how long the drafter and the target's pass took, and how
+        many tokens that pass read (0: drafted + 1)."""
+        if self.costs is not None:
+            self.costs.observe_target(width or drafted + 1, target_seconds)
+            if drafted:
+                self.costs.observe_drafter(drafted, drafter_seconds)
+        if drafted:
+            decay = 1.0 - 1.0 / self.params.alpha_window
+            self.accepted = self.accepted * decay + accepted
+            self.rejected = self.rejected * decay + (1.0 if accepted < drafted else 0.0)
 
     def start_round(self) -> None:
         self._started = self.clock()
@@ -218,11 +386,23 @@ class Governor:
             self.draft.restart()
 
     def _enter_plain(self) -> None:
-        self.phase, self.countdown = PLAIN, self.interval
+        self.phase, self.countdown = PLAIN, max(self.interval, self._costed_interval())
+
+    def _costed_interval(self) -> int:
+        """Plain rounds a failed probe's cost needs to stay within the probe budget (0: no costs known)."""
+        if self.costs is None:
+            return 0
+        return min(self.costs.probe_interval(self.params.probe_rounds, self.params.probe_budget), 4096)
+
+    def start_plain(self) -> None:
+        """A new task predicted not to gain from drafting: plain from its first
+        round, its first probe after the costed interval."""
+        self.left = 0
+        self._enter_plain()
 
     # ---- reporting and persistence
 
-    def info(self, task: str = "", tasks: int = 1) -> GovernorInfo:
+    def info(self, task: str = "", tasks: int = 1, k_max: int = 4) -> GovernorInfo:
         return GovernorInfo(
             task=task,
             tasks=tasks,
@@ -237,6 +417,9 @@ class Governor:
             draft_rounds=self.draft_rounds,
             probes=self.probes,
             failed_probes=self.failed_probes,
+            alpha=self.alpha if self.costs is not None else None,
+            draft_length=self.draft_length(k_max) if self.costs is not None else None,
+            predicted_speedup=self.predicted_speedup(k_max),
         )
 
     def to_dict(self) -> dict:
@@ -253,6 +436,9 @@ class Governor:
             "debt": self.debt,
             "plain": [self.plain.tokens, self.plain.seconds, self.plain.n],
             "draft": [self.draft.tokens, self.draft.seconds, self.draft.n],
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "alpha_prior": self.alpha_prior,
         }
 
     @classmethod
@@ -277,7 +463,13 @@ class Governor:
         debt = d["debt"]
         if not isinstance(debt, (int, float)) or not 0 <= debt < 1e7:
             raise ValueError("bad probe debt")
-        g = cls(params=params, clock=clock, debt=float(debt), **{k: d[k] for k in ("phase", *ints)})
+        counts = {}
+        for key, default, top in (("accepted", 0.0, 1e9), ("rejected", 0.0, 1e9), ("alpha_prior", 0.5, 1.0)):
+            v = d.get(key, default)  # (absent in states written before predictions)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= top:
+                raise ValueError(f"bad {key}")
+            counts[key] = float(v)
+        g = cls(params=params, clock=clock, debt=float(debt), **counts, **{k: d[k] for k in ("phase", *ints)})
         for name in ("plain", "draft"):
             tokens, seconds, n = d[name]
             if not (isinstance(tokens, (int, float)) and isinstance(seconds, (int, float)) and type(n) is int):
@@ -314,8 +506,12 @@ class GovernorBank:
         clock: Callable[[], float] = time.perf_counter,
         max_tasks: int = 64,
         per_task: bool = True,
+        costs: Optional[PassCosts] = None,
+        k_max: int = 4,
     ):
         self.identity = identity
+        self.costs = costs  # this machine's pass costs (None: the governors measure only)
+        self.k_max = k_max  # the daemon's draft length: what "draft_length" and predictions are for
         self.path = path
         self.params = params
         self.clock = clock
@@ -332,18 +528,27 @@ class GovernorBank:
             task = "all"
         g = self.tasks.get(task)
         if g is None:
-            g = self.tasks[task] = Governor(self.params, self.clock)
+            g = self.tasks[task] = Governor(self.params, self.clock, alpha_prior=self.pooled_alpha(), costs=self.costs)
+            if self.costs is not None and g.predicted_speedup(self.k_max) < self.params.threshold:
+                g.start_plain()  # predicted not to pay: no measuring rounds, no drafter reading the prompt
             while len(self.tasks) > self.max_tasks:
                 self.tasks.popitem(last=False)
+        g.costs = self.costs
         self.tasks.move_to_end(task)
         self.last_task = task
         self.touched.add(task)
         return g
 
+    def pooled_alpha(self) -> float:
+        """The acceptance rate over every task remembered (0.5 before any drafted)."""
+        accepted = sum(g.accepted for g in self.tasks.values())
+        rejected = sum(g.rejected for g in self.tasks.values())
+        return accepted / (accepted + rejected) if accepted + rejected > 0 else 0.5
+
     def info(self) -> Optional[GovernorInfo]:
         """The state of the most recently used task's governor."""
         g = self.tasks.get(self.last_task)
-        return g.info(self.last_task, len(self.tasks)) if g is not None else None
+        return g.info(self.last_task, len(self.tasks), self.k_max) if g is not None else None
 
     def save(self) -> None:
         """Write the state atomically. Another daemon may share the file (two
@@ -414,6 +619,8 @@ class GovernorBank:
             return
         raw, last = read
         tasks = OrderedDict((k, Governor.from_dict(v, self.params, self.clock)) for k, v in raw.items())
+        for g in tasks.values():
+            g.costs = self.costs
         self.tasks = OrderedDict(list(tasks.items())[-self.max_tasks :])
         self.last_task = last if isinstance(last, str) and last in self.tasks else ""
         log.info("governor: %d task(s) restored from %s", len(self.tasks), path)

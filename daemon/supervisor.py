@@ -108,6 +108,7 @@ class Supervisor:
             governor_state=str(state_file(c.state_dir, identity)) if c.state_dir is not None and kind != "none" else "",
             governor_identity=identity,
             probe_cache=str(c.state_dir / "batch-invariance.json") if c.state_dir is not None else "",
+            drafter_bytes=_size(c.drafter_path),
             **common,
         )
         policy = RestartPolicy(TARGET_MAX_DEATHS, DEATH_WINDOW_SECONDS, timeout, give_up=self._target_gave_up)
@@ -374,3 +375,10 @@ class Supervisor:
                 except psutil.Error:
                     pass
         return memory, pids
+
+
+def _size(path: Optional[Path]) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0

@@ -91,6 +91,8 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
             c.governor_identity,
             Path(c.governor_state) if c.governor_state else None,
             per_task=c["governor_per_task"],
+            costs=pass_costs(model, c, min_batch),
+            k_max=c.draft_tokens,
         )
     engine = Engine(
         model,
@@ -106,6 +108,42 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     )
     engine.batch_invariant = info.batch_invariant
     return engine, info
+
+
+NGRAM_STEP_SECONDS = 2e-5  # a prompt-lookup draft: a few dict lookups in Python
+
+
+def pass_costs(model, config: WorkerConfig, min_batch: int):
+    """What this machine's target passes over 1 ... k+1 tokens cost, measured now
+    (a second or two), with a prior for the drafter's step: the n-gram drafter's
+    is Python lookups; a model drafter's, the target's one-token pass scaled by
+    the two files' sizes (a decode step reads every weight once). None when the
+    context is too small to measure in (the governors then measure only)."""
+    from .governor import PassCosts, measure_pass_costs
+
+    started = time.perf_counter()
+    widths = range(1, max(config.draft_tokens, 1) + 2)
+    try:
+        load = measure_pass_costs(model, widths)
+    except Exception as exc:  # never a reason not to serve: the governors measure instead
+        log.warning(
+            "could not measure the target's pass costs (%s: %s); the governor only measures", type(exc).__name__, exc
+        )
+        return None
+    if not load:
+        return None
+    if config.drafter == "model" and config.drafter_bytes > 0:
+        drafter = load[1] * config.drafter_bytes / max(model.size_bytes, 1)
+    else:
+        drafter = NGRAM_STEP_SECONDS
+    costs = PassCosts(load, drafter, plain_width=min_batch)
+    log.info(
+        "target pass costs (%.1f s to measure): %s; drafter step prior %.1f ms",
+        time.perf_counter() - started,
+        ", ".join(f"{w} tok {v * 1000:.1f} ms" for w, v in load.items()),
+        drafter * 1000,
+    )
+    return costs
 
 
 def probe(model, config: WorkerConfig, info: ModelInfo) -> None:

@@ -556,6 +556,12 @@ class GovernorInfo:
     draft_rounds: int
     probes: int
     failed_probes: int
+    # with the pass costs measured at load (None without): this task's acceptance rate
+    # (smoothed toward every task's), the draft length of its next drafting round, and
+    # the predicted tokens/s of such rounds over plain ones
+    alpha: Optional[float] = None
+    draft_length: Optional[int] = None
+    predicted_speedup: Optional[float] = None
 
 
 @dataclass

@@ -392,3 +392,105 @@ def test_a_task_known_to_be_plain_does_not_make_the_drafter_read_the_prompt(
     probes = done.governor.probes - probes_before
     assert probes >= 1 and len(drafter.synced) in (probes, probes - 1)
     assert all(n > 2 for n in drafter.synced)
+
+
+# ---------------------------------------------------------------------------- predicting from pass costs
+
+from tandem.daemon.governor import PassCosts, measure_pass_costs  # noqa: E402
+
+# the TimedModel's passes: 10 ms for one token, +3.75 ms per extra token
+TIMED_COSTS = {w: 0.010 + 0.00375 * (w - 1) for w in range(1, 6)}
+
+
+def test_pass_costs_interpolate_follow_the_machine_and_prefer_what_rounds_measured():
+    c = PassCosts({1: 0.010, 5: 0.025}, drafter_prior=0.002)
+    assert c.target(1) == 0.010 and c.target(3) == pytest.approx(0.0175)  # between two measured widths
+    assert c.target(7) == pytest.approx(0.0325)  # past the last: the same slope
+    c.observe_target(1, 0.020)  # the machine is twice as busy as at load
+    assert c.target(1) == pytest.approx(0.020) and c.target(3) == pytest.approx(0.035)
+    c.observe_target(3, 0.030)  # a width rounds measured: that, not the scaled load figure
+    assert c.target(3) == pytest.approx(0.030)
+    assert c.drafter() == 0.002
+    c.observe_drafter(4, 0.012)
+    assert c.drafter() == pytest.approx(0.003)
+    with pytest.raises(ValueError):
+        PassCosts({}, 0.0)
+
+
+def test_the_predicted_speedup_is_tokens_per_round_over_the_rounds_cost():
+    c = PassCosts(TIMED_COSTS, drafter_prior=0.001)
+    # k = 2, alpha 0.8: 1 + 0.8 + 0.64 tokens in a 3-token pass (17.5 ms) + 2 drafter steps (2 ms)
+    assert c.speedup(2, 0.8) == pytest.approx(2.44 * 0.010 / 0.0195)
+    assert c.speedup(3, 0.0) == pytest.approx(0.010 / (0.0175 + 0.003 + 0.00375))
+    # the best k grows with alpha, and nothing pays when drafts are never right
+    ks = [c.best(a, 4)[0] for a in (0.3, 0.6, 0.9, 0.97)]
+    assert ks == sorted(ks) and ks[-1] == 4
+    assert c.best(0.1, 4)[1] < 1.0 < c.best(0.9, 4)[1]
+
+
+def test_probes_are_spaced_so_that_a_failed_one_costs_at_most_the_budget():
+    c = PassCosts(TIMED_COSTS, drafter_prior=0.001)
+    n = c.probe_interval(probe_rounds=2, budget=0.01)
+    excess = 2 * (c.round_seconds(1) - c.target(1))  # two rounds of one draft, each yielding one token
+    assert excess <= 0.01 * n * c.target(1) < excess + 0.01 * c.target(1)
+
+
+def test_with_costs_a_new_task_predicted_not_to_pay_starts_plain_and_probes_with_one_draft(clock):
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.004)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    g = bank.get("task")  # pooled alpha 0.5 with nothing learned: drafting does not pay on these costs
+    assert g.predicted_speedup(4) < 1.0 and g.phase == PLAIN
+    assert g.countdown == costs.probe_interval(2, 0.01) > 32
+    seen = rounds(g, clock, g.countdown, plain_tps=100, draft_tps=100)
+    assert set(seen) == {PLAIN} and g.phase == PROBING and g.draft_length(4) == 1
+
+
+def test_with_costs_a_task_whose_drafts_hold_drafts_at_the_predicted_best_length(clock):
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0005)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    old = bank.get("old")
+    for _ in range(40):
+        old.observe(4, 4, 0.002, 0.025)  # every draft of an earlier task accepted
+    g = bank.get("new")
+    assert g.alpha_prior > 0.9 and g.phase == MEASURING  # predicted to pay: measured first, as without costs
+    rounds(g, clock, 2, plain_tps=100, draft_tps=100)
+    assert g.phase == DRAFTING and g.draft_length(4) == costs.best(g.alpha, 4)[0] == 4
+    for _ in range(30):
+        g.observe(4, 0, 0.002, 0.025)  # now every first draft is wrong
+    assert g.alpha < 0.3 and g.draft_length(4) < 4
+    info = g.info("new", 2, 4)
+    assert info.alpha == pytest.approx(g.alpha) and info.draft_length == g.draft_length(4)
+    assert info.predicted_speedup == pytest.approx(costs.best(g.alpha, 4)[1])
+
+
+def test_the_acceptance_counts_survive_the_state_file_and_an_old_file_still_loads(tmp_path, clock):
+    g = Governor(clock=clock)
+    g.observe(3, 2, 0.003, 0.02)
+    d = g.to_dict()
+    back = Governor.from_dict(json.loads(json.dumps(d)), GovernorParams(), clock)
+    assert (back.accepted, back.rejected, back.alpha_prior) == (2.0, 1.0, 0.5)
+    for key in ("accepted", "rejected", "alpha_prior"):
+        del d[key]
+    assert Governor.from_dict(d, GovernorParams(), clock).accepted == 0.0  # written before predictions
+    with pytest.raises(ValueError):
+        Governor.from_dict({**g.to_dict(), "alpha_prior": 2.0}, GovernorParams(), clock)
+
+
+def test_the_engine_drafts_the_predicted_length_and_feeds_the_costs_what_rounds_took(clock, engine_run, list_drafter):
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    drafter = list_drafter(SCRIPT, set())  # always right: alpha climbs, the best length is the longest
+    done, model = engine_run(clock, bank, drafter)
+    assert bank.info().phase == DRAFTING and done.draft.acceptance_rate == 1.0
+    assert max(model.widths) == 5 and costs.seen[5].n > 0  # the 5-token pass, measured in rounds
+    assert costs.target(5) == pytest.approx(TIMED_COSTS[5])  # the scripted clock's cost, learnt
+    wrong = list_drafter(SCRIPT, set(range(1000)))
+    done, model = engine_run(clock, bank, wrong)
+    assert done.text == engine_run(clock, GovernorBank("x", clock=clock), None)[0].text  # output unchanged
+
+
+def test_pass_costs_are_measured_on_the_model_and_leave_it_empty(clock, timed_model):
+    model = timed_model(clock)
+    model.tokenize = lambda text, add_special=True, parse_special=True: list(range(1, 200))
+    costs = measure_pass_costs(model, [1, 3, 5])
+    assert set(costs) == {1, 3, 5} and model.n_past == 0

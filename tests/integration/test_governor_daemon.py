@@ -3,6 +3,7 @@ Q4_1 drafter: per-request modes, status, the CLI, and state kept across restarts
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -39,6 +40,8 @@ def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(tandem_
         # it measured plain decoding first, then drafted (at least the first decision's 2 rounds)
         assert g.plain_rounds >= 2 and g.draft_rounds >= 2
         assert g.plain_tokens_per_second > 0 and g.draft_tokens_per_second > 0
+        # from the pass costs the target measured at load: the acceptance and the predicted length
+        assert 0 < g.alpha <= 1 and 1 <= g.draft_length <= 4 and g.predicted_speedup > 0
         assert done.draft.rounds == g.draft_rounds  # every drafting round of this first request
         assert client.status().governor == g
 
@@ -81,7 +84,12 @@ def test_governor_state_survives_a_restart_and_is_keyed_by_the_models(short_tmpd
 
     d = start_daemon(*args, model=target)
     with d.client() as client:
-        assert client.status().governor == learned  # a restarted daemon starts from what it learned
+        restored = client.status().governor
+        # a restarted daemon starts from what it learned (its predictions use the pass costs it measured now)
+        assert dataclasses.replace(restored, draft_length=None, predicted_speedup=None) == dataclasses.replace(
+            learned, draft_length=None, predicted_speedup=None
+        )
+        assert restored.alpha == learned.alpha is not None and restored.predicted_speedup > 0
         after = greedy(client).governor
         assert after.plain_rounds + after.draft_rounds > learned.plain_rounds + learned.draft_rounds
     assert d.stop() == 0

@@ -444,8 +444,8 @@ class Engine:
         k = governor.draft_length(state.k) if drafting else 0
         tokens, timed = self._round(state, drafter if drafting else None, k)
         if timed:
+            governor.observe(*state.last_round)  # first: what it measured informs the decision end_round makes
             governor.end_round(len(tokens))
-            governor.observe(*state.last_round)
         else:
             governor.skip_round()
         state.drafted_last = drafting

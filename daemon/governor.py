@@ -44,11 +44,12 @@ toward the α of every task seen), a drafting round of k drafts is predicted to
 give (1 - α^(k+1)) / (1 - α) tokens in pass(k+1) + k·step seconds. That chooses
 the draft length of every drafting round (the k that maximises predicted
 tokens/s), lets a new task start ``plain`` (the drafter does not even read its
-prompt) when drafting is predicted not to pay, and makes probes cheap: one
-draft per round, and never more often than a worst-case (α = 0) probe costs
-``probe_budget`` (1%) of the plain time between probes. The measured averages
-above still decide whether drafting goes on: a prediction never overrules a
-measurement.
+prompt) when drafting is predicted not to pay, and bounds what probing costs:
+probes fall due no more often than a worst-case probe (α = 0) costs
+``probe_budget`` (1%) of the plain time between them. A probe drafts the most
+(k drafts a round: the most acceptance observations) and succeeds when drafting
+at the best length is predicted to pay with the acceptance it measured; once
+drafting, the measured averages above decide whether it goes on.
 
 A ``GovernorBank`` keeps one governor per task (see ``task_key``) and persists
 them; ``Engine`` drives them.
@@ -96,7 +97,7 @@ class GovernorParams:
     max_interval: int = 512
     catch_up_share: float = 0.01  # at most this share of plain time goes to catching the drafter up for probes
     probe_budget: float = 0.01  # with pass costs: a failed probe costs at most this share of the time between probes
-    prior_weight: float = 4.0  # with pass costs: drafting rounds' worth of weight the pooled α has for a task
+    prior_weight: float = 2.0  # with pass costs: drafts' worth of weight the pooled α has for a task
     alpha_window: int = 64  # drafting rounds: acceptance counts decay with this time constant
 
 
@@ -198,12 +199,12 @@ class PassCosts:
         speedup, k = max(options)
         return -k, speedup
 
-    def probe_interval(self, probe_rounds: int, budget: float) -> int:
+    def probe_interval(self, probe_rounds: int, budget: float, k: int = 1) -> int:
         """Plain rounds between probes so that a probe that finds nothing (α = 0:
-        each of its rounds yields one token, at a one-draft round's cost) costs at
-        most ``budget`` of the time they take."""
+        each of its rounds, of ``k`` drafts, yields one token) costs at most
+        ``budget`` of the time they take."""
         plain = self.target(self.plain_width)
-        excess = probe_rounds * max(0.0, self.round_seconds(1) - plain)
+        excess = probe_rounds * max(0.0, self.round_seconds(k) - plain)
         return max(1, math.ceil(excess / (budget * plain)))
 
 
@@ -254,6 +255,7 @@ class Governor:
     rejected: float = 0.0  # drafting rounds that ended in a rejected draft (decaying likewise)
     alpha_prior: float = 0.5  # the pooled α of every task when this one started
     costs: Optional[PassCosts] = field(default=None, repr=False)  # the machine's, shared; None: no predictions
+    k_max: int = 4  # the daemon's draft length: what probes draft and predictions are for
     plain: MovingRate = field(init=False)
     draft: MovingRate = field(init=False)
     _started: Optional[float] = field(default=None, init=False, repr=False)
@@ -283,10 +285,8 @@ class Governor:
     def draft_length(self, k_max: int) -> int:
         """Drafts in the next drafting round: with pass costs, the predicted best
         (one in a probe: the cheapest test); without, ``k_max``."""
-        if self.costs is None or k_max <= 1:
-            return k_max
-        if self.phase == PROBING:
-            return 1
+        if self.costs is None or k_max <= 1 or self.phase == PROBING:
+            return k_max  # a probe drafts the most: each round then observes up to k_max drafts
         return self.costs.best(self.alpha, k_max)[0]
 
     def predicted_speedup(self, k_max: int) -> Optional[float]:
@@ -366,13 +366,22 @@ class Governor:
         elif self.phase == PROBING:
             self.left -= 1
             if self.left <= 0:
-                if self.draft_wins():
+                if self.probe_succeeded():
                     self.interval = p.first_interval
                     self._enter_drafting(restart=False)
                 else:
                     self.failed_probes += 1
                     self.interval = min(2 * self.interval, p.max_interval)
                     self._enter_plain()
+
+    def probe_succeeded(self) -> bool:
+        """Without pass costs: the probe's rounds were faster than plain ones. With
+        them: drafting at the best length is predicted to pay, with the acceptance
+        the probe just measured (its own rounds' speed says little about another
+        length: on a CPU a round of one draft is the dearest per token)."""
+        if self.costs is None:
+            return self.draft_wins()
+        return self.predicted_speedup(self.k_max) >= self.params.threshold
 
     def draft_wins(self) -> bool:
         plain, draft = self.plain.rate, self.draft.rate
@@ -392,7 +401,8 @@ class Governor:
         """Plain rounds a failed probe's cost needs to stay within the probe budget (0: no costs known)."""
         if self.costs is None:
             return 0
-        return min(self.costs.probe_interval(self.params.probe_rounds, self.params.probe_budget), 4096)
+        interval = self.costs.probe_interval(self.params.probe_rounds, self.params.probe_budget, self.k_max)
+        return min(interval, 4096)
 
     def start_plain(self) -> None:
         """A new task predicted not to gain from drafting: plain from its first
@@ -528,12 +538,14 @@ class GovernorBank:
             task = "all"
         g = self.tasks.get(task)
         if g is None:
-            g = self.tasks[task] = Governor(self.params, self.clock, alpha_prior=self.pooled_alpha(), costs=self.costs)
+            g = self.tasks[task] = Governor(
+                self.params, self.clock, alpha_prior=self.pooled_alpha(), costs=self.costs, k_max=self.k_max
+            )
             if self.costs is not None and g.predicted_speedup(self.k_max) < self.params.threshold:
                 g.start_plain()  # predicted not to pay: no measuring rounds, no drafter reading the prompt
             while len(self.tasks) > self.max_tasks:
                 self.tasks.popitem(last=False)
-        g.costs = self.costs
+        g.costs, g.k_max = self.costs, self.k_max
         self.tasks.move_to_end(task)
         self.last_task = task
         self.touched.add(task)
@@ -620,7 +632,7 @@ class GovernorBank:
         raw, last = read
         tasks = OrderedDict((k, Governor.from_dict(v, self.params, self.clock)) for k, v in raw.items())
         for g in tasks.values():
-            g.costs = self.costs
+            g.costs, g.k_max = self.costs, self.k_max
         self.tasks = OrderedDict(list(tasks.items())[-self.max_tasks :])
         self.last_task = last if isinstance(last, str) and last in self.tasks else ""
         log.info("governor: %d task(s) restored from %s", len(self.tasks), path)

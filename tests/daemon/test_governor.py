@@ -431,18 +431,33 @@ def test_the_predicted_speedup_is_tokens_per_round_over_the_rounds_cost():
 def test_probes_are_spaced_so_that_a_failed_one_costs_at_most_the_budget():
     c = PassCosts(TIMED_COSTS, drafter_prior=0.001)
     n = c.probe_interval(probe_rounds=2, budget=0.01)
+    assert n < c.probe_interval(probe_rounds=2, budget=0.01, k=4)  # dearer probes: rarer
     excess = 2 * (c.round_seconds(1) - c.target(1))  # two rounds of one draft, each yielding one token
     assert excess <= 0.01 * n * c.target(1) < excess + 0.01 * c.target(1)
 
 
-def test_with_costs_a_new_task_predicted_not_to_pay_starts_plain_and_probes_with_one_draft(clock):
+def test_with_costs_a_new_task_predicted_not_to_pay_starts_plain_and_a_probe_decides_by_prediction(clock):
     costs = PassCosts(TIMED_COSTS, drafter_prior=0.004)
     bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
     g = bank.get("task")  # pooled alpha 0.5 with nothing learned: drafting does not pay on these costs
     assert g.predicted_speedup(4) < 1.0 and g.phase == PLAIN
-    assert g.countdown == costs.probe_interval(2, 0.01) > 32
+    assert g.countdown == costs.probe_interval(2, 0.01, 4) > 32
     seen = rounds(g, clock, g.countdown, plain_tps=100, draft_tps=100)
-    assert set(seen) == {PLAIN} and g.phase == PROBING and g.draft_length(4) == 1
+    assert set(seen) == {PLAIN} and g.phase == PROBING and g.draft_length(4) == 4  # a probe drafts the most
+    # the probe's rounds are slower than plain ones, but every draft held: predicted to pay at the best length
+    for _ in range(2):
+        g.observe(4, 4, 0.002, 0.025)
+    rounds(g, clock, 2, plain_tps=100, draft_tps=80)
+    assert g.phase == DRAFTING and g.probes == 1 and g.failed_probes == 0
+    # a probe whose drafts all fail: plain again, the interval doubled
+    fresh = PassCosts(TIMED_COSTS, drafter_prior=0.004)
+    g2 = GovernorBank("id2", clock=clock, costs=fresh, k_max=4).get("other")
+    assert g2.phase == PLAIN
+    rounds(g2, clock, g2.countdown, plain_tps=100, draft_tps=100)
+    for _ in range(2):
+        g2.observe(4, 0, 0.002, 0.025)
+    rounds(g2, clock, 2, plain_tps=100, draft_tps=200)  # (its measured speed is not what decides)
+    assert g2.phase == PLAIN and g2.failed_probes == 1
 
 
 def test_with_costs_a_task_whose_drafts_hold_drafts_at_the_predicted_best_length(clock):

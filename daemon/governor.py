@@ -46,8 +46,8 @@ the draft length of every drafting round (the k that maximises predicted
 tokens/s), lets a new task start ``plain`` (the drafter does not even read its
 prompt) when drafting is predicted not to pay, and bounds what probing costs:
 probes fall due no more often than a worst-case probe (α = 0) costs
-``probe_budget`` (1%) of the plain time between them. A probe drafts the most
-(k drafts a round: the most acceptance observations) and succeeds when drafting
+``probe_budget`` (1%) of the plain time between them. A probe is one round of
+k drafts (the most acceptance observations per round) and succeeds when drafting
 at the best length is predicted to pay with the acceptance it measured; once
 drafting, the measured averages above decide whether it goes on.
 
@@ -92,12 +92,13 @@ class GovernorParams:
     window: int = 16  # rounds: the moving averages' time constant
     measure_rounds: int = 2  # plain rounds when a governor starts and at each refresh
     probe_rounds: int = 2  # drafting rounds of a probe (and the first drafting decision)
+    predicted_probe_rounds: int = 1  # with pass costs: a probe's k drafts are what it is for, not its speed
     refresh_every: int = 64  # drafting rounds between refreshes of the plain estimate
     first_interval: int = 32  # plain rounds before the first re-probe
     max_interval: int = 512
     catch_up_share: float = 0.01  # at most this share of plain time goes to catching the drafter up for probes
     probe_budget: float = 0.01  # with pass costs: a failed probe costs at most this share of the time between probes
-    prior_weight: float = 2.0  # with pass costs: drafts' worth of weight the pooled α has for a task
+    prior_weight: float = 1.0  # with pass costs: drafts' worth of weight the pooled α has for a task
     alpha_window: int = 64  # drafting rounds: acceptance counts decay with this time constant
 
 
@@ -360,7 +361,7 @@ class Governor:
         elif self.phase == PLAIN:
             self.countdown = max(0, self.countdown - 1)
             if self.countdown <= 0 and self.debt <= 0:
-                self.phase, self.left = PROBING, p.probe_rounds
+                self.phase, self.left = PROBING, self._probe_rounds()
                 self.probes += 1
                 self.draft.restart()
         elif self.phase == PROBING:
@@ -401,8 +402,11 @@ class Governor:
         """Plain rounds a failed probe's cost needs to stay within the probe budget (0: no costs known)."""
         if self.costs is None:
             return 0
-        interval = self.costs.probe_interval(self.params.probe_rounds, self.params.probe_budget, self.k_max)
+        interval = self.costs.probe_interval(self._probe_rounds(), self.params.probe_budget, self.k_max)
         return min(interval, 4096)
+
+    def _probe_rounds(self) -> int:
+        return self.params.probe_rounds if self.costs is None else self.params.predicted_probe_rounds
 
     def start_plain(self) -> None:
         """A new task predicted not to gain from drafting: plain from its first

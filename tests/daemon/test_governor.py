@@ -441,22 +441,20 @@ def test_with_costs_a_new_task_predicted_not_to_pay_starts_plain_and_a_probe_dec
     bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
     g = bank.get("task")  # pooled alpha 0.5 with nothing learned: drafting does not pay on these costs
     assert g.predicted_speedup(4) < 1.0 and g.phase == PLAIN
-    assert g.countdown == costs.probe_interval(2, 0.01, 4) > 32
+    assert g.countdown == costs.probe_interval(1, 0.01, 4) > 32
     seen = rounds(g, clock, g.countdown, plain_tps=100, draft_tps=100)
     assert set(seen) == {PLAIN} and g.phase == PROBING and g.draft_length(4) == 4  # a probe drafts the most
     # the probe's rounds are slower than plain ones, but every draft held: predicted to pay at the best length
-    for _ in range(2):
-        g.observe(4, 4, 0.002, 0.025)
-    rounds(g, clock, 2, plain_tps=100, draft_tps=80)
+    g.observe(4, 4, 0.002, 0.025)
+    rounds(g, clock, 1, plain_tps=100, draft_tps=80)  # a probe is one round
     assert g.phase == DRAFTING and g.probes == 1 and g.failed_probes == 0
     # a probe whose drafts all fail: plain again, the interval doubled
     fresh = PassCosts(TIMED_COSTS, drafter_prior=0.004)
     g2 = GovernorBank("id2", clock=clock, costs=fresh, k_max=4).get("other")
     assert g2.phase == PLAIN
     rounds(g2, clock, g2.countdown, plain_tps=100, draft_tps=100)
-    for _ in range(2):
-        g2.observe(4, 0, 0.002, 0.025)
-    rounds(g2, clock, 2, plain_tps=100, draft_tps=200)  # (its measured speed is not what decides)
+    g2.observe(4, 0, 0.002, 0.025)
+    rounds(g2, clock, 1, plain_tps=100, draft_tps=200)  # (its measured speed is not what decides)
     assert g2.phase == PLAIN and g2.failed_probes == 1
 
 

@@ -294,10 +294,9 @@ class Engine:
         # agent's next turn, an editor's next keystroke): kept, to the token
         live = self._live_prefix(state.tokens) if state.req.cache else 0
         if state.cache is not None:
-            state.cached = state.cache.restore(state.tokens, live)
+            state.cached = state.cache.restore(state.tokens, live, keep=self.min_batch)
         elif live:
-            self.model.truncate(live)
-            state.cached = live
+            state.cached = self._keep_live(live)
         else:
             self.model.clear()
         if self.drafter is not None:
@@ -313,11 +312,22 @@ class Engine:
         state.prefilled = self.clock()
         return logits
 
+    def _keep_live(self, live: int) -> int:
+        """Cut the model's KV cache to its first ``live`` tokens; how many it holds then."""
+        try:
+            self.model.truncate(live)
+        except Exception:  # (LlamaModel clears a cache it cannot cut)
+            self.model.clear()
+            return 0
+        return live
+
     def _live_prefix(self, tokens: list[int]) -> int:
-        """How many of ``tokens`` (at most all but one: the last one's logits are
-        needed) the model's KV cache holds from the request before."""
+        """How many of ``tokens`` the model's KV cache holds from the request
+        before: at most all but one (the last one's logits are needed), or all
+        but ``min_batch`` (exact steps: never a one-token pass, which rounds
+        differently on such a target)."""
         live_prefix = getattr(self.model, "live_prefix", None)
-        return live_prefix(tokens[: len(tokens) - 1]) if live_prefix is not None else 0
+        return live_prefix(tokens[: max(0, len(tokens) - self.min_batch)]) if live_prefix is not None else 0
 
     def _take(self, state: RequestState, new_tokens: list[int], emit: Callable[[Chunk], None]) -> None:
         """Add a round's tokens to the output until one ends the request; stream them."""
@@ -422,7 +432,7 @@ class Engine:
         if self.governors is None or req.draft == "on" or (req.seed is not None and req.temperature > 0):
             return None
         key = task_key(tokens) + ("" if k == self.draft_tokens else f"/k{k}")
-        return self.governors.get(key)
+        return self.governors.get(key, k)
 
     def _governed_round(self, state: RequestState) -> list[int]:
         """A round of the kind the governor asks for, timed for it. While the

@@ -48,8 +48,9 @@ prompt) when drafting is predicted not to pay, and bounds what probing costs:
 probes fall due no more often than a worst-case probe (α = 0) costs
 ``probe_budget`` (1%) of the plain time between them. A probe is one round of
 k drafts (the most acceptance observations per round) and succeeds when drafting
-at the best length is predicted to pay with the acceptance it measured; once
-drafting, the measured averages above decide whether it goes on.
+at the best length is predicted to pay with the acceptance it measured (not by
+its own speed); once drafting, the measured averages above decide whether it
+goes on.
 
 A ``GovernorBank`` keeps one governor per task (see ``task_key``) and persists
 them; ``Engine`` drives them.
@@ -127,6 +128,9 @@ class MovingRate:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
 
+MIN_SECONDS = 1e-9  # a cost floor: a round timed at 0 s (a coarse clock) never divides by zero
+
+
 @dataclass
 class PassCosts:
     """What a round costs on this machine: the target's pass over w tokens
@@ -164,12 +168,12 @@ class PassCosts:
         """Seconds of one target pass over ``w`` tokens, as this machine runs them now."""
         seen = self.seen.get(w)
         if seen is not None and seen.rate is not None:
-            return seen.seconds / seen.tokens
+            return max(seen.seconds / seen.tokens, MIN_SECONDS)
         cost = self._at_load(w)
         one = self.seen.get(1)
         if one is not None and one.tokens > 0 and w != 1:  # the machine is busier or quieter than at load
             cost *= (one.seconds / one.tokens) / self._at_load(1)
-        return cost
+        return max(cost, MIN_SECONDS)
 
     def drafter(self) -> float:
         d = self.drafter_seen
@@ -285,7 +289,7 @@ class Governor:
 
     def draft_length(self, k_max: int) -> int:
         """Drafts in the next drafting round: with pass costs, the predicted best
-        (one in a probe: the cheapest test); without, ``k_max``."""
+        (``k_max`` in a probe: the most acceptance observations); without, ``k_max``."""
         if self.costs is None or k_max <= 1 or self.phase == PROBING:
             return k_max  # a probe drafts the most: each round then observes up to k_max drafts
         return self.costs.best(self.alpha, k_max)[0]
@@ -537,19 +541,21 @@ class GovernorBank:
         if path is not None:
             self._load(path)
 
-    def get(self, task: str) -> Governor:
+    def get(self, task: str, k: Optional[int] = None) -> Governor:
+        """The governor of ``task``, for requests drafting at most ``k`` (None: the daemon's length)."""
         if not self.per_task:
             task = "all"
+        k_max = self.k_max if k is None else k
         g = self.tasks.get(task)
         if g is None:
             g = self.tasks[task] = Governor(
-                self.params, self.clock, alpha_prior=self.pooled_alpha(), costs=self.costs, k_max=self.k_max
+                self.params, self.clock, alpha_prior=self.pooled_alpha(), costs=self.costs, k_max=k_max
             )
-            if self.costs is not None and g.predicted_speedup(self.k_max) < self.params.threshold:
+            if self.costs is not None and g.predicted_speedup(k_max) < self.params.threshold:
                 g.start_plain()  # predicted not to pay: no measuring rounds, no drafter reading the prompt
             while len(self.tasks) > self.max_tasks:
                 self.tasks.popitem(last=False)
-        g.costs, g.k_max = self.costs, self.k_max
+        g.costs, g.k_max = self.costs, k_max
         self.tasks.move_to_end(task)
         self.last_task = task
         self.touched.add(task)
@@ -564,7 +570,7 @@ class GovernorBank:
     def info(self) -> Optional[GovernorInfo]:
         """The state of the most recently used task's governor."""
         g = self.tasks.get(self.last_task)
-        return g.info(self.last_task, len(self.tasks), self.k_max) if g is not None else None
+        return g.info(self.last_task, len(self.tasks), g.k_max) if g is not None else None
 
     def save(self) -> None:
         """Write the state atomically. Another daemon may share the file (two

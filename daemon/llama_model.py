@@ -318,7 +318,12 @@ class LlamaModel:
     def truncate(self, n_keep: int) -> None:
         """Drop KV cache positions >= n_keep."""
         if n_keep < self.n_past:
-            llama.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
+            if not llama.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
+                self.clear()  # a cache that cannot drop a tail (a recurrent model): nothing of it is trusted
+                raise DecodeError(
+                    f"llama.cpp could not drop KV positions {n_keep} and on (a recurrent or hybrid model?); "
+                    "its cache was cleared"
+                )
             self.n_past = n_keep
             del self.history[n_keep:]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -307,13 +308,25 @@ def derive_q8_0(source: Path, progress: Callable[[str], None]) -> Path:
             "load it as it is with --drafter-quantize off"
         )
     os.replace(partial, target)
-    for old in target.parent.glob(f"{source.stem}.*.Q8_0.gguf"):
-        if old != target:
+    target.with_name(target.name + ".source").write_text(str(source.resolve()))
+    # older copies of this same source (its path hashed in): never another file's
+    mine = re.compile(re.escape(source.stem) + r"\.[0-9a-f]{12}\.Q8_0\.gguf")
+    for old in target.parent.iterdir():
+        if old != target and mine.fullmatch(old.name) and _copy_of(old) == str(source.resolve()):
             old.unlink(missing_ok=True)
+            old.with_name(old.name + ".source").unlink(missing_ok=True)
     progress(
         f"tandem: drafter quantized in {time.monotonic() - started:.1f} s ({target.stat().st_size / 2**20:,.0f} MiB)"
     )
     return target
+
+
+def _copy_of(copy: Path) -> str:
+    """The source a derived copy was made from (its ``.source`` note), or ""."""
+    try:
+        return copy.with_name(copy.name + ".source").read_text().strip()
+    except OSError:
+        return ""
 
 
 def drafter_file(path: Path, quantize: str, progress: Callable[[str], None]) -> Path:

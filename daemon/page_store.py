@@ -121,8 +121,9 @@ class StateModel(Protocol):
     n_past: int
 
     def seq_state(self) -> bytes: ...
-    def set_seq_state(self, blob, n_tokens: int) -> None: ...
+    def set_seq_state(self, blob, n_tokens: int, tokens: Optional[Sequence[int]] = None) -> None: ...
     def clear(self) -> None: ...
+    def truncate(self, n_keep: int) -> None: ...
     def decode(self, tokens: Sequence[int], logits_for: Sequence[int] = ...): ...
 
 
@@ -152,20 +153,22 @@ class PageStore:
         self.layout = probe_layout(self.model)
         return self.layout
 
-    def restore(self, tokens: Sequence[int], live: int = 0) -> int:
-        """Put the longest cached prefix of ``tokens`` (at most all but one token)
-        into the model; returns how many tokens it holds now (0: nothing cached,
-        the model is cleared). ``live``: the model already holds that many of
-        ``tokens`` (at most all but one) from the request before; when the pages
-        hold no more, it keeps them, to the token, and nothing is read."""
+    def restore(self, tokens: Sequence[int], live: int = 0, keep: int = 1) -> int:
+        """Put the longest cached prefix of ``tokens`` (leaving at least ``keep``
+        tokens to read) into the model; returns how many tokens it holds now (0:
+        nothing cached, the model is cleared). ``live``: the model already holds
+        that many of ``tokens`` from the request before; when the pages hold no
+        more, it keeps them, to the token, and nothing is read."""
         self.release()
-        chain = self.tree.match(list(tokens)[: len(tokens) - 1], self.role) if self.layout is not None else []
+        matched = self.layout is not None
+        chain = self.tree.match(list(tokens)[: max(0, len(tokens) - keep)], self.role) if matched else []
         n = len(chain) * self.page_tokens
-        if live and live >= n:
-            self.model.truncate(live)
+        if live and live >= n and self._kept(live):
             stats = self.tree.stats
-            if not chain:  # counted as a miss: it is a hit, served from the model's own cache
+            if matched and not chain:  # counted as a miss: it is a hit, served from the model's own cache
                 stats.misses -= 1
+                stats.hits += 1
+            elif not matched:
                 stats.hits += 1
             stats.tokens_from_cache += live - n
             self.tokens_from_live += live
@@ -194,6 +197,15 @@ class PageStore:
         self.tree.lock(chain)
         self.locked = chain
         return n
+
+    def _kept(self, live: int) -> bool:
+        """Cut the model to its first ``live`` tokens (False: it could not, and was cleared)."""
+        try:
+            self.model.truncate(live)
+        except Exception:
+            self.model.clear()
+            return False
+        return True
 
     def store_or_skip(self, tokens: Sequence[int]) -> int:
         """``store``, except that pages which cannot be written are not cached,

@@ -26,7 +26,6 @@ from tandem.protocol import (
     FIM_FIX,
     PROTOCOL_VERSION,
     CacheClear,
-    CacheCleared,
     Cancel,
     CancelReply,
     Complete,
@@ -335,10 +334,9 @@ class Daemon:
         self.stopping = True
 
     def handle_cache_clear(self, identity: bytes, msg: CacheClear) -> None:
-        if self.kv_arena is None:
-            self.clients.send(identity, CacheCleared(id=msg.id, pages=0, bytes=0, cache=None))
-            return
-        self.scheduler.clear_cache(identity, msg)  # after the running request, before the next
+        # after the running request, before the next; without an arena too: the
+        # target drops what its KV holds from the request before
+        self.scheduler.clear_cache(identity, msg)
 
     def handle_tokenize(self, identity: bytes, msg) -> None:
         if not self.supervisor.can_take_work and not self.scheduler.failure and not self.stopping:

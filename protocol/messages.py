@@ -164,7 +164,9 @@ class ToolCallDelta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    cached_tokens: int = (
+        0  # prompt tokens not prefilled: restored from pages, or kept in the KV from the request before
+    )
 
 
 @dataclass

@@ -37,12 +37,14 @@ def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(tandem_
         done = greedy(client)
         g = done.governor
         assert g is not None and g.phase in PHASES and g.tasks == 1
-        # it measured plain decoding first, then drafted (at least the first decision's 2 rounds)
-        assert g.plain_rounds >= 2 and g.draft_rounds >= 2
-        assert g.plain_tokens_per_second > 0 and g.draft_tokens_per_second > 0
         # from the pass costs the target measured at load: the acceptance and the predicted length
         assert 0 < g.alpha <= 1 and 1 <= g.draft_length <= 4 and g.predicted_speedup > 0
-        assert done.draft.rounds == g.draft_rounds  # every drafting round of this first request
+        assert g.plain_rounds >= 2 and g.plain_tokens_per_second > 0
+        if g.draft_rounds:  # predicted to pay (on this machine's costs): measured plain first, then drafted
+            assert g.draft_rounds >= 2 and g.draft_tokens_per_second > 0
+            assert done.draft.rounds == g.draft_rounds  # every drafting round of this first request
+        else:  # predicted not to pay: plain from the start, a probe not yet due
+            assert g.phase == "plain" and g.rounds_until_probe > 0 and done.draft is None
         assert client.status().governor == g
 
         off = greedy(client, draft="off")

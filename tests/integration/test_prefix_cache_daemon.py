@@ -69,7 +69,8 @@ def test_a_repeated_prompt_rereads_one_token_and_an_extended_one_only_its_new_to
         fresh_longer = client.complete(
             prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0, cache=False
         )
-        from_pages = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)  # after a clear: pages only
+        # the cache: false request left nothing to reuse: pages only
+        from_pages = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
         live = client.status().cache.tokens_from_live
     n = first.usage.prompt_tokens
     assert first.usage.cached_tokens == 0
@@ -87,9 +88,15 @@ def test_without_an_arena_the_live_kv_is_still_reused(start_daemon):
         first = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
         again = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
         uncached = client.complete(prompt=prompt, max_tokens=12, temperature=0.0, cache=False)
+        after_uncached = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)  # nothing left to reuse
+        kept = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
+        cleared = client.cache_clear()
+        after_clear = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
         assert client.status().cache is None
     assert again.usage.cached_tokens == first.usage.prompt_tokens - 1 and uncached.usage.cached_tokens == 0
-    assert first.text == again.text == uncached.text
+    assert after_uncached.usage.cached_tokens == 0 and kept.usage.cached_tokens == first.usage.prompt_tokens - 1
+    assert cleared.pages == 0 and cleared.cache is None and after_clear.usage.cached_tokens == 0
+    assert first.text == again.text == uncached.text == after_clear.text
 
 
 def test_same_later_tokens_after_another_start_are_no_hit(cached_daemon):
@@ -231,3 +238,20 @@ def test_the_drafter_keeps_its_own_pages_and_output_is_unchanged(start_daemon, p
     assert cached.draft is not None and cached.draft.rounds > 0
     # so it restored its pages of this session's start rather than reading them again
     assert cached.cache.drafter_tokens_from_cache >= cached.usage.cached_tokens - 16 > 0
+
+
+def test_with_exact_steps_a_re_sent_prompt_still_prefills_two_tokens(start_daemon, pair):
+    """A target that is not batch-invariant (the F16 one) with a drafter runs exact
+    steps: never a one-token pass, so the KV kept from the request before leaves two
+    tokens of the prompt to read, and the answer is the uncached one."""
+    target, drafter = pair
+    d = start_daemon("--drafter", str(drafter), "--ctx-size", "1024", "--cache-bytes", "0", model=target)
+    prompt = SYSTEM + "Question: what is a fixture?"
+    with d.client() as client:
+        exact = client.status().model.exact_steps
+        first = client.complete(prompt=prompt, max_tokens=12, temperature=0.0, draft="off")
+        again = client.complete(prompt=prompt, max_tokens=12, temperature=0.0, draft="off")
+        fresh = client.complete(prompt=prompt, max_tokens=12, temperature=0.0, draft="off", cache=False)
+    keep = 2 if exact else 1  # (exact steps follow the load probe's verdict on this CPU)
+    assert again.usage.cached_tokens == first.usage.prompt_tokens - keep
+    assert first.text == again.text == fresh.text

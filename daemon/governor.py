@@ -142,6 +142,8 @@ class PassCosts:
     drafter_prior: float  # seconds per drafted token before any was measured
     window: int = 16
     plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
+    # a drafter with nothing to catch up before it drafts (prompt lookup): a new task's first probe is due at once
+    drafts_cold: bool = False
     seen: dict[int, MovingRate] = field(default_factory=dict)  # by width: seconds per pass, as rounds ran
     drafter_seen: Optional[MovingRate] = None
 
@@ -414,9 +416,13 @@ class Governor:
 
     def start_plain(self) -> None:
         """A new task predicted not to gain from drafting: plain from its first
-        round, its first probe after the costed interval."""
+        round, its first probe after the costed interval; with a drafter that
+        drafts cold (prompt lookup: no prompt to read first, no catch-up), at its
+        second round (one round of k drafts, then the costed interval as usual)."""
         self.left = 0
         self._enter_plain()
+        if self.costs is not None and self.costs.drafts_cold:
+            self.countdown = 1
 
     # ---- reporting and persistence
 

@@ -136,7 +136,7 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
         drafter = load[1] * config.drafter_bytes / max(model.size_bytes, 1)
     else:
         drafter = NGRAM_STEP_SECONDS
-    costs = PassCosts(load, drafter, plain_width=min_batch)
+    costs = PassCosts(load, drafter, plain_width=min_batch, drafts_cold=config.drafter == "ngram")
     log.info(
         "target pass costs (%.1f s to measure): %s; drafter step prior %.1f ms",
         time.perf_counter() - started,

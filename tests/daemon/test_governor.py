@@ -507,3 +507,14 @@ def test_pass_costs_are_measured_on_the_model_and_leave_it_empty(clock, timed_mo
     model.tokenize = lambda text, add_special=True, parse_special=True: list(range(1, 200))
     costs = measure_pass_costs(model, [1, 3, 5])
     assert set(costs) == {1, 3, 5} and model.n_past == 0
+
+
+def test_with_a_drafter_that_drafts_cold_a_new_task_probes_at_its_second_round(clock):
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.004, drafts_cold=True)  # prompt lookup: nothing to read first
+    g = GovernorBank("id", clock=clock, costs=costs, k_max=4).get("task")
+    assert g.phase == PLAIN and g.countdown == 1
+    rounds(g, clock, 1, plain_tps=100, draft_tps=100)
+    assert g.phase == PROBING
+    g.observe(4, 0, 0.0, 0.025)  # nothing held: plain again, for the costed interval (doubled)
+    rounds(g, clock, 1, plain_tps=100, draft_tps=100)
+    assert g.phase == PLAIN and g.countdown >= costs.probe_interval(1, 0.01, 4)

@@ -57,18 +57,24 @@ class FakeHandle:
         self.alive, self.exit_code = False, code
 
 
+def serve_config(drafter_name: str, drafter_path, socket_path: Path = Path("/tmp/unused.sock")) -> ServeConfig:
+    """A daemon's configuration with every setting at its default."""
+    values = {o.key: o.default for o in settings.OPTIONS}
+    s = settings.Settings(values, {k: "default" for k in values}, Path("/nonexistent.toml"), False)
+    return ServeConfig(
+        settings=s,
+        model_name="m",
+        model_path=Path("/m.gguf"),
+        socket_path=socket_path,
+        drafter_name=drafter_name,
+        drafter_path=drafter_path,
+    )
+
+
 class Harness:
     def __init__(self, drafter: bool = False):
-        values = {o.key: o.default for o in settings.OPTIONS}
-        s = settings.Settings(values, {k: "default" for k in values}, Path("/nonexistent.toml"), False)
-        config = ServeConfig(
-            settings=s,
-            model_name="m",
-            model_path=Path("/m.gguf"),
-            socket_path=Path("/tmp/unused.sock"),
-            drafter_name="d" if drafter else "none",
-            drafter_path=Path("/d.gguf") if drafter else None,
-        )
+        config = serve_config("d" if drafter else "none", Path("/d.gguf") if drafter else None)
+        s = config.settings
         self.replies: list = []
         self.stopped = False
         self.scheduler = Scheduler(
@@ -217,16 +223,7 @@ def test_the_openmp_spin_is_short_only_where_two_llama_processes_share_the_cores
             pass
 
     monkeypatch.setattr(sup_module, "WorkerHandle", Recorder)
-    values = {o.key: o.default for o in settings.OPTIONS}
-    s = settings.Settings(values, {k: "default" for k in values}, Path("/nonexistent.toml"), False)
-    config = ServeConfig(
-        settings=s,
-        model_name="m",
-        model_path=Path("/m.gguf"),
-        socket_path=tmp_path / "t.sock",
-        drafter_name=drafter_name,
-        drafter_path=drafter_path,
-    )
+    config = serve_config(drafter_name, drafter_path, tmp_path / "t.sock")
     scheduler = Scheduler(lambda i, m: True, lambda i, f: True, lambda m: None, Metrics(lambda: {}), max_queue=8)
     sup = Supervisor(None, config, scheduler, scheduler.metrics, Notifier(None), lambda: False, lambda: None)
     sup.start(tmp_path, "", 0)

@@ -109,6 +109,7 @@ class Supervisor:
             governor_identity=identity,
             probe_cache=str(c.state_dir / "batch-invariance.json") if c.state_dir is not None else "",
             drafter_bytes=_size(c.drafter_path),
+            drafter_quantization=_quantization(c.drafter_path),
             **common,
         )
         policy = RestartPolicy(TARGET_MAX_DEATHS, DEATH_WINDOW_SECONDS, timeout, give_up=self._target_gave_up)
@@ -382,3 +383,9 @@ def _size(path: Optional[Path]) -> int:
         return path.stat().st_size if path is not None else 0
     except OSError:
         return 0
+
+
+def _quantization(path: Optional[Path]) -> str:
+    from .gguf_meta import facts
+
+    return str(facts(path).get("quantization", "")) if path is not None else ""

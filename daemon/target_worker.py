@@ -47,6 +47,7 @@ from .worker_config import WorkerConfig, describe_model, load_model
 log = logging.getLogger("tandem.worker")
 
 HEARTBEAT_SECONDS = 1.0  # Progress at most this often while serving a request
+NARROW_REPORT_DRAFTS = 64  # a 4-bit drafter's acceptance is logged once it has drafted this many
 
 
 def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engine, ModelInfo]:
@@ -211,6 +212,8 @@ class TargetLoop:
         self.last_beat = 0.0
         self.current = ""  # the request being served
         self.drafter_died = False  # the drafter died while the current request was served
+        self.narrow_drafted = self.narrow_accepted = 0  # a 4-bit drafter's first drafts (reported once)
+        self.narrow_reported = False
         self.handlers: dict[type, Callable] = {
             Shutdown: self._shutdown,
             Cancel: lambda msg: None,  # nothing running: it finished before the cancel arrived
@@ -289,6 +292,7 @@ class TargetLoop:
                 # its pages survive this worker being killed
                 self._save_cache_index()
             self.send(done)
+            self._report_narrow_drafter(done)
             if done.governor is not None and engine.governors is not None:
                 engine.governors.save()  # after the reply: a few ms of disk never delay it
         except RequestError as exc:
@@ -298,6 +302,26 @@ class TargetLoop:
             self.send(Error.of(msg.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
         finally:
             self.current = ""  # between requests: a drafter's death concerns none
+
+    def _report_narrow_drafter(self, done) -> None:
+        """A drafter of 4 bits or fewer: once it has drafted enough to say, log the
+        acceptance it gets here (the warning at start could only cite others')."""
+        from .models import NARROW_PREFIXES
+
+        q = self.config.drafter_quantization
+        if self.narrow_reported or not q.startswith(NARROW_PREFIXES) or done.draft is None:
+            return
+        self.narrow_drafted += done.draft.drafted
+        self.narrow_accepted += done.draft.accepted
+        if self.narrow_drafted >= NARROW_REPORT_DRAFTS:
+            self.narrow_reported = True
+            log.warning(
+                "the %s drafter's acceptance here: %.2f over its first %d drafts; an 8-bit file of the same "
+                "model usually keeps more",
+                q,
+                self.narrow_accepted / self.narrow_drafted,
+                self.narrow_drafted,
+            )
 
     def _tokenize(self, msg: Tokenize) -> None:
         engine = self.engine

@@ -32,6 +32,7 @@ class WorkerConfig:
     governor_identity: str = ""  # target, drafter, k and kernels: the state is valid only for these
     probe_cache: str = ""  # file keeping the batch-invariance probe's verdicts across restarts ("": not kept)
     drafter_bytes: int = 0  # the target's: the model drafter's file size (its step-cost prior)
+    drafter_quantization: str = ""  # the target's: the model drafter's (gguf general.file_type), "" unknown
     spin_count: Optional[int] = None  # GOMP_SPINCOUNT (None: libgomp's default); see ``spin_count_for``
 
     def __getitem__(self, key: str) -> Any:

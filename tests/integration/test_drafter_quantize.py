@@ -4,6 +4,8 @@ a 4-bit one is loaded with a warning; ``--drafter-quantize off`` loads the file 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tandem.daemon import gguf_meta, models
@@ -59,3 +61,15 @@ def test_a_4_bit_drafter_is_loaded_with_a_warning_that_names_the_usual_choice(st
     assert "is Q4_1: at 4 bits or fewer" in log and "Q8_0 file of the same model" in log
     with d.client() as c:
         assert c.status().drafter == smollm2_path.name
+        done = c.complete(prompt="List the planets:", max_tokens=24, temperature=0.0, draft="on", ignore_eos=True)
+        assert "drafter's acceptance here" not in d.log()  # not yet: fewer than 64 drafts
+        while c.status().draft.drafted < 64:
+            c.complete(prompt="List the planets:", max_tokens=24, temperature=0.0, draft="on", ignore_eos=True)
+        st = c.status().draft
+    # once it has drafted enough, the acceptance it gets here, measured
+    assert done.draft.drafted > 0
+    deadline = time.monotonic() + 10  # (the worker logs it just after that request's reply)
+    while "drafter's acceptance here" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = next(ln for ln in d.log().splitlines() if "the Q4_1 drafter's acceptance here" in ln)
+    assert f"over its first {st.drafted} drafts" in line

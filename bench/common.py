@@ -18,6 +18,17 @@ def model_path(name: str) -> Path:
     return models.pull(name) if name in models.PRESETS else Path(name)
 
 
+def cpu_model() -> str:
+    """The CPU's model name, from /proc/cpuinfo ("unknown" elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def fmt(values: list[float], digits: int = 2) -> str:
     """median (min–max)"""
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"

@@ -45,7 +45,7 @@ from typing import Callable, Optional
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from common import model_path, start_daemon, temp_socket  # noqa: E402
+from common import cpu_model, model_path, start_daemon, temp_socket  # noqa: E402
 from prefix_cache import LlamaServer  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
@@ -182,16 +182,6 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def server_system_info(log_path: str) -> str:

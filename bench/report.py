@@ -36,7 +36,7 @@ sys.path.insert(0, str(BENCH))
 
 import peer  # noqa: E402
 import psutil  # noqa: E402
-from common import model_path, start_daemon, temp_socket  # noqa: E402
+from common import cpu_model, model_path, start_daemon, temp_socket  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
 from prefix_cache import Ideal, LlamaServer, agent_loop, interleaved  # noqa: E402
 from speculative import pass_costs_ms  # noqa: E402
@@ -201,18 +201,10 @@ class ServerChat:
 def machine() -> dict:
     import llama_cpp
 
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     from tandem.daemon.version import __version__
 
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "llama_system_info": llama_cpp.llama_print_system_info().decode().strip(),

@@ -21,7 +21,6 @@ exact mode costs on steps without drafts).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
@@ -34,25 +33,16 @@ KS = [1, 2, 4, 6]
 
 
 def pass_costs_ms(path: Path, widths: list[int], n: int = 12) -> dict[int, float]:
-    """Median time of one decode pass over w tokens, after a 64-token prefix."""
+    """Median time (ms) of one decode pass over w tokens, after a 64-token prefix:
+    the daemon's own measurement (governor.measure_pass_costs) on a fresh model."""
+    from tandem.daemon.governor import measure_pass_costs
     from tandem.daemon.llama_model import LlamaModel
 
     m = LlamaModel(path, n_ctx=512)
-    prefix = m.tokenize("The quick brown fox jumps over the lazy dog. " * 6, add_special=True)[:64]
-    out = {}
-    for w in widths:
-        m.clear()
-        m.decode(prefix)
-        times = []
-        for _ in range(n):
-            n0 = m.n_past
-            t = time.perf_counter()
-            m.decode(prefix[:w], logits_for=range(w))
-            times.append((time.perf_counter() - t) * 1000)
-            m.truncate(n0)
-        out[w] = statistics.median(times)
-    m.close()
-    return out
+    try:
+        return {w: seconds * 1000 for w, seconds in measure_pass_costs(m, widths, reps=n, prefix=64).items()}
+    finally:
+        m.close()
 
 
 def run_kind(client: Client, prompts, k: int, tokens: int, p_min: float = 0.0):

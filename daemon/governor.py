@@ -215,14 +215,14 @@ class PassCosts:
         return max(1, math.ceil(excess / (budget * plain)))
 
 
-def measure_pass_costs(model, widths, reps: int = 3) -> dict[int, float]:
-    """Median seconds of one decode pass over w tokens for each w, after a 32-token
-    prefix (the model is cleared afterwards)."""
+def measure_pass_costs(model, widths, reps: int = 3, prefix: int = 32) -> dict[int, float]:
+    """Median seconds of one decode pass over w tokens for each w, after a
+    ``prefix``-token context (the model is cleared afterwards)."""
     import statistics
 
     tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_special=True)
     widths = sorted(set(widths))
-    need = 32 + max(widths)
+    need = prefix + max(widths)
     while len(tokens) < need:
         tokens = tokens + tokens
     if need >= model.n_ctx:
@@ -230,14 +230,14 @@ def measure_pass_costs(model, widths, reps: int = 3) -> dict[int, float]:
     out: dict[int, float] = {}
     try:
         model.clear()
-        model.decode(tokens[:32])
+        model.decode(tokens[:prefix])
         for w in widths:
             times = []
             for _ in range(reps):
                 started = time.perf_counter()
-                model.decode(tokens[32 : 32 + w], logits_for=range(w))
+                model.decode(tokens[prefix : prefix + w], logits_for=range(w))
                 times.append(time.perf_counter() - started)
-                model.truncate(32)
+                model.truncate(prefix)
             out[w] = statistics.median(times)
     finally:
         model.clear()

@@ -292,11 +292,11 @@ class Engine:
         read the rest; the logits after the prompt. A long prefill can be cancelled."""
         # what the model still holds of this prompt from the request before (an
         # agent's next turn, an editor's next keystroke): kept, to the token
-        live = self._live_prefix(state.tokens) if state.req.cache else 0
+        live = self._keep_live(self._live_prefix(state.tokens)) if state.req.cache else 0
         if state.cache is not None:
             state.cached = state.cache.restore(state.tokens, live, keep=self.min_batch)
         elif live:
-            state.cached = self._keep_live(live)
+            state.cached = live
         else:
             self.model.clear()
         if self.drafter is not None:
@@ -313,7 +313,8 @@ class Engine:
         return logits
 
     def _keep_live(self, live: int) -> int:
-        """Cut the model's KV cache to its first ``live`` tokens; how many it holds then."""
+        """Cut the model's KV cache to its first ``live`` tokens; how many it holds then
+        (0: it could not be cut, and was cleared)."""
         try:
             self.model.truncate(live)
         except Exception:  # (LlamaModel clears a cache it cannot cut)

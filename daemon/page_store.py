@@ -156,14 +156,15 @@ class PageStore:
     def restore(self, tokens: Sequence[int], live: int = 0, keep: int = 1) -> int:
         """Put the longest cached prefix of ``tokens`` (leaving at least ``keep``
         tokens to read) into the model; returns how many tokens it holds now (0:
-        nothing cached, the model is cleared). ``live``: the model already holds
-        that many of ``tokens`` from the request before; when the pages hold no
-        more, it keeps them, to the token, and nothing is read."""
+        nothing cached, the model is cleared). ``live``: the model holds exactly
+        the first ``live`` of ``tokens`` from the request before (the caller cut
+        it there); when the pages hold no more, they are kept, to the token, and
+        nothing is read."""
         self.release()
         matched = self.layout is not None
         chain = self.tree.match(list(tokens)[: max(0, len(tokens) - keep)], self.role) if matched else []
         n = len(chain) * self.page_tokens
-        if live and live >= n and self._kept(live):
+        if live and live >= n:
             stats = self.tree.stats
             if matched and not chain:  # counted as a miss: it is a hit, served from the model's own cache
                 stats.misses -= 1
@@ -197,15 +198,6 @@ class PageStore:
         self.tree.lock(chain)
         self.locked = chain
         return n
-
-    def _kept(self, live: int) -> bool:
-        """Cut the model to its first ``live`` tokens (False: it could not, and was cleared)."""
-        try:
-            self.model.truncate(live)
-        except Exception:
-            self.model.clear()
-            return False
-        return True
 
     def store_or_skip(self, tokens: Sequence[int]) -> int:
         """``store``, except that pages which cannot be written are not cached,

@@ -139,8 +139,9 @@ OPTIONS: tuple[Option, ...] = (
         "str",
         "none",
         "speculative decoding: a small model with the target's tokenizer (its own "
-        "worker process), 'ngram' (prompt lookup, no model), or 'none'",
-        metavar="PRESET|PATH|ngram|none",
+        "worker process), 'ngram' (prompt lookup: the last 4 tokens' latest match in the context), "
+        "'suffix' (the longest match in the context and in earlier replies; no model either), or 'none'",
+        metavar="PRESET|PATH|ngram|suffix|none",
     ),
     Option(
         "drafter_quantize",

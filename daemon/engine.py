@@ -389,6 +389,8 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.store(state.context())
             state.cache.release()
+        if self.drafter is not None:
+            self.drafter.finished(state.context(), len(state.tokens))
         tail = state.stream.flush()
         deltas: list[ToolCallDelta] = []
         text = state.stream.text

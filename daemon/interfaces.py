@@ -81,6 +81,11 @@ class Drafter(abc.ABC):
     def store(self, tokens: Sequence[int]) -> None:
         """The request is over: keep this drafter's pages of ``tokens`` in the prefix cache."""
 
+    def finished(self, context: list[int], prompt_tokens: int) -> None:
+        """The request is over: ``context`` is its prompt (the first ``prompt_tokens``)
+        and its reply. Called for every request of a daemon with this drafter,
+        drafting or not."""
+
     def go_down(self) -> None:
         """Its process died: propose nothing until ``revive``."""
 

@@ -14,6 +14,7 @@ from . import config, models, sdnotify
 from .arena import cache_budget
 from .config import ServeError
 from .server import Daemon, ServeConfig
+from .worker_config import LOOKUP_DRAFTERS
 
 log = logging.getLogger("tandem.daemon")
 
@@ -42,7 +43,7 @@ def serve(
 
         name, path = _resolve(s.model, say)
         drafter_name, drafter_path = s.drafter, None
-        if s.drafter not in ("none", "ngram"):
+        if s.drafter not in ("none", *LOOKUP_DRAFTERS):
             drafter_name, drafter_path = _resolve(s.drafter, say)
             loaded = models.drafter_file(drafter_path, s.drafter_quantize, say)
             if loaded != drafter_path:

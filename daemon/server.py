@@ -71,7 +71,7 @@ class ServeConfig:
     socket_path: Path
     state_dir: Optional[Path] = None  # where what the daemon learns is kept; None: not kept
     cache_bytes: int = 0  # the prefix cache's arena in shared memory; 0 = no prefix cache
-    drafter_name: str = "none"  # "none", "ngram", or a model drafter's display name
+    drafter_name: str = "none"  # "none", "ngram", "suffix", or a model drafter's display name
     drafter_path: Optional[Path] = None  # set for a model drafter
 
     @property

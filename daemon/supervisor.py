@@ -241,7 +241,7 @@ class Supervisor:
         if self.drafter is not None and self.drafter.info is not None and self.target.info is not None:
             mismatch = vocab_mismatch(self.target.info, self.drafter.info)
             if mismatch:
-                self.fail(mismatch + "; choose a drafter from the target's model family, or --drafter ngram")
+                self.fail(mismatch + "; choose a drafter from the target's model family, or --drafter ngram|suffix")
                 return
         self.state = "ready"
         self.ever_ready = True

@@ -42,7 +42,7 @@ from .constraint import Grammars
 from .engine import Engine
 from .interfaces import Drafter, RequestError
 from .invariance import invariance_fix, probe_batch_invariance
-from .worker_config import WorkerConfig, describe_model, load_model
+from .worker_config import LOOKUP_DRAFTERS, WorkerConfig, describe_model, load_model
 
 log = logging.getLogger("tandem.worker")
 
@@ -111,7 +111,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     return engine, info
 
 
-NGRAM_STEP_SECONDS = 2e-5  # a prompt-lookup draft: a few dict lookups in Python
+LOOKUP_STEP_SECONDS = 2e-5  # a prompt-lookup or suffix draft: a few dict lookups in Python
 
 
 def pass_costs(model, config: WorkerConfig, min_batch: int):
@@ -136,8 +136,8 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
     if config.drafter == "model" and config.drafter_bytes > 0:
         drafter = load[1] * config.drafter_bytes / max(model.size_bytes, 1)
     else:
-        drafter = NGRAM_STEP_SECONDS
-    costs = PassCosts(load, drafter, plain_width=min_batch, drafts_cold=config.drafter == "ngram")
+        drafter = LOOKUP_STEP_SECONDS
+    costs = PassCosts(load, drafter, plain_width=min_batch, drafts_cold=config.drafter in LOOKUP_DRAFTERS)
     log.info(
         "target pass costs (%.1f s to measure): %s; drafter step prior %.1f ms",
         time.perf_counter() - started,
@@ -262,6 +262,10 @@ class TargetLoop:
             from .ngram import NgramDrafter
 
             return NgramDrafter()
+        if kind == "suffix":
+            from .suffix import SuffixDrafter
+
+            return SuffixDrafter()
         if kind == "model":
             from .drafter_client import ModelDrafterClient
 

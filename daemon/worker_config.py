@@ -17,6 +17,10 @@ from tandem.protocol import ModelInfo
 EXTRA_BUFFERS = {"auto": None, "on": True, "off": False}
 
 
+# drafters without a model: they look tokens up in the context (no process, no KV)
+LOOKUP_DRAFTERS = ("ngram", "suffix")
+
+
 @dataclass
 class WorkerConfig:
     role: str  # "target" or "drafter"
@@ -24,7 +28,7 @@ class WorkerConfig:
     model_path: str
     settings: dict[str, Any]  # the daemon's settings (config.Settings.values, paths as strings)
     endpoint: str = ""  # the daemon's PAIR socket for this worker (set at each start)
-    drafter: str = "none"  # target only: "none", "ngram" or "model"
+    drafter: str = "none"  # target only: "none", "model" or one of LOOKUP_DRAFTERS
     draft_endpoint: str = ""  # the drafter worker binds it, the target worker connects to it
     cache_shm: str = ""  # the daemon's prefix-cache arena (its path in shared memory); "": no prefix cache
     cache_bytes: int = 0  # its size (what could be reserved; settings' cache_bytes may be "auto")

@@ -143,6 +143,22 @@ def test_ngram_drafter_on_a_copying_task(start_daemon):
     assert st.drafter == "ngram" and st.drafter_model is None
 
 
+def test_suffix_drafter_on_a_copying_task(start_daemon):
+    d = start_daemon("--drafter", "suffix", "--ctx-size", "1024", "--governor", "off")
+    code = "def area(width, height):\n    return width * height\n\n"
+    prompt = f"Rewrite this code exactly:\n{code}\nRewritten:\n"
+    with d.client() as client:
+        drafted = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft="on")
+        plain = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft_tokens=0)
+        # drafts from the reply before too (the unit tests pin down what): the text is plain decoding's
+        again = client.complete(prompt=code[:26], max_tokens=40, temperature=0.0, draft="on")
+        again_plain = client.complete(prompt=code[:26], max_tokens=40, temperature=0.0, draft_tokens=0)
+        st = client.status()
+    assert drafted.text == plain.text and again.text == again_plain.text
+    assert drafted.draft.accepted > 0 and again.draft.drafted > 0
+    assert st.drafter == "suffix" and st.drafter_model is None
+
+
 def test_a_drafter_with_another_vocabulary_is_refused(daemon_process, smollm2_path):
     from tandem.daemon import models
 

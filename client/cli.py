@@ -564,7 +564,8 @@ def cmd_status(args) -> int:
         )
     if st.model and st.model.batch_invariant is not None:
         m = st.model
-        settings = f"{m.kernels or '?'} kernels, flash attention {'on' if m.flash_attn else 'off'}"
+        kernels = f"mixed kernels (prompts in {m.prefill_chunk}-token chunks)" if m.prefill_chunk else None
+        settings = f"{kernels or (m.kernels or '?') + ' kernels'}, flash attention {'on' if m.flash_attn else 'off'}"
         if m.batch_invariant:
             print(f"exact:     yes, batch-invariant ({settings}): output does not depend on the cache or drafting")
         else:

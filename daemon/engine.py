@@ -290,15 +290,41 @@ class Engine:
     def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
         """Restore what the prefix cache holds of the prompt, start the drafter,
         read the rest; the logits after the prompt. A long prefill can be cancelled."""
+        tokens, chunk = state.tokens, getattr(self.model, "prefill_chunk", 0)
+        resent = self.model.prefilled_logits(tokens) if chunk and state.req.cache else None
+        if resent is not None:
+            # the prompt the model read last, re-sent: its KV and its logits, as they were
+            live = self._keep_live(len(tokens))
+            state.cached = state.cache.restore(tokens, live, keep=0) if state.cache is not None else live
+            self._start_drafter(state)
+            state.prefilled = self.clock()
+            return resent.copy()
         # what the model still holds of this prompt from the request before (an
-        # agent's next turn, an editor's next keystroke): kept, to the token
-        live = self._keep_live(self._live_prefix(state.tokens)) if state.req.cache else 0
+        # agent's next turn, an editor's next keystroke): kept, to the token; with
+        # fast prefill, to the last whole chunk it read in a prefill (what follows is
+        # read again in the shape an uncached request reads it)
+        live = self._live_prefix(tokens) if state.req.cache else 0
+        keep = self.min_batch
+        if chunk:
+            limit = (len(tokens) - 1) // chunk * chunk  # the chunk with the prompt's last token is always read
+            live = min(live, self.model.kv_reusable, limit) // chunk * chunk
+            keep = len(tokens) - limit
+        live = self._keep_live(live)
         if state.cache is not None:
-            state.cached = state.cache.restore(state.tokens, live, keep=self.min_batch)
+            state.cached = state.cache.restore(tokens, live, keep=keep, align=max(chunk, 1))
         elif live:
             state.cached = live
         else:
             self.model.clear()
+        self._start_drafter(state)
+        if chunk:
+            logits = self.model.prefill(tokens[state.cached :], abort=should_cancel)
+        else:
+            logits = self.model.decode(tokens[state.cached :], abort=should_cancel)[0]
+        state.prefilled = self.clock()
+        return logits
+
+    def _start_drafter(self, state: RequestState) -> None:
         if self.drafter is not None:
             self.drafter.use_pages(state.cache)  # a model drafter restores its own pages of the prompt too
         if state.drafter is not None:
@@ -308,9 +334,6 @@ class Engine:
             # that falls due later catches the drafter up then (see _governed_round).
             skip = state.governor is not None and state.governor.phase == PLAIN
             state.drafter.begin(state.req.id, state.tokens, state.sampler, prefill=not skip)
-        logits = self.model.decode(state.tokens[state.cached :], abort=should_cancel)[0]
-        state.prefilled = self.clock()
-        return logits
 
     def _keep_live(self, live: int) -> int:
         """Cut the model's KV cache to its first ``live`` tokens; how many it holds then

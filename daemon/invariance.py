@@ -77,8 +77,8 @@ def probe_batch_invariance(model, config: WorkerConfig) -> dict[str, bool]:
 
 def invariance_fix(config: WorkerConfig, model) -> str:
     """What to change so that the probe passes, as far as it is known."""
-    if config["kernels"] != "reference":
-        return "Use --kernels reference (the default)."
+    if config["kernels"] == "fast":
+        return "Use --kernels mixed (the default) or reference."
     if not config["flash_attn"]:
         return "Use --flash-attn on (the default)."
     if model.extra_buffers:

@@ -9,6 +9,7 @@ long prefills minutes instead of seconds on a CPU).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -18,6 +19,8 @@ import numpy as np
 from llama_cpp import _logger as llama_logger
 
 from .interfaces import DecodeAborted
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(Exception):
@@ -51,7 +54,12 @@ def default_extra_buffers(reference_kernels: bool = True) -> bool:
     return not reference_kernels and not cpu_has_amx()
 
 
-_REFERENCE_KERNELS = {"on": False, "hook": None}
+# Fast prefill reads prompts in chunks of this many tokens: from 64 query rows
+# ggml's flash attention tiles (its fastest path), and a longer chunk only adds
+# to what a request whose prompt extends a cached one reads again.
+PREFILL_CHUNK = 64
+
+_REFERENCE_KERNELS = {"on": False, "hook": None, "set": None, "created": None}
 
 
 def use_reference_kernels(on: bool) -> None:
@@ -73,6 +81,14 @@ def use_reference_kernels(on: bool) -> None:
     _REFERENCE_KERNELS["on"] = bool(on)
     if _REFERENCE_KERNELS["hook"] is not None or not on:
         return
+    _install_kernel_hook()
+
+
+def _install_kernel_hook() -> None:
+    """Wrap the CPU device's ``init_backend`` (see ``use_reference_kernels``): every
+    CPU backend it creates gets the reference kernels while they are on, and is
+    listed in ``_REFERENCE_KERNELS["created"]`` while a context is being created,
+    so that its model can switch them per pass (``LlamaModel.prefill``)."""
     libdir = Path(getattr(llama.llama_cpp, "_base_path", Path(llama.__file__).parent / "lib"))
     # the copies libllama links against (the wheel ships them under two names each)
     ggml = ctypes.CDLL(str(libdir / "libggml.so.0"))
@@ -103,9 +119,12 @@ def use_reference_kernels(on: bool) -> None:
         backend = original(device, params)
         if backend and _REFERENCE_KERNELS["on"]:
             set_ref(backend, True)
+        if backend and _REFERENCE_KERNELS["created"] is not None:
+            _REFERENCE_KERNELS["created"].append(backend)
         return backend
 
     _REFERENCE_KERNELS["hook"] = (init_backend, original)  # kept alive: llama.cpp holds the pointer
+    _REFERENCE_KERNELS["set"] = set_ref
     slot.value = ctypes.cast(init_backend, ctypes.c_void_p).value
 
 
@@ -120,6 +139,8 @@ class LlamaModel:
         max_ctx: int = 8192,
         extra_buffers: Optional[bool] = None,
         reference_kernels: bool = True,
+        fast_prefill: bool = False,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         self.path = Path(path)
         llama_logger.set_verbose(False)
@@ -131,8 +152,13 @@ class LlamaModel:
         self.n_batch = min(n_batch, self.n_ctx)
         self.n_threads = n_threads or default_threads()
         self.flash_attn = flash_attn
-        self.reference_kernels = reference_kernels
-        use_reference_kernels(reference_kernels)
+        self.reference_kernels = reference_kernels or fast_prefill
+        use_reference_kernels(self.reference_kernels)
+        # fast prefill: prompts read with fast kernels, in chunks of this many tokens from position 0 (0: off)
+        self.prefill_chunk = max(int(prefill_chunk), 1) if fast_prefill else 0
+        self.fixed_upto = 0  # KV positions [0, fixed_upto) were read in whole chunks by ``prefill``
+        self._prefilled: Optional[tuple[int, np.ndarray]] = None  # (prompt length, logits after it) of the last one
+        self._cpu_backends: list[int] = []
         self._create_context(flash_attn)
         self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
         self._pieces: dict[int, bytes] = {}
@@ -166,7 +192,14 @@ class LlamaModel:
         params.flash_attn_type = (
             llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
-        self.ctx = llama.llama_init_from_model(self.model, params)
+        _REFERENCE_KERNELS["created"] = []
+        try:
+            self.ctx = llama.llama_init_from_model(self.model, params)
+        finally:
+            self._cpu_backends, _REFERENCE_KERNELS["created"] = _REFERENCE_KERNELS["created"] or [], None
+        if self.prefill_chunk and not (self._cpu_backends and _REFERENCE_KERNELS["set"]):
+            log.warning("fast prefill is off: llama.cpp created no CPU backend whose kernels can be switched")
+            self.prefill_chunk = 0
         if not self.ctx:
             raise ModelLoadError(
                 f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.path.name}; "
@@ -276,6 +309,29 @@ class LlamaModel:
         finally:
             self.clear()
 
+    def fast_prefill_is_exact(self) -> Optional[bool]:
+        """Does a prompt read with fast prefill give the same logits when its first
+        chunk was kept from a request with another continuation? (It does by
+        construction: the same chunks in the same shapes; this checks the
+        construction on this machine before the daemon relies on it.) None when
+        there is no fast prefill or no room to check. Leaves the cache empty."""
+        chunk = self.prefill_chunk
+        if not chunk or self.n_ctx < chunk + 24:
+            return None
+        text = "The lighthouse keeper climbed the stairs every evening to light the lamp. " * 16
+        tokens = self.tokenize(text, add_special=True)[: chunk + 8]
+        other = self.tokenize(" A different ending, read with it before.", add_special=False)[:16]
+        try:
+            self.clear()
+            whole = self.prefill(tokens).copy()
+            self.clear()
+            self.prefill(tokens[:chunk] + other)
+            self.truncate(chunk)
+            kept = self.prefill(tokens[chunk:])
+            return bool(np.array_equal(kept, whole))
+        finally:
+            self.clear()
+
     def fim_tokens(self) -> Optional[tuple[int, int, int]]:
         """The (prefix, suffix, middle) fill-in-the-middle tokens, or None when the
         vocabulary lacks one. llama.cpp finds them at load, from the GGUF's
@@ -314,6 +370,64 @@ class LlamaModel:
         llama.llama_memory_clear(self.memory, True)
         self.n_past = 0
         self.history = []
+        self.fixed_upto = 0
+        self._prefilled = None
+
+    @property
+    def kv_reusable(self) -> int:
+        """How many KV positions from 0 a later request may reuse (keep, or store
+        as prefix-cache pages) and get the logits it would get without them: all
+        with reference kernels everywhere; with fast prefill, those read in
+        whole chunks (a prompt's last, partial chunk and decoded tokens are read
+        again, in the shape an uncached request reads them)."""
+        return self.fixed_upto if self.prefill_chunk else self.n_past
+
+    def prefilled_logits(self, tokens: Sequence[int]) -> Optional[np.ndarray]:
+        """The logits after ``tokens`` when they are exactly the prompt the last
+        ``prefill`` read and the KV cache still holds it (a re-sent prompt)."""
+        if self._prefilled is None:
+            return None
+        n, logits = self._prefilled
+        if n != len(tokens) or n > self.n_past or self.history[:n] != list(tokens):
+            return None
+        return logits
+
+    def prefill(self, tokens: Sequence[int], abort: Optional[Callable[[], bool]] = None) -> np.ndarray:
+        """Read a prompt's ``tokens`` at ``n_past``; the logits after the last.
+
+        With fast prefill, with ggml's fast (shape-specialised) kernels, in chunks
+        of ``prefill_chunk`` tokens at positions aligned to 0, each its own
+        llama_decode. A position's KV and logits then depend on the tokens up to
+        its chunk's end, never on what was cached: an uncached request reads the
+        same chunks in the same shapes. ``n_past`` must be a multiple of the
+        chunk (the caller keeps or restores only whole chunks: ``kv_reusable``).
+        Decoding steps (``decode``) keep the reference kernels."""
+        chunk = self.prefill_chunk
+        if not chunk:
+            return self.decode(tokens, abort=abort)[0]
+        start_at = self.n_past
+        if start_at % chunk:
+            raise DecodeError(f"a fast prefill starts at a multiple of {chunk} tokens, not at {start_at}")
+        whole = self.fixed_upto >= start_at  # what is kept was read in whole chunks too
+        self._prefilled = None
+        self._use_reference(False)
+        try:
+            for start in range(0, len(tokens), chunk):
+                if start and abort is not None and abort():
+                    raise DecodeAborted()
+                part = tokens[start : start + chunk]
+                logits = self.decode(part)[0]
+                if whole and len(part) == chunk:
+                    self.fixed_upto = self.n_past
+        finally:
+            self._use_reference(True)
+        self._prefilled = (self.n_past, logits.copy())
+        return logits
+
+    def _use_reference(self, on: bool) -> None:
+        set_ref = _REFERENCE_KERNELS["set"]
+        for backend in self._cpu_backends:
+            set_ref(backend, on)
 
     def truncate(self, n_keep: int) -> None:
         """Drop KV cache positions >= n_keep."""
@@ -326,6 +440,9 @@ class LlamaModel:
                 )
             self.n_past = n_keep
             del self.history[n_keep:]
+            self.fixed_upto = min(self.fixed_upto, n_keep)
+            if self._prefilled is not None and self._prefilled[0] > n_keep:
+                self._prefilled = None
 
     def forget_history(self) -> None:
         """The KV cache's contents are no longer to be reused (``live_prefix`` 0)."""
@@ -362,6 +479,7 @@ class LlamaModel:
             raise DecodeError(f"llama_state_seq_set_data read {read} of {len(blob)} bytes")
         self.n_past = n_tokens
         self.history = list(tokens[:n_tokens]) if tokens is not None else [-1] * n_tokens
+        self.fixed_upto = n_tokens  # pages hold only what was reusable (``kv_reusable``) when they were stored
 
     def decode(
         self,
@@ -396,6 +514,7 @@ class LlamaModel:
             rc = llama.llama_decode(self.ctx, batch)
             if rc != 0:
                 self.history = [-1] * self.n_past  # what it left in the cache is not known: never reused
+                self._prefilled = None
                 raise DecodeError(f"llama_decode returned {rc}")
             self.n_past += len(chunk)
             self.history.extend(chunk)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import zlib
@@ -153,16 +154,24 @@ class PageStore:
         self.layout = probe_layout(self.model)
         return self.layout
 
-    def restore(self, tokens: Sequence[int], live: int = 0, keep: int = 1) -> int:
+    def restore(self, tokens: Sequence[int], live: int = 0, keep: int = 1, align: int = 1) -> int:
         """Put the longest cached prefix of ``tokens`` (leaving at least ``keep``
-        tokens to read) into the model; returns how many tokens it holds now (0:
-        nothing cached, the model is cleared). ``live``: the model holds exactly
-        the first ``live`` of ``tokens`` from the request before (the caller cut
-        it there); when the pages hold no more, they are kept, to the token, and
-        nothing is read."""
+        tokens to read, and ending at a multiple of ``align`` tokens) into the
+        model; returns how many tokens it holds now (0: nothing cached, the model
+        is cleared). ``live``: the model holds exactly the first ``live`` of
+        ``tokens`` from the request before (the caller cut it there); when the
+        pages hold no more, they are kept, to the token, and nothing is read."""
         self.release()
         matched = self.layout is not None
         chain = self.tree.match(list(tokens)[: max(0, len(tokens) - keep)], self.role) if matched else []
+        step = math.lcm(align, self.page_tokens) // self.page_tokens
+        if len(chain) % step:  # pages past the last aligned end are not used (nor counted)
+            aligned = chain[: len(chain) // step * step]
+            self.tree.stats.tokens_from_cache -= (len(chain) - len(aligned)) * self.page_tokens
+            if not aligned:
+                self.tree.stats.hits -= 1
+                self.tree.stats.misses += 1
+            chain = aligned
         n = len(chain) * self.page_tokens
         if live and live >= n:
             stats = self.tree.stats
@@ -329,7 +338,9 @@ class PageStore:
     def store(self, tokens: Sequence[int]) -> int:
         """Cache every full page of ``tokens`` (which the model holds, from
         position 0) that is not cached yet; returns the pages written."""
-        full = min(len(tokens), self.model.n_past) // self.page_tokens * self.page_tokens
+        # (with fast prefill, only what was read in whole prefill chunks: LlamaModel.kv_reusable)
+        reusable = getattr(self.model, "kv_reusable", self.model.n_past)
+        full = min(len(tokens), self.model.n_past, reusable) // self.page_tokens * self.page_tokens
         if full == 0 or self.layout is None:
             return 0
         planned = self.plan(tokens[:full], self.role, self._page_bytes())

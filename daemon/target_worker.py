@@ -80,6 +80,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         flash_attn=c["flash_attn"],
     )
     probe(model, c, info)
+    check_fast_prefill(model, info)
     min_batch = 1
     if c.drafter != "none" and (c["exact"] == "on" or (c["exact"] == "auto" and info.batch_invariant is not True)):
         min_batch = 2
@@ -176,6 +177,29 @@ def probe(model, config: WorkerConfig, info: ModelInfo) -> None:
         )
 
 
+def check_fast_prefill(model, info: ModelInfo) -> None:
+    """Fast prefill (--kernels mixed) only where it measures exact here; else the
+    reference kernels read prompts too, with a warning."""
+    if not model.prefill_chunk:
+        return
+    try:
+        exact = model.fast_prefill_is_exact()
+    except Exception as exc:  # never a reason not to serve: read prompts the slow, exact way
+        log.warning("the fast-prefill check failed (%s: %s)", type(exc).__name__, exc)
+        exact = False
+    if exact is False:
+        log.warning(
+            "fast prefill is off: a prompt read in %d-token chunks gave other logits when its first chunk was "
+            "kept from another request; prompts are read with the reference kernels (as --kernels reference)",
+            model.prefill_chunk,
+        )
+        model.prefill_chunk = 0
+        info.kernels = "reference"
+    else:
+        log.info("fast prefill: prompts read in %d-token chunks with fast kernels", model.prefill_chunk)
+    info.prefill_chunk = model.prefill_chunk
+
+
 def page_store(model, config: WorkerConfig, identity: str):
     """The target's view of the daemon's prefix-cache arena (None: no prefix cache)."""
     if not config.cache_shm:
@@ -191,7 +215,8 @@ def page_store(model, config: WorkerConfig, identity: str):
         return None
     store = PageStore(PageTree(config["page_tokens"], ExtentAllocator(config.cache_bytes)), memoryview(arena), model)
     store.probe_layout()
-    store.model_identity = identity
+    # pages hold KV as these kernels computed it: valid for the same model file and kernels only
+    store.model_identity = f"{identity} kernels={config['kernels']} prefill_chunk={model.prefill_chunk}"
     kept, dropped = store.load_index(index_path(config.cache_shm))
     if kept or dropped:
         log.info(

@@ -661,8 +661,9 @@ class ModelInfo:
     exact_steps: bool = False  # every step reads >= 2 positions so drafting never changes greedy output
     fim: bool = False  # the vocabulary has fill-in-the-middle tokens: ``complete`` works
     batch_variant_paths: list[str] = field(default_factory=list)  # the probe's paths whose logits differ
-    kernels: str = ""  # "reference" (ggml's batch-invariant CPU kernels) or "fast"
+    kernels: str = ""  # "mixed" (fast prefill, reference steps), "reference" (ggml's batch-invariant kernels) or "fast"
     flash_attn: Optional[bool] = None
+    prefill_chunk: int = 0  # "mixed": prompts are read with fast kernels in chunks of this many tokens from 0
 
 
 @dataclass

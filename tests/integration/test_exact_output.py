@@ -12,6 +12,19 @@ import pytest
 
 CORPUS = json.loads((Path(__file__).parents[2] / "bench" / "corpus.json").read_text())
 TOKENS = 32
+# a house style every prompt starts with, so that even the shortest is longer than a
+# prefill chunk (64 tokens): its turn 2 keeps whole chunks from turn 1
+HOUSE_STYLE = (
+    "House style: answer in plain English, keep every sentence short, never invent facts, say when you do "
+    "not know, and prefer concrete examples to general advice. When a question is unclear, answer the most "
+    "likely reading of it and say which one you chose. "
+)
+
+
+def with_house_style(messages: list[dict]) -> list[dict]:
+    if messages[0]["role"] == "system":
+        return [{"role": "system", "content": HOUSE_STYLE + messages[0]["content"]}, *messages[1:]]
+    return [{"role": "system", "content": HOUSE_STYLE}, *messages]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +46,7 @@ def test_the_daemon_reports_its_defaults_batch_invariant(exact_daemon):
         st = client.status()
         done = client.complete(prompt="Hello", max_tokens=2, temperature=0.0)
     m = st.model
-    assert (m.kernels, m.flash_attn) == ("reference", True)
+    assert (m.kernels, m.flash_attn, m.prefill_chunk) == ("mixed", True, 64)
     assert m.batch_invariant is True and m.batch_variant_paths == [] and done.batch_invariant is True
     assert not m.exact_steps  # an invariant target needs no two-token steps
     assert "batch-invariance probe" in exact_daemon.log()
@@ -41,7 +54,7 @@ def test_the_daemon_reports_its_defaults_batch_invariant(exact_daemon):
 
 @pytest.mark.parametrize("kind", list(CORPUS))
 def test_greedy_text_does_not_depend_on_cache_or_drafting(exact_daemon, kind):
-    messages = CORPUS[kind][0]
+    messages = with_house_style(CORPUS[kind][0])
     with exact_daemon.client() as client:
         reference = greedy(client, messages, cache=False, draft="off")
         client.cache_clear()

@@ -59,6 +59,7 @@ def test_the_same_file_with_the_cursor_moved_reuses_the_cached_prefix(coder):
     lines = source_file(24).splitlines(keepends=True)
     with coder.client() as c:
         c.cache_clear()
+        chunk = c.status().model.prefill_chunk or 16  # what is kept: whole prefill chunks (mixed), else pages
         heads, dones = [], []
         for cursor_line in (40, 48, 56):  # the cursor moves down the file
             head = "".join(lines[:cursor_line])
@@ -66,8 +67,9 @@ def test_the_same_file_with_the_cursor_moved_reuses_the_cached_prefix(coder):
             dones.append(c.infill(head + "    ", "".join(lines[cursor_line:]), max_tokens=16).wait())
     assert dones[0].usage.cached_tokens == 0
     for head, later in zip(heads, dones[1:]):
-        # the file up to the earlier cursor is cached, in whole 16-token pages
-        assert head - 16 - 1 <= later.usage.cached_tokens < later.usage.prompt_tokens
+        # the file up to the earlier cursor is cached, in whole prefill chunks
+        assert head - chunk - 1 <= later.usage.cached_tokens < later.usage.prompt_tokens
+        assert later.usage.cached_tokens % chunk == 0
 
 
 def test_line_rules(coder):

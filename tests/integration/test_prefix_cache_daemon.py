@@ -26,6 +26,8 @@ def cached_daemon(start_daemon):
 def test_multi_turn_chat_with_the_cache_equals_without(cached_daemon):
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a unit test?"}]
     with cached_daemon.client() as client:
+        chunk = client.status().model.prefill_chunk  # (--kernels mixed: what is kept ends at a whole chunk)
+        assert chunk == 64
         first = client.complete(messages=history, max_tokens=24, temperature=0.0)
         assert first.usage.cached_tokens == 0
         for question in ["And an integration test?", "Which should I write first?"]:
@@ -34,12 +36,10 @@ def test_multi_turn_chat_with_the_cache_equals_without(cached_daemon):
             fresh = client.complete(messages=history, max_tokens=24, temperature=0.0, cache=False)
             assert fresh.usage.cached_tokens == 0
             # the system prompt and the earlier turns came from the cache: the turn before
-            # left them in the model's KV (token-granular); the cache: false request between
-            # turns cleared it, so the next turn restored them from pages
-            assert cached.usage.cached_tokens >= 16 * (len(SYSTEM) // 80)
-            assert cached.usage.cached_tokens < cached.usage.prompt_tokens
-            if question.startswith("Which"):
-                assert cached.usage.cached_tokens % 16 == 0  # whole pages
+            # left them in the model's KV (to the last whole chunk its prompt was read in);
+            # the cache: false request between turns cleared it, so the next turn
+            # restored them from pages
+            assert cached.usage.cached_tokens == first.usage.prompt_tokens // chunk * chunk > 0
             assert cached.text == fresh.text
             first = cached
         st = client.status()
@@ -58,11 +58,14 @@ def test_multi_turn_chat_with_the_cache_equals_without(cached_daemon):
     assert out.returncode == 0 and "prompt tokens from cache" in out.stdout, out.stderr
 
 
-def test_a_repeated_prompt_rereads_one_token_and_an_extended_one_only_its_new_tokens(cached_daemon):
-    """What the model holds from the request before is kept to the token, before any
-    page is read: a re-sent prompt prefills its last token only, as llama-server does."""
+def test_a_repeated_prompt_reads_nothing_and_an_extended_one_from_its_last_whole_chunk(cached_daemon):
+    """--kernels mixed (the default): a re-sent prompt is not read at all (the model
+    still holds its KV and the logits after it, from the request before); a prompt
+    that extends it keeps every whole chunk the request before read in its prefill
+    and reads the rest as an uncached request reads it."""
     prompt = SYSTEM + "Question: what is a flaky test?"
     with cached_daemon.client() as client:
+        chunk = client.status().model.prefill_chunk
         first = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
         again = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
         longer = client.complete(prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0)
@@ -70,6 +73,31 @@ def test_a_repeated_prompt_rereads_one_token_and_an_extended_one_only_its_new_to
             prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0, cache=False
         )
         # the cache: false request left nothing to reuse: pages only
+        from_pages = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
+        live = client.status().cache.tokens_from_live
+    n = first.usage.prompt_tokens
+    assert n > chunk
+    assert first.usage.cached_tokens == 0
+    assert again.usage.cached_tokens == n and again.text == first.text
+    assert again.timings.prompt_seconds < first.timings.prompt_seconds
+    assert longer.usage.cached_tokens == n // chunk * chunk and longer.text == fresh_longer.text
+    assert from_pages.usage.cached_tokens == (n - 1) // chunk * chunk and from_pages.text == first.text
+    assert live == again.usage.cached_tokens + longer.usage.cached_tokens
+
+
+def test_with_reference_kernels_a_repeated_prompt_rereads_one_token(start_daemon):
+    """--kernels reference: what the model holds from the request before is kept to
+    the token: a re-sent prompt prefills its last token only, an extended one its new tokens."""
+    d = start_daemon("--ctx-size", "1024", "--cache-bytes", "64M", "--page-tokens", "16", "--kernels", "reference")
+    prompt = SYSTEM + "Question: what is a flaky test?"
+    with d.client() as client:
+        assert client.status().model.prefill_chunk == 0
+        first = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
+        again = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
+        longer = client.complete(prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0)
+        fresh_longer = client.complete(
+            prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0, cache=False
+        )
         from_pages = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
         live = client.status().cache.tokens_from_live
     n = first.usage.prompt_tokens
@@ -93,8 +121,9 @@ def test_without_an_arena_the_live_kv_is_still_reused(start_daemon):
         cleared = client.cache_clear()
         after_clear = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
         assert client.status().cache is None
-    assert again.usage.cached_tokens == first.usage.prompt_tokens - 1 and uncached.usage.cached_tokens == 0
-    assert after_uncached.usage.cached_tokens == 0 and kept.usage.cached_tokens == first.usage.prompt_tokens - 1
+    n = first.usage.prompt_tokens  # a re-sent prompt is not read again
+    assert again.usage.cached_tokens == n and uncached.usage.cached_tokens == 0
+    assert after_uncached.usage.cached_tokens == 0 and kept.usage.cached_tokens == n
     assert cleared.pages == 0 and cleared.cache is None and after_clear.usage.cached_tokens == 0
     assert first.text == again.text == uncached.text == after_clear.text
 
@@ -134,7 +163,8 @@ def test_a_worker_killed_with_sigkill_restarts_and_still_hits_the_cache(cached_d
         assert after.worker_restarts == 1
         assert after.cache is not None and after.cache.pages == before.cache.pages > 0  # taken back from the arena
         again = client.complete(prompt=prompt, max_tokens=8, temperature=0.0)
-    assert again.usage.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16 > 0
+    chunk = after.model.prefill_chunk
+    assert again.usage.cached_tokens == (first.usage.prompt_tokens - 1) // chunk * chunk > 0
     assert again.text == first.text
     assert "pages kept from the previous worker" in cached_daemon.log()
 
@@ -240,18 +270,23 @@ def test_the_drafter_keeps_its_own_pages_and_output_is_unchanged(start_daemon, p
     assert cached.cache.drafter_tokens_from_cache >= cached.usage.cached_tokens - 16 > 0
 
 
-def test_with_exact_steps_a_re_sent_prompt_still_prefills_two_tokens(start_daemon, pair):
+@pytest.mark.parametrize("kernels", ["reference", "mixed"])
+def test_with_exact_steps_a_re_sent_prompt_still_gives_the_uncached_answer(start_daemon, pair, kernels):
     """A target that is not batch-invariant (the F16 one) with a drafter runs exact
-    steps: never a one-token pass, so the KV kept from the request before leaves two
-    tokens of the prompt to read, and the answer is the uncached one."""
+    steps: never a one-token pass, so with reference kernels the KV kept from the
+    request before leaves two tokens of the prompt to read; with mixed ones a
+    re-sent prompt reads nothing (its logits are the prefill's); the answer is the
+    uncached one."""
     target, drafter = pair
-    d = start_daemon("--drafter", str(drafter), "--ctx-size", "1024", "--cache-bytes", "0", model=target)
+    d = start_daemon(
+        "--drafter", str(drafter), "--ctx-size", "1024", "--cache-bytes", "0", "--kernels", kernels, model=target
+    )
     prompt = SYSTEM + "Question: what is a fixture?"
     with d.client() as client:
         exact = client.status().model.exact_steps
         first = client.complete(prompt=prompt, max_tokens=12, temperature=0.0, draft="off")
         again = client.complete(prompt=prompt, max_tokens=12, temperature=0.0, draft="off")
         fresh = client.complete(prompt=prompt, max_tokens=12, temperature=0.0, draft="off", cache=False)
-    keep = 2 if exact else 1  # (exact steps follow the load probe's verdict on this CPU)
+    keep = (2 if exact else 1) if kernels == "reference" else 0  # (exact steps follow the load probe here)
     assert again.usage.cached_tokens == first.usage.prompt_tokens - keep
     assert first.text == again.text == fresh.text

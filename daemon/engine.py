@@ -205,6 +205,8 @@ class Engine:
         forget = getattr(self.model, "forget_history", None)
         if forget is not None:
             forget()
+        if self.drafter is not None:
+            self.drafter.forget()  # nor what a drafter remembers of earlier prompts and replies
 
     def _run(self, state: RequestState, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool]) -> Done:
         try:
@@ -292,9 +294,9 @@ class Engine:
         read the rest; the logits after the prompt. A long prefill can be cancelled."""
         tokens, chunk = state.tokens, getattr(self.model, "prefill_chunk", 0)
         resent = self.model.prefilled_logits(tokens) if chunk and state.req.cache else None
-        if resent is not None:
+        if resent is not None and self._keep_live(len(tokens)) == len(tokens):
             # the prompt the model read last, re-sent: its KV and its logits, as they were
-            live = self._keep_live(len(tokens))
+            live = len(tokens)
             state.cached = state.cache.restore(tokens, live, keep=0) if state.cache is not None else live
             self._start_drafter(state)
             state.prefilled = self.clock()
@@ -412,7 +414,7 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.store(state.context())
             state.cache.release()
-        if self.drafter is not None:
+        if self.drafter is not None and req.cache:  # (cache: false: nothing of it is kept, here either)
             self.drafter.finished(state.context(), len(state.tokens))
         tail = state.stream.flush()
         deltas: list[ToolCallDelta] = []

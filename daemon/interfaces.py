@@ -84,7 +84,10 @@ class Drafter(abc.ABC):
     def finished(self, context: list[int], prompt_tokens: int) -> None:
         """The request is over: ``context`` is its prompt (the first ``prompt_tokens``)
         and its reply. Called for every request of a daemon with this drafter,
-        drafting or not."""
+        drafting or not, except those sent with ``cache: false``."""
+
+    def forget(self) -> None:
+        """Keep nothing of earlier requests (a ``cache: false`` request, a cache clear)."""
 
     def go_down(self) -> None:
         """Its process died: propose nothing until ``revive``."""

@@ -145,7 +145,8 @@ class LlamaModel:
         self.path = Path(path)
         llama_logger.set_verbose(False)
         llama.llama_backend_init()
-        self.extra_buffers = default_extra_buffers(reference_kernels) if extra_buffers is None else extra_buffers
+        stepwise_reference = reference_kernels or fast_prefill  # decoding steps use the reference kernels
+        self.extra_buffers = default_extra_buffers(stepwise_reference) if extra_buffers is None else extra_buffers
         self._load_model()
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self.model))
         self.n_ctx = int(n_ctx) if n_ctx else min(self.n_ctx_train, max_ctx)
@@ -310,25 +311,45 @@ class LlamaModel:
             self.clear()
 
     def fast_prefill_is_exact(self) -> Optional[bool]:
-        """Does a prompt read with fast prefill give the same logits when its first
-        chunk was kept from a request with another continuation? (It does by
-        construction: the same chunks in the same shapes; this checks the
-        construction on this machine before the daemon relies on it.) None when
-        there is no fast prefill or no room to check. Leaves the cache empty."""
+        """Does fast prefill hold here what exact output rests on? Two checks:
+
+        - a prompt whose first chunk was kept from a request that went on
+          differently gives the logits of the same prompt read whole;
+        - a position's logits in a whole chunk do not depend on the chunk's later
+          rows (prefix-cache pages of one chunk may come from two requests that
+          share the tokens up to a page boundary inside it).
+
+        Both hold by construction (the same chunks in the same shapes; kernels
+        that compute rows apart); this checks the construction on this machine
+        before the daemon relies on it. None when the context is too small to
+        check in. Leaves the cache empty."""
         chunk = self.prefill_chunk
-        if not chunk or self.n_ctx < chunk + 24:
+        if not chunk or self.n_ctx < 2 * chunk + 8:
             return None
-        text = "The lighthouse keeper climbed the stairs every evening to light the lamp. " * 16
-        tokens = self.tokenize(text, add_special=True)[: chunk + 8]
-        other = self.tokenize(" A different ending, read with it before.", add_special=False)[:16]
+        text = "The lighthouse keeper climbed the stairs every evening to light the lamp. "
+        tokens = self.tokenize(text, add_special=True)
+        while len(tokens) < 2 * chunk + 8:
+            tokens = tokens + tokens[1:]
+        other = self.tokenize(" A different ending, read with it before, about the harbour at night.", False)
+        other = (other * (chunk // max(len(other), 1) + 1))[:chunk]
+        half = chunk // 2
         try:
             self.clear()
-            whole = self.prefill(tokens).copy()
+            whole = self.prefill(tokens[: chunk + 8]).copy()
             self.clear()
             self.prefill(tokens[:chunk] + other)
             self.truncate(chunk)
-            kept = self.prefill(tokens[chunk:])
-            return bool(np.array_equal(kept, whole))
+            kept = self.prefill(tokens[chunk : chunk + 8])
+            rows = []
+            for later in (tokens[chunk + half : 2 * chunk], other[: chunk - half]):
+                self.clear()
+                self.prefill(tokens[:chunk])
+                self._use_reference(False)
+                try:
+                    rows.append(self.decode(tokens[chunk : chunk + half] + later, logits_for=[half - 1])[0].copy())
+                finally:
+                    self._use_reference(True)
+            return bool(np.array_equal(kept, whole) and np.array_equal(rows[0], rows[1]))
         finally:
             self.clear()
 
@@ -405,6 +426,8 @@ class LlamaModel:
         chunk = self.prefill_chunk
         if not chunk:
             return self.decode(tokens, abort=abort)[0]
+        if not tokens:
+            raise DecodeError("nothing to decode")
         start_at = self.n_past
         if start_at % chunk:
             raise DecodeError(f"a fast prefill starts at a multiple of {chunk} tokens, not at {start_at}")
@@ -447,6 +470,8 @@ class LlamaModel:
     def forget_history(self) -> None:
         """The KV cache's contents are no longer to be reused (``live_prefix`` 0)."""
         self.history = [-1] * self.n_past
+        self.fixed_upto = 0
+        self._prefilled = None
 
     def live_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the KV cache already holds, from the start."""
@@ -514,6 +539,7 @@ class LlamaModel:
             rc = llama.llama_decode(self.ctx, batch)
             if rc != 0:
                 self.history = [-1] * self.n_past  # what it left in the cache is not known: never reused
+                self.fixed_upto = 0
                 self._prefilled = None
                 raise DecodeError(f"llama_decode returned {rc}")
             self.n_past += len(chunk)

@@ -32,7 +32,8 @@ from .speculative import SparseDist
 
 # Updating "the latest earlier occurrence" walks this many suffix classes up
 # from each new token; classes further up keep an older occurrence (still a
-# real one). Drafting reads only the first class, which the walk always updates.
+# real one): after a run of more than this many equal tokens, a short match may
+# draft from an older occurrence than the latest.
 RECENCY_WALK = 16
 
 
@@ -101,8 +102,9 @@ class SuffixAutomaton:
 
     def earlier_match(self) -> tuple[int, int]:
         """(length, end) of the longest suffix of the text that also ends
-        earlier, and the end position of its latest earlier occurrence; (0, -1)
-        when even the last token is new."""
+        earlier, and the end position of an earlier occurrence of it: the latest
+        one, unless its class was last seen further up than ``RECENCY_WALK``
+        classes; (0, -1) when even the last token is new."""
         v = self.link[self.last]
         if v <= 0:
             return 0, -1
@@ -186,7 +188,7 @@ class SuffixDrafter(Drafter):
         self.memory = ReplyMemory(memory_tokens)
         self.index: Optional[SuffixAutomaton] = None
         self.pending = False  # a new request began: its prompt is read at its first drafting round
-        self.memory_moved = False  # the memory grew: its match of the context is found again
+        self.replies: list[list[int]] = []  # replies not yet in the memory (added at the next drafting round)
 
     # ---- drafting
 
@@ -222,10 +224,15 @@ class SuffixDrafter(Drafter):
         return drafts, [SparseDist.one_hot(d) for d in drafts]
 
     def finished(self, context: Sequence[int], prompt_tokens: int) -> None:
-        """Remember the reply; the index is brought up to date at the next request's
-        first drafting round (not here, before this request's ``done``)."""
-        self.memory.add(context[prompt_tokens:])
-        self.memory_moved = True
+        """Remember the reply. It goes into the memory, and the index is brought up
+        to date, at the next request's first drafting round (not here, before this
+        request's ``done``)."""
+        self.replies.append(list(context[prompt_tokens:]))
+
+    def forget(self) -> None:
+        self.memory = ReplyMemory(self.memory.budget)
+        self.replies = []
+        self.index = None
 
     def _catch_up(self, context: Sequence[int]) -> None:
         index = self.index
@@ -242,8 +249,11 @@ class SuffixDrafter(Drafter):
         self.pending = False
         new = context[n:]
         index.extend(new)
-        if n == 0 or len(new) >= ReplyMemory.MATCH_WINDOW or self.memory_moved:
+        moved = bool(self.replies)
+        for reply in self.replies:
+            self.memory.add(reply)
+        self.replies = []
+        if n == 0 or len(new) >= ReplyMemory.MATCH_WINDOW or moved:  # (the memory's states changed)
             self.memory.restart(context)
-            self.memory_moved = False
         else:
             self.memory.follow(new)

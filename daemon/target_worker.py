@@ -187,12 +187,19 @@ def check_fast_prefill(model, info: ModelInfo) -> None:
     except Exception as exc:  # never a reason not to serve: read prompts the slow, exact way
         log.warning("the fast-prefill check failed (%s: %s)", type(exc).__name__, exc)
         exact = False
-    if exact is False:
+    if exact is None:
         log.warning(
-            "fast prefill is off: a prompt read in %d-token chunks gave other logits when its first chunk was "
+            "fast prefill is off: the context (%d tokens) is too small to check it in; prompts are read with "
+            "the reference kernels (as --kernels reference)",
+            model.n_ctx,
+        )
+    elif exact is False:
+        log.warning(
+            "fast prefill is off: a prompt read in %d-token chunks gave other logits when part of it was "
             "kept from another request; prompts are read with the reference kernels (as --kernels reference)",
             model.prefill_chunk,
         )
+    if not exact:
         model.prefill_chunk = 0
         info.kernels = "reference"
     else:

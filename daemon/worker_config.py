@@ -68,9 +68,9 @@ def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
 def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
-    from .llama_model import PREFILL_CHUNK, LlamaModel
+    from .llama_model import LlamaModel
 
-    kernels, page = config["kernels"], config["page_tokens"]
+    kernels = config["kernels"]
     return LlamaModel(
         config.model_path,
         n_ctx=config["ctx_size"],
@@ -81,7 +81,6 @@ def load_model(config: WorkerConfig):
         reference_kernels=kernels != "fast",
         # the drafter's KV need not be exact (the target verifies what it drafts): it reads as before
         fast_prefill=kernels == "mixed" and config.role == "target",
-        prefill_chunk=-(-PREFILL_CHUNK // page) * page,  # whole prefix-cache pages
     )
 
 

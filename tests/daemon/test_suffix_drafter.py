@@ -3,13 +3,14 @@ what it drafts, its memory of earlier replies, and its index across requests."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tandem.daemon.engine import Engine
-from tandem.daemon.suffix import ReplyMemory, SuffixAutomaton, SuffixDrafter
+from tandem.daemon.suffix import RECENCY_WALK, ReplyMemory, SuffixAutomaton, SuffixDrafter
 from tandem.protocol import Generate
 
 
@@ -30,11 +31,34 @@ def occurs(pattern: list[int], text: list[int]) -> bool:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=1, max_size=70))
-def test_the_automaton_finds_the_longest_earlier_match_and_its_latest_occurrence(tokens):
+def test_the_automaton_finds_the_longest_earlier_match_and_an_occurrence_of_it(tokens):
+    sa = SuffixAutomaton()
+    for i, t in enumerate(tokens):
+        sa.append(t)
+        text = tokens[: i + 1]
+        length, end = sa.earlier_match()
+        assert length == latest_earlier_match(text)[0]
+        if length:  # a real occurrence, ending before the text does
+            assert end < i and text[end - length + 1 : end + 1] == text[i + 1 - length :]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=70))
+def test_without_long_runs_of_one_token_the_occurrence_is_the_latest(tokens):
+    """The recency walk covers RECENCY_WALK suffix classes; a run of equal tokens
+    longer than that is the case it leaves (an older occurrence, still real)."""
+    runs = [len(list(g)) for _, g in itertools.groupby(tokens)]
+    assume(max(runs) < RECENCY_WALK // 2)
     sa = SuffixAutomaton()
     for i, t in enumerate(tokens):
         sa.append(t)
         assert sa.earlier_match() == latest_earlier_match(tokens[: i + 1])
+
+
+def test_after_a_long_run_of_one_token_the_occurrence_is_still_a_real_one():
+    tokens = [0] * 20 + [1, 0]
+    length, end = SuffixAutomaton(tokens).earlier_match()
+    assert length == 1 and tokens[end] == 0 and end < 21
 
 
 @settings(max_examples=200, deadline=None)

@@ -566,6 +566,8 @@ def cmd_status(args) -> int:
         m = st.model
         kernels = f"mixed kernels (prompts in {m.prefill_chunk}-token chunks)" if m.prefill_chunk else None
         settings = f"{kernels or (m.kernels or '?') + ' kernels'}, flash attention {'on' if m.flash_attn else 'off'}"
+        if m.extra_buffers:
+            settings += ", repacked weights"
         if m.batch_invariant:
             print(f"exact:     yes, batch-invariant ({settings}): output does not depend on the cache or drafting")
         else:

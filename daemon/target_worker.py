@@ -78,9 +78,10 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         fim=model.fim_tokens() is not None,
         kernels=c["kernels"],
         flash_attn=c["flash_attn"],
+        extra_buffers=model.extra_buffers,
     )
-    probe(model, c, info)
     check_fast_prefill(model, info)
+    probe(model, c, info)
     min_batch = 1
     if c.drafter != "none" and (c["exact"] == "on" or (c["exact"] == "auto" and info.batch_invariant is not True)):
         min_batch = 2
@@ -148,18 +149,30 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
     return costs
 
 
+STEP_PATHS = ("verify", "one_token")  # the probe's paths that decoding steps take (the rest: reading prompts)
+
+
 def probe(model, config: WorkerConfig, info: ModelInfo) -> None:
-    """The batch-invariance probe's verdict into ``info``, logged with its fix."""
+    """The batch-invariance probe's verdict into ``info``, logged with its fix.
+
+    With fast prefill (mixed kernels, after ``check_fast_prefill``) prompts are
+    exact by their chunks, whatever the probe says of reading them another way;
+    steps must agree only where a drafter makes them verify several tokens."""
     started = time.perf_counter()
     try:
         paths = probe_batch_invariance(model, config)
     except Exception as exc:  # a failed probe must not stop the daemon: the verdict is unknown
         log.warning("the batch-invariance probe failed (%s: %s); exactness unknown", type(exc).__name__, exc)
         paths = {}
-    info.batch_invariant = all(paths.values()) if paths else None
-    info.batch_variant_paths = [name for name, same in paths.items() if not same]
-    if info.batch_invariant:
-        verdict = "every path gives identical logits"
+    judged = paths
+    if model.prefill_chunk:
+        judged = {k: v for k, v in paths.items() if k in STEP_PATHS} if config.drafter != "none" else {}
+    info.batch_invariant = all(judged.values()) if paths else None
+    info.batch_variant_paths = [name for name, same in judged.items() if not same]
+    if info.batch_invariant and model.prefill_chunk and not judged:
+        verdict = "prompts are exact by their chunks, and without a drafter every step reads one token"
+    elif info.batch_invariant:
+        verdict = "every path that applies gives identical logits"
     elif info.batch_invariant is None:
         verdict = "no verdict (the context is too small to probe in, or the probe failed)"
     else:

@@ -664,6 +664,7 @@ class ModelInfo:
     kernels: str = ""  # "mixed" (fast prefill, reference steps), "reference" (ggml's batch-invariant kernels) or "fast"
     flash_attn: Optional[bool] = None
     prefill_chunk: int = 0  # "mixed": prompts are read with fast kernels in chunks of this many tokens from 0
+    extra_buffers: Optional[bool] = None  # llama.cpp's repacked weights are in use
 
 
 @dataclass

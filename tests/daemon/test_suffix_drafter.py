@@ -160,3 +160,14 @@ def test_suffix_drafter_in_the_engine_on_a_copying_task(scripted_model):
     )
     assert done.text == text.decode()
     assert done.draft.accepted > 0
+
+
+def test_cache_false_requests_and_clears_leave_nothing_in_its_memory(scripted_model):
+    drafter = SuffixDrafter(min_match=1)
+    engine = Engine(scripted_model(b"abc def abc def"), None, drafter=drafter, draft_tokens=4)
+    engine.run(Generate(id="a", prompt="xyz", temperature=0.0, cache=False), lambda c: None, lambda: False)
+    assert drafter.replies == [] and len(drafter.memory.index) == 0
+    engine.run(Generate(id="b", prompt="xyz", temperature=0.0), lambda c: None, lambda: False)
+    assert drafter.replies  # kept, for the next request's first drafting round
+    engine.forget_live()  # what a cache clear and a cache: false request do
+    assert drafter.replies == [] and drafter.index is None and len(drafter.memory.index) == 0

@@ -63,7 +63,7 @@ def gap_engine(target: Path, serve_args: list[str]):
         str(target),
         value("--flash-attn", "on") == "on",
         n_ctx=4096,
-        reference_kernels=value("--kernels", "reference") == "reference",
+        reference_kernels=value("--kernels", "mixed") != "fast",  # (mixed: its steps' kernels; gaps are a diagnostic)
     )
 
 

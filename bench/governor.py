@@ -43,9 +43,13 @@ from tandem.client import Client
 EDIT_CORPUS = Path(__file__).with_name("corpus_edit.json")
 
 
-def load_all_kinds() -> dict[str, list]:
+def load_all_kinds(agent: bool = False) -> dict[str, list]:
+    """The task corpus and the copy-heavy edit; ``agent``: also the agent's turns
+    (bench/lookup_drafters.py's second task)."""
     corpus = load_corpus()
     corpus.update(json.loads(EDIT_CORPUS.read_text()))
+    if not agent:
+        corpus.pop("agent", None)
     return corpus
 
 

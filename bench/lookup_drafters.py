@@ -91,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
 
     target = model_path(args.target)
-    corpus = load_all_kinds()
+    corpus = load_all_kinds(agent=True)
     common = ("--model", str(target), "--ctx-size", args.ctx_size, "--draft-tokens", str(args.k))
     sockets = {"plain": temp_socket("tdm-lk-plain-"), **{d: temp_socket(f"tdm-lk-{d}-") for d in DRAFTERS}}
     procs = {"plain": start_daemon(sockets["plain"], *common)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.daemon.llama_model import PREFILL_CHUNK, DecodeError, LlamaModel
+PREFILL_CHUNK = 64  # (llama_model.PREFILL_CHUNK; that module needs llama.cpp, imported where a model is)
 
 TEXT = (
     "def parse(line):\n    fields = []\n    for part in line.split(','):\n        fields.append(part.strip())\n"
@@ -17,6 +17,10 @@ TEXT = (
 
 @pytest.fixture(scope="module")
 def model(smollm2_path):
+    from tandem.daemon.llama_model import PREFILL_CHUNK as chunk
+    from tandem.daemon.llama_model import LlamaModel
+
+    assert chunk == PREFILL_CHUNK
     m = LlamaModel(smollm2_path, n_ctx=1024, fast_prefill=True)
     yield m
     m.close()
@@ -58,6 +62,8 @@ def test_logits_do_not_depend_on_what_was_kept_restored_or_read_before(model, to
 
 
 def test_what_a_later_request_may_reuse(model, tokens):
+    from tandem.daemon.llama_model import DecodeError
+
     c = PREFILL_CHUNK
     model.clear()
     model.prefill(tokens[: 2 * c + 5])
@@ -88,6 +94,8 @@ def test_a_re_sent_prompt_gets_its_logits_back_without_reading(model, tokens):
 
 
 def test_reference_kernels_everywhere_keep_every_position(smollm2_path):
+    from tandem.daemon.llama_model import LlamaModel
+
     m = LlamaModel(smollm2_path, n_ctx=256)
     try:
         assert m.prefill_chunk == 0

@@ -155,11 +155,13 @@ def tool_loop(client, turns: int):
 
 def test_a_tool_loop_re_renders_the_calls_so_the_prefix_cache_hits(coder_daemon):
     with coder_daemon.client() as c:
+        chunk = c.status().model.prefill_chunk
         dones = tool_loop(c, 4)
     for before, after in zip(dones, dones[1:]):
-        # everything the previous turn read and wrote is in the cache, up to the last partial page
-        reused = before.usage.prompt_tokens + before.usage.completion_tokens
-        assert after.usage.cached_tokens >= reused - 2 * 16 - 8, (before.usage, after.usage)
+        # every whole prefill chunk of the previous turn's prompt is kept (mixed kernels:
+        # what follows, its reply included, is read as an uncached request reads it);
+        # that prompt held the turn before's calls as re-rendered, so they matched
+        assert after.usage.cached_tokens >= before.usage.prompt_tokens // chunk * chunk > 0, (before.usage, after.usage)
 
 
 def test_smollm2_without_a_tool_template_gets_the_generic_prompt(daemon):

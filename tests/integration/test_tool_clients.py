@@ -45,7 +45,17 @@ def streamed_call(client, messages, **kw):
 def test_openai_client_tool_loop_streamed_with_results_fed_back(bridge, weather_tool):
     client = bridge.openai()
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    text, calls, finish = streamed_call(client, messages, tools=[weather_tool], temperature=0, max_tokens=100)
+    # required: whether this small model calls on its own is its choice (other tests
+    # cover auto); this test is about the client's streamed calls and the loop
+    text, calls, finish = streamed_call(
+        client,
+        messages,
+        tools=[weather_tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=100,
+    )
     assert finish == "tool_calls" and len(calls) == 1, (text, calls)
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     args = json.loads(calls[0]["function"]["arguments"])
@@ -68,7 +78,8 @@ def test_openai_client_tool_loop_streamed_with_results_fed_back(bridge, weather_
     else:
         assert choice.finish_reason == "stop" and choice.message.content
     assert answer.usage.prompt_tokens > first_prompt + 10  # the call and its result were rendered into the prompt
-    assert answer.usage.prompt_tokens_details.cached_tokens >= first_prompt - 16  # and the first turn hit the cache
+    # and the first turn hit the cache (its whole 64-token prefill chunks, with the default mixed kernels)
+    assert answer.usage.prompt_tokens_details.cached_tokens >= (first_prompt - 1) // 64 * 64 > 0
 
 
 def test_openai_client_non_streamed_calls_parse(bridge, weather_tool):

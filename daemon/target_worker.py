@@ -156,22 +156,19 @@ def probe(model, config: WorkerConfig, info: ModelInfo) -> None:
     """The batch-invariance probe's verdict into ``info``, logged with its fix.
 
     With fast prefill (mixed kernels, after ``check_fast_prefill``) prompts are
-    exact by their chunks, whatever the probe says of reading them another way;
-    steps must agree only where a drafter makes them verify several tokens."""
+    exact by their chunks, whatever the probe says of reading them another way:
+    only the steps' paths are judged."""
     started = time.perf_counter()
     try:
         paths = probe_batch_invariance(model, config)
     except Exception as exc:  # a failed probe must not stop the daemon: the verdict is unknown
         log.warning("the batch-invariance probe failed (%s: %s); exactness unknown", type(exc).__name__, exc)
         paths = {}
-    judged = paths
-    if model.prefill_chunk:
-        judged = {k: v for k, v in paths.items() if k in STEP_PATHS} if config.drafter != "none" else {}
+    # (jump-forward for constrained output runs several tokens in a pass too, drafter or not)
+    judged = {k: v for k, v in paths.items() if k in STEP_PATHS} if model.prefill_chunk else paths
     info.batch_invariant = all(judged.values()) if paths else None
     info.batch_variant_paths = [name for name, same in judged.items() if not same]
-    if info.batch_invariant and model.prefill_chunk and not judged:
-        verdict = "prompts are exact by their chunks, and without a drafter every step reads one token"
-    elif info.batch_invariant:
+    if info.batch_invariant:
         verdict = "every path that applies gives identical logits"
     elif info.batch_invariant is None:
         verdict = "no verdict (the context is too small to probe in, or the probe failed)"
@@ -194,6 +191,8 @@ def check_fast_prefill(model, info: ModelInfo) -> None:
     """Fast prefill (--kernels mixed) only where it measures exact here; else the
     reference kernels read prompts too, with a warning."""
     if not model.prefill_chunk:
+        if info.kernels == "mixed":  # (the context had no CPU backend whose kernels can be switched)
+            info.kernels = "reference"
         return
     try:
         exact = model.fast_prefill_is_exact()

@@ -68,24 +68,15 @@ def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
 def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
-    from .llama_model import LlamaModel, cpu_has_amx
+    from .llama_model import LlamaModel
 
     kernels = config["kernels"]
-    extra_buffers = EXTRA_BUFFERS[config["extra_buffers"]]
-    if extra_buffers is None:
-        # Repacked weights compute one row (a decoding step) with other kernels than
-        # several (a verify pass). Exact output needs them off only where both happen
-        # and must agree: a target with reference kernels, or mixed ones with a
-        # drafter. With mixed kernels and no drafter every step is one row and
-        # prompts are exact by their chunks; a drafter's own output need not be exact.
-        one_row_steps = config.role == "drafter" or (kernels == "mixed" and config.drafter == "none")
-        extra_buffers = (kernels == "fast" or one_row_steps) and not cpu_has_amx()
     return LlamaModel(
         config.model_path,
         n_ctx=config["ctx_size"],
         n_threads=config["threads"],
         n_batch=config["batch_size"],
-        extra_buffers=extra_buffers,
+        extra_buffers=EXTRA_BUFFERS[config["extra_buffers"]],  # auto: LlamaModel's (off but with fast kernels)
         flash_attn=config["flash_attn"],
         reference_kernels=kernels != "fast",
         # the drafter's KV need not be exact (the target verifies what it drafts): it reads as before

@@ -46,7 +46,7 @@ def test_the_daemon_reports_its_defaults_batch_invariant(exact_daemon):
         st = client.status()
         done = client.complete(prompt="Hello", max_tokens=2, temperature=0.0)
     m = st.model
-    assert (m.kernels, m.flash_attn, m.prefill_chunk) == ("mixed", True, 64)
+    assert (m.kernels, m.flash_attn, m.prefill_chunk, m.extra_buffers) == ("mixed", True, 64, False)
     assert m.batch_invariant is True and m.batch_variant_paths == [] and done.batch_invariant is True
     assert not m.exact_steps  # an invariant target needs no two-token steps
     assert "batch-invariance probe" in exact_daemon.log()
@@ -85,31 +85,3 @@ def test_seeded_sampling_does_not_depend_on_the_cache(exact_daemon):
     assert warm.usage.cached_tokens > 0
     assert cold.text == warm.text == reference
     assert other_seed != reference  # the seed is what fixes the draws
-
-
-def test_without_a_drafter_weights_are_repacked_and_output_stays_exact(daemon_process, smollm2_path):
-    """--kernels mixed without a drafter: every decoding step reads one token and
-    prompts are exact by their chunks, so llama.cpp's repacked weights (a third
-    faster Q4_K decoding on AVX2) are on, except on CPUs with AMX where they crash,
-    and a cached prompt, a re-sent one and a second turn still give the uncached text."""
-    from tandem.daemon.llama_model import cpu_has_amx
-
-    d = daemon_process(smollm2_path, "--ctx-size", "2048", "--cache-bytes", "64M")
-    d.wait_ready(120)
-    try:
-        messages = with_house_style(CORPUS["story"][0])
-        with d.client() as client:
-            m = client.status().model
-            assert m.extra_buffers is (not cpu_has_amx()) and m.batch_invariant is True and m.prefill_chunk == 64
-            reference = greedy(client, messages, cache=False)
-            assert greedy(client, messages) == reference  # cold
-            assert greedy(client, messages) == reference  # re-sent
-            text = client.complete(messages=messages, max_tokens=TOKENS, temperature=0.0, cache=False).text
-            turn2 = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "Shorter."}]
-            fresh = greedy(client, turn2, cache=False)
-            client.complete(messages=messages, max_tokens=TOKENS, temperature=0.0)
-            cached = client.generate(messages=turn2, max_tokens=TOKENS, temperature=0.0)
-            assert [t for c in cached for t in c.token_ids] == fresh and cached.done.usage.cached_tokens > 0
-    finally:
-        d.stop()
-        d.cleanup()

@@ -58,23 +58,28 @@ def test_multi_turn_chat_with_the_cache_equals_without(cached_daemon):
     assert out.returncode == 0 and "prompt tokens from cache" in out.stdout, out.stderr
 
 
+def resent_extended_and_from_pages(client):
+    """A prompt, the same again, extended by its reply and a question (cached, then
+    cache: false), then the first prompt again, which the cache: false request left
+    to the pages only; and the status's tokens_from_live after them."""
+    prompt = SYSTEM + "Question: what is a flaky test?"
+    first = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
+    again = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
+    extended = prompt + first.text + " And a slow one?"
+    longer = client.complete(prompt=extended, max_tokens=12, temperature=0.0)
+    fresh_longer = client.complete(prompt=extended, max_tokens=12, temperature=0.0, cache=False)
+    from_pages = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
+    return first, again, longer, fresh_longer, from_pages, client.status().cache.tokens_from_live
+
+
 def test_a_repeated_prompt_reads_nothing_and_an_extended_one_from_its_last_whole_chunk(cached_daemon):
     """--kernels mixed (the default): a re-sent prompt is not read at all (the model
     still holds its KV and the logits after it, from the request before); a prompt
     that extends it keeps every whole chunk the request before read in its prefill
     and reads the rest as an uncached request reads it."""
-    prompt = SYSTEM + "Question: what is a flaky test?"
     with cached_daemon.client() as client:
         chunk = client.status().model.prefill_chunk
-        first = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
-        again = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
-        longer = client.complete(prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0)
-        fresh_longer = client.complete(
-            prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0, cache=False
-        )
-        # the cache: false request left nothing to reuse: pages only
-        from_pages = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
-        live = client.status().cache.tokens_from_live
+        first, again, longer, fresh_longer, from_pages, live = resent_extended_and_from_pages(client)
     n = first.usage.prompt_tokens
     assert n > chunk
     assert first.usage.cached_tokens == 0
@@ -89,17 +94,9 @@ def test_with_reference_kernels_a_repeated_prompt_rereads_one_token(start_daemon
     """--kernels reference: what the model holds from the request before is kept to
     the token: a re-sent prompt prefills its last token only, an extended one its new tokens."""
     d = start_daemon("--ctx-size", "1024", "--cache-bytes", "64M", "--page-tokens", "16", "--kernels", "reference")
-    prompt = SYSTEM + "Question: what is a flaky test?"
     with d.client() as client:
         assert client.status().model.prefill_chunk == 0
-        first = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
-        again = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
-        longer = client.complete(prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0)
-        fresh_longer = client.complete(
-            prompt=prompt + first.text + " And a slow one?", max_tokens=12, temperature=0.0, cache=False
-        )
-        from_pages = client.complete(prompt=prompt, max_tokens=12, temperature=0.0)
-        live = client.status().cache.tokens_from_live
+        first, again, longer, fresh_longer, from_pages, live = resent_extended_and_from_pages(client)
     n = first.usage.prompt_tokens
     assert first.usage.cached_tokens == 0
     assert again.usage.cached_tokens == n - 1 and again.text == first.text

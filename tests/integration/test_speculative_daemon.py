@@ -130,33 +130,30 @@ def assert_same_distribution(a: collections.Counter, b: collections.Counter) -> 
     assert pvalue > 0.001, (keys, table)
 
 
-def test_ngram_drafter_on_a_copying_task(start_daemon):
-    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024", "--governor", "off")
-    code = "def area(width, height):\n    return width * height\n\n"
-    prompt = f"Rewrite this code exactly:\n{code}\nRewritten:\n"
-    with d.client() as client:
-        drafted = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft="on")
-        plain = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft_tokens=0)
-        st = client.status()
-    assert drafted.text == plain.text
-    assert drafted.draft.accepted > 0
-    assert st.drafter == "ngram" and st.drafter_model is None
+CODE = "def area(width, height):\n    return width * height\n\n"
 
 
-def test_suffix_drafter_on_a_copying_task(start_daemon):
-    d = start_daemon("--drafter", "suffix", "--ctx-size", "1024", "--governor", "off")
-    code = "def area(width, height):\n    return width * height\n\n"
-    prompt = f"Rewrite this code exactly:\n{code}\nRewritten:\n"
+def drafted_and_plain(client, prompt: str):
+    """The same greedy request drafting every round, then without drafting."""
+    drafted = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft="on")
+    plain = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft_tokens=0)
+    return drafted, plain
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_lookup_drafters_on_a_copying_task(start_daemon, kind):
+    d = start_daemon("--drafter", kind, "--ctx-size", "1024", "--governor", "off")
     with d.client() as client:
-        drafted = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft="on")
-        plain = client.complete(prompt=prompt, max_tokens=40, temperature=0.0, draft_tokens=0)
-        # drafts from the reply before too (the unit tests pin down what): the text is plain decoding's
-        again = client.complete(prompt=code[:26], max_tokens=40, temperature=0.0, draft="on")
-        again_plain = client.complete(prompt=code[:26], max_tokens=40, temperature=0.0, draft_tokens=0)
+        drafted, plain = drafted_and_plain(client, f"Rewrite this code exactly:\n{CODE}\nRewritten:\n")
+        # the suffix drafter drafts from the reply before too (the unit tests pin down
+        # what): the text is still plain decoding's
+        again, again_plain = drafted_and_plain(client, CODE[:26])
         st = client.status()
     assert drafted.text == plain.text and again.text == again_plain.text
-    assert drafted.draft.accepted > 0 and again.draft.drafted > 0
-    assert st.drafter == "suffix" and st.drafter_model is None
+    assert drafted.draft.accepted > 0
+    if kind == "suffix":
+        assert again.draft.drafted > 0
+    assert st.drafter == kind and st.drafter_model is None
 
 
 def test_a_drafter_with_another_vocabulary_is_refused(daemon_process, smollm2_path):

@@ -71,6 +71,7 @@ PRESETS = {
         ctx=16384,
     ),
 }
+LOOKUP = ("ngram", "suffix")  # drafters without a model, each in its own daemon
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama-server" / "b11434" / "bin" / "llama-server"
 
 
@@ -292,11 +293,12 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
     procs, servers, commands = [], [], {}
     ctx = str(p["ctx"])
     try:
-        sockets = {name: temp_socket(f"tdm-b{name}-") for name in ("plain", "model", "ngram")}
+        sockets = {name: temp_socket(f"tdm-b{name}-") for name in ("plain", "model", *LOOKUP)}
         base = ("--model", str(target), "--ctx-size", ctx)
         procs.append(start_daemon(sockets["plain"], *base))
         procs.append(start_daemon(sockets["model"], *base, "--drafter", str(drafter), "--cache-bytes", "0"))
-        procs.append(start_daemon(sockets["ngram"], *base, "--drafter", "ngram", "--cache-bytes", "0"))
+        for name in LOOKUP:
+            procs.append(start_daemon(sockets[name], *base, "--drafter", name, "--cache-bytes", "0"))
         clients = {name: Client(s) for name, s in sockets.items()}
         for name, c in clients.items():
             st = c.status()
@@ -308,7 +310,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
                     "tandem serve",
                     *base,
                     *(["--drafter", str(drafter)] if name == "model" else []),
-                    *(["--drafter", "ngram"] if name == "ngram" else []),
+                    *(["--drafter", name] if name in LOOKUP else []),
                 ]
             )
         systems: dict[str, callable] = {"plain": lambda m, n: tandem_request(clients["plain"], m, n)}
@@ -317,8 +319,9 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
                 clients["model"], m, n, draft="on", draft_tokens=k
             )
         systems["model governed"] = lambda m, n: tandem_request(clients["model"], m, n, draft="auto")
-        systems["ngram k=4"] = lambda m, n: tandem_request(clients["ngram"], m, n, draft="on", draft_tokens=4)
-        systems["ngram governed"] = lambda m, n: tandem_request(clients["ngram"], m, n, draft="auto")
+        for name in LOOKUP:
+            systems[f"{name} k=4"] = lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="on", draft_tokens=4)
+            systems[f"{name} governed"] = lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto")
         inproc = InProcess(target, int(ctx))
         systems["llama-cpp-python"] = inproc.request
         commands["llama-cpp-python"] = (

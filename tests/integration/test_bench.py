@@ -42,6 +42,8 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
         "model governed",
         "ngram k=4",
         "ngram governed",
+        "suffix k=4",
+        "suffix governed",
         "llama-cpp-python",
     }
     assert set(results["decoding"]) == {"json", "support", "story", "code", "edit"}

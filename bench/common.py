@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,11 @@ def temp_socket(prefix: str) -> Path:
 
 
 def start_daemon(socket: Path, *serve_args: str, timeout: float = 180) -> subprocess.Popen:
-    """`tandem serve SERVE_ARGS` in a subprocess; returns once it reports ready."""
+    """`tandem serve SERVE_ARGS` in a subprocess; returns once it reports ready.
+    Its prefix cache's disk tier goes beside the socket (a fresh directory: one
+    benchmark's pages never serve another's first request), unless set."""
+    env = dict(os.environ)
+    env.setdefault("TANDEM_DISK_CACHE_DIR", str(socket.parent / "kv"))
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -54,6 +59,7 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180) -> subpro
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=env,
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -212,12 +212,14 @@ class AsyncClient:
         assert isinstance(reply, StatusReply)
         return reply
 
-    async def cache_clear(self, timeout: Optional[float] = 600.0) -> CacheCleared:
+    async def cache_clear(self, timeout: Optional[float] = 600.0, memory_only: bool = False) -> CacheCleared:
         """Empty the daemon's prefix cache. It happens after the running request
         (if any), before the next queued one: hence the long default timeout.
+        Both tiers: the shared memory and the page files on disk; with
+        ``memory_only`` the disk keeps its pages.
         ``cache`` in the reply is None when the daemon has no prefix cache."""
         await self.connect()
-        reply = await self._request(CacheClear(id=new_id()), timeout)
+        reply = await self._request(CacheClear(id=new_id(), memory_only=memory_only), timeout)
         raise_for_terminal(reply)
         assert isinstance(reply, CacheCleared)
         return reply

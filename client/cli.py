@@ -246,7 +246,14 @@ def _admin_commands(sub) -> None:
 
     p = sub.add_parser("cache", help="the prefix cache: clear it", description="Manage the daemon's prefix cache.")
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
-    csub.add_parser("clear", help="drop every cached page (after the running request, before the next queued one)")
+    c = csub.add_parser(
+        "clear",
+        help="drop every cached page, in shared memory and on disk (after the running request, before the next "
+        "queued one); with no daemon running, remove the disk tier's page files",
+    )
+    c.add_argument(
+        "--memory-only", action="store_true", help="clear the shared memory only: the page files on disk stay"
+    )
 
     p = sub.add_parser(
         "config",
@@ -615,6 +622,13 @@ def cmd_status(args) -> int:
             + (f", {c.drafter_tokens_from_cache:,} drafter tokens from cache" if c.drafter_tokens_from_cache else "")
             + f"; {c.evictions:,} evicted"
         )
+        if c.disk is not None:
+            d = c.disk
+            print(
+                f"disk:      {d.state}: {d.pages:,} pages, {_mib(d.bytes_used)} of {_mib(d.bytes_budget)} in {d.path}; "
+                f"{d.hits:,} hits, {d.tokens_from_disk:,} prompt tokens from disk; {d.pages_written:,} pages written"
+                + (f"; {d.dropped:,} damaged or foreign files ignored" if d.dropped else "")
+            )
     if st.active:
         a = st.active
         print(f"active:    {a.id} ({a.completion_tokens} tokens, {a.elapsed_seconds:.1f} s)")
@@ -687,14 +701,37 @@ def cmd_stop(args) -> int:
 
 def cmd_cache(args) -> int:
     if args.cache_command != "clear":
-        _say("usage: tandem cache clear")
+        _say("usage: tandem cache clear [--memory-only]")
         return 2
-    with Client(args.socket) as client:
-        reply = client.cache_clear()
+    try:
+        with Client(args.socket) as client:
+            reply = client.cache_clear(memory_only=args.memory_only)
+    except DaemonNotRunning:
+        if args.memory_only:
+            print("no daemon is running: shared memory holds no pages")
+            return 0
+        from tandem.daemon.disk_cache import clear_dir, default_dir
+
+        root = Path(args.settings.disk_cache_dir) if args.settings.disk_cache_dir else default_dir()
+        pages, nbytes, held = clear_dir(root)
+        print(f"no daemon is running; removed {pages:,} page files ({_mib(nbytes)}) from {root}")
+        if held:
+            _say(f"left {held} model(s)' pages that a running daemon holds (clear them through its socket)")
+        return 0
     if reply.cache is None:
         _say("this daemon has no prefix cache (it was started with --cache-bytes 0)")
         return 0
-    print(f"cleared {reply.pages:,} pages ({_mib(reply.bytes)}); the cache now holds {reply.cache.pages:,} pages")
+    disk = reply.cache.disk
+    print(
+        f"cleared {reply.pages:,} pages ({_mib(reply.bytes)}) from shared memory"
+        + (
+            f" and {reply.disk_pages:,} ({_mib(reply.disk_bytes)}) from disk"
+            if disk is not None and not args.memory_only
+            else ""
+        )
+        + f"; the cache now holds {reply.cache.pages:,} pages"
+        + (f" in memory, {disk.pages:,} on disk ({disk.path})" if disk is not None else "")
+    )
     return 0
 
 

@@ -214,13 +214,15 @@ class Client:
         assert isinstance(reply, StatusReply)
         return reply
 
-    def cache_clear(self, timeout: Optional[float] = 600.0) -> CacheCleared:
+    def cache_clear(self, timeout: Optional[float] = 600.0, memory_only: bool = False) -> CacheCleared:
         """Empty the daemon's prefix cache. It happens after the running request
         (if any), before the next queued one: hence the long default timeout.
+        Both tiers: the shared memory and the page files on disk; with
+        ``memory_only`` the disk keeps its pages.
         ``cache`` in the reply is None when the daemon has no prefix cache;
         QueueFull when as many clears as the daemon's max_queue wait already."""
         self.connect()
-        reply = self._request(CacheClear(id=new_id()), timeout)
+        reply = self._request(CacheClear(id=new_id(), memory_only=memory_only), timeout)
         raise_for_terminal(reply)
         assert isinstance(reply, CacheCleared)
         return reply

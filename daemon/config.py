@@ -216,6 +216,26 @@ OPTIONS: tuple[Option, ...] = (
         metavar="N",
     ),
     Option(
+        "disk_cache_bytes",
+        "size",
+        AUTO,
+        "prefix cache, disk tier: the target's pages are also written to files (between requests, never "
+        "while one waits), so a prompt's KV survives `tandem stop`, a logout and a reboot; at most this many "
+        "bytes of page files (every model's together). 0 = off. auto: 4G, or a quarter of the disk's free "
+        "space if that is less. Needs the shared-memory cache (--cache-bytes above 0)",
+        auto=True,
+        metavar="SIZE",
+    ),
+    Option(
+        "disk_cache_dir",
+        "path",
+        AUTO,
+        "where the disk tier keeps its page files, mode 0700 (auto: $XDG_CACHE_HOME/tandem/kv, else "
+        "~/.cache/tandem/kv); they hold your prompts in KV form: `tandem cache clear` removes them",
+        auto=True,
+        metavar="DIR",
+    ),
+    Option(
         "state_dir",
         "path",
         AUTO,

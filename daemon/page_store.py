@@ -16,10 +16,15 @@ Page contents go between the model and the arena only, never through a socket.
   drafter worker reads and writes the bytes (``read_pages``/``write_pages``).
 - ``save_index``/``load_index``: the tree, written atomically to a file next to
   the arena after each request, so a restarted worker finds its pages again.
+- the disk tier (``disk``, a ``DiskTier``; daemon/disk_cache.py): the target's
+  pages are queued when stored and written to files between requests
+  (``spill``, one page per call); ``restore`` reads the pages that continue
+  what the arena holds of a prompt from disk into the arena first.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import math
@@ -97,11 +102,13 @@ def probe_layout(model) -> Layout:
     return layout
 
 
-def model_identity(path: str | Path) -> str:
+def model_identity(path: str | Path, location: bool = True) -> str:
     """Which model file the pages were computed with: its size, mtime, inode and
     a hash of its first and last MiB (the GGUF header and the start of its
     metadata; the last weights). A ``.gguf`` replaced at the same path, even by
-    one of the same architecture (whose KV has the same layout), differs."""
+    one of the same architecture (whose KV has the same layout), differs.
+    ``location=False`` leaves out the device and inode (the disk tier's: they
+    need not survive a reboot)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -111,7 +118,8 @@ def model_identity(path: str | Path) -> str:
         if st.st_size > 2 << 20:
             f.seek(-(1 << 20), os.SEEK_END)
             h.update(f.read(1 << 20))
-    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_dev}:{st.st_ino}:{h.hexdigest()[:32]}"
+    where = f"{st.st_dev}:{st.st_ino}:" if location else ""
+    return f"{st.st_size}:{st.st_mtime_ns}:{where}{h.hexdigest()[:32]}"
 
 
 def page_crc(arena, page: Page) -> int:
@@ -144,6 +152,8 @@ class PageStore:
         self.role_bytes: dict[str, int] = {}  # page size of each model that has stored pages
         self.drafter_tokens_from_cache = 0
         self.tokens_from_live = 0  # of tokens_from_cache: kept in the model's own KV from the request before
+        self.disk = None  # the disk tier (a DiskTier), where there is one
+        self.to_disk: collections.deque[Node] = collections.deque()  # stored pages not written to disk yet
 
     def _page_bytes(self) -> int:
         assert self.layout is not None
@@ -163,6 +173,7 @@ class PageStore:
         pages hold no more, they are kept, to the token, and nothing is read."""
         self.release()
         matched = self.layout is not None
+        before, from_disk = self._from_disk(tokens[: max(0, len(tokens) - keep)], live) if matched else (0, 0)
         chain = self.tree.match(list(tokens)[: max(0, len(tokens) - keep)], self.role) if matched else []
         step = math.lcm(align, self.page_tokens) // self.page_tokens
         if len(chain) % step:  # pages past the last aligned end are not used (nor counted)
@@ -204,9 +215,111 @@ class PageStore:
         self.tokens_prefilled += len(tokens) - n
         if not chain:
             return 0
+        used = min(from_disk, n - before)  # (pages past the aligned end are kept in the arena, unused)
+        if used > 0 and self.disk is not None:
+            self.disk.stats.hits += 1
+            self.disk.stats.tokens_from_disk += used
         self.tree.lock(chain)
         self.locked = chain
         return n
+
+    # ------------------------------------------------------------------ the disk tier
+
+    def _key(self, node: Node) -> bytes:
+        """``node``'s key in the disk tier (its whole prefix's)."""
+        from .disk_cache import child_key
+
+        path = []
+        while node is not self.tree.root and node.disk_key is None:
+            path.append(node)
+            node = node.parent
+        key = self.disk.root_key if node is self.tree.root else node.disk_key
+        for n in reversed(path):
+            key = n.disk_key = child_key(key, n.tokens)
+        return key
+
+    def _from_disk(self, tokens: Sequence[int], live: int) -> tuple[int, int]:
+        """Read the pages of ``tokens`` that continue what the arena holds from
+        disk into the arena (where they beat ``live``); returns (tokens the arena
+        held before, tokens read from disk)."""
+        disk = self.disk
+        if disk is None or disk.off_reason or not disk.entries:
+            return 0, 0
+        from .disk_cache import child_key
+
+        chain = self.tree.match(tokens, self.role, count=False)
+        have = len(chain) * self.page_tokens
+        key = self._key(chain[-1]) if chain else disk.root_key
+        wanted = []  # (start, parent key, key) of pages on disk after the chain
+        for start in range(have, len(tokens) - self.page_tokens + 1, self.page_tokens):
+            page = tokens[start : start + self.page_tokens]
+            child = child_key(key, page)
+            if child not in disk:
+                break
+            wanted.append((start, key, child))
+            key = child
+        if not wanted or have + len(wanted) * self.page_tokens <= live:
+            return have, 0
+        end = have + len(wanted) * self.page_tokens
+        planned = self.tree.store(list(tokens[:end]), self.role, self._page_bytes())
+        fresh = {node.depth * self.page_tokens: (node, page) for node, page, new in planned if new}
+        read = 0
+        for start, parent, key in wanted:
+            node, page = fresh.pop(start, (None, None))
+            if node is None:
+                break  # no room in the arena for it
+            data = disk.read(key, parent, tokens[start : start + self.page_tokens])
+            if data is None:
+                fresh[start] = (node, page)
+                break
+            self.arena[page.offset : page.offset + len(data)] = data
+            node.pages[self.role] = replace(page, crc=zlib.crc32(data))
+            node.disk_key = key
+            read += 1
+        # pages planned but not read (a file that failed its checks, and what follows): freed, deepest first
+        self.unplan([node for _, (node, _) in sorted(fresh.items(), reverse=True)], self.role)
+        return have, read * self.page_tokens
+
+    @property
+    def disk_pending(self) -> bool:
+        """Pages to write to disk, or its index to save."""
+        disk = self.disk
+        return disk is not None and not disk.off_reason and (bool(self.to_disk) or disk.dirty)
+
+    def spill(self) -> bool:
+        """Write one stored page to disk, or once none is left the disk's index
+        (between requests); returns ``disk_pending``."""
+        disk = self.disk
+        while disk is not None and self.to_disk and not disk.off_reason:
+            node = self.to_disk.popleft()
+            page = node.pages.get(self.role)
+            gone = node.parent is None or node.parent.children.get(node.tokens) is not node
+            if page is None or page.crc is None or gone:
+                continue  # evicted (or never written) since it was stored
+            key = self._key(node)
+            if key in disk:
+                continue
+            parent = disk.root_key if node.parent is self.tree.root else self._key(node.parent)
+            data = bytes(self.arena[page.offset : page.offset + self._page_bytes()])
+            if zlib.crc32(data) == page.crc:
+                disk.write(key, parent, node.depth, node.tokens, data)
+                return self.disk_pending
+        self.to_disk.clear()
+        if disk is not None:
+            disk.save_index()
+        return self.disk_pending
+
+    def clear(self, memory_only: bool = False) -> tuple[int, int, int, int]:
+        """Drop every unlocked page (and, unless ``memory_only``, every page on
+        disk); returns (pages, bytes, disk pages, disk bytes) dropped."""
+        pages, used = self.tree.pages(), self.tree.allocator.used
+        self.release()
+        self.tree.clear()
+        self.to_disk.clear()
+        disk_pages = disk_bytes = 0
+        if self.disk is not None and not memory_only:
+            disk_pages, disk_bytes = self.disk.clear()
+        return pages - self.tree.pages(), used - self.tree.allocator.used, disk_pages, disk_bytes
 
     def store_or_skip(self, tokens: Sequence[int]) -> int:
         """``store``, except that pages which cannot be written are not cached,
@@ -237,6 +350,7 @@ class PageStore:
             tokens_from_cache=t.stats.tokens_from_cache,
             tokens_prefilled=self.tokens_prefilled,
             evictions=t.stats.evictions,
+            disk=self.disk.info() if self.disk is not None else None,
         )
 
     def release(self) -> None:
@@ -344,6 +458,11 @@ class PageStore:
         if full == 0 or self.layout is None:
             return 0
         planned = self.plan(tokens[:full], self.role, self._page_bytes())
+        if self.disk is not None and not self.disk.off_reason:  # the whole prompt's pages, parents first
+            chain = self.tree.match(tokens[:full], self.role, count=False)
+            keys = [self._key(node) for node in chain]
+            self.disk.touch([k for k in keys if k in self.disk])
+            self.to_disk.extend(node for node, k in zip(chain, keys) if k not in self.disk)
         if not planned:
             return 0
         nodes = [node for _, node in planned]

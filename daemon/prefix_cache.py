@@ -130,6 +130,7 @@ class Node:
     last_used: float = 0.0
     locks: int = 0
     serial: int = 0  # creation order, for stable tie-breaking
+    disk_key: Optional[bytes] = None  # its key in the disk tier, once computed (daemon/disk_cache.py)
 
     @property
     def prefix_tokens(self) -> int:

@@ -201,7 +201,9 @@ class Scheduler:
             return False
         if self.clears:
             self.clearing, self.clears = self.clears, []  # one clear answers every clear waiting
-            if not self.to_target(self.clearing[0][1]):
+            first = self.clearing[0][1]  # (the disk too, if any of them asks for it)
+            memory_only = all(m.memory_only for _, m in self.clearing)
+            if not self.to_target(dataclasses.replace(first, memory_only=memory_only)):
                 self.clear_failed("the model worker could not take the request")
             return True
         if not self.queue:

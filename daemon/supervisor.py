@@ -21,7 +21,7 @@ import psutil
 import zmq
 
 from tandem.protocol import Error, ErrorCode, Message, ProtocolError, Shutdown, decode, endpoint
-from tandem.protocol.internal import WORKER_REPLIES, DrafterHung, DrafterState, Progress, Ready
+from tandem.protocol.internal import WORKER_REPLIES, CacheState, DrafterHung, DrafterState, Progress, Ready
 
 from .governor import state_file
 from .metrics import Metrics
@@ -200,6 +200,10 @@ class Supervisor:
         self.target.policy.heard(time.monotonic())
         if isinstance(msg, Progress):
             return  # a heartbeat
+        if isinstance(msg, CacheState):  # pages written to disk between requests
+            self.scheduler.cache = msg.cache
+            self.metrics.cache_seen(msg.cache)
+            return
         if isinstance(msg, DrafterHung):  # the target found the drafter hung
             if self.drafter is not None and self.drafter.alive:
                 log.error("the drafter worker (pid %s): %s; killing it", self.drafter.pid, msg.message)

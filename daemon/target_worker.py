@@ -36,7 +36,7 @@ from tandem.protocol import (
     decode,
     encode,
 )
-from tandem.protocol.internal import WORKER_REQUESTS, DrafterHung, DrafterState, Progress, Ready
+from tandem.protocol.internal import WORKER_REQUESTS, CacheState, DrafterHung, DrafterState, Progress, Ready
 
 from .constraint import Grammars
 from .engine import Engine
@@ -47,6 +47,7 @@ from .worker_config import LOOKUP_DRAFTERS, WorkerConfig, describe_model, load_m
 log = logging.getLogger("tandem.worker")
 
 HEARTBEAT_SECONDS = 1.0  # Progress at most this often while serving a request
+SHUTDOWN_SPILL_SECONDS = 3.0  # of the 5 the daemon gives a stopping worker: pages still to write to disk
 NARROW_REPORT_DRAFTS = 64  # a 4-bit drafter's acceptance is logged once it has drafted this many
 
 
@@ -58,6 +59,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
 
     c = config
     identity = model_identity(c.model_path) if c.cache_shm else ""  # of the file as it is loaded
+    disk_identity = model_identity(c.model_path, location=False) if c.cache_shm else ""  # (the disk tier's)
     model = load_model(c)
     template = None
     source = model.chat_template()
@@ -105,7 +107,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         c["draft_p_min"],
         min_batch,
         governors=governors,
-        cache=page_store(model, c, identity),
+        cache=page_store(model, c, identity, disk_identity),
         grammars=Grammars(model),
         jump_forward=c["jump_forward"],
     )
@@ -219,7 +221,7 @@ def check_fast_prefill(model, info: ModelInfo) -> None:
     info.prefill_chunk = model.prefill_chunk
 
 
-def page_store(model, config: WorkerConfig, identity: str):
+def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = ""):
     """The target's view of the daemon's prefix-cache arena (None: no prefix cache)."""
     if not config.cache_shm:
         return None
@@ -235,7 +237,8 @@ def page_store(model, config: WorkerConfig, identity: str):
     store = PageStore(PageTree(config["page_tokens"], ExtentAllocator(config.cache_bytes)), memoryview(arena), model)
     store.probe_layout()
     # pages hold KV as these kernels computed it: valid for the same model file and kernels only
-    store.model_identity = f"{identity} kernels={config['kernels']} prefill_chunk={model.prefill_chunk}"
+    computed = f"kernels={config['kernels']} prefill_chunk={model.prefill_chunk}"
+    store.model_identity = f"{identity} {computed}"
     kept, dropped = store.load_index(index_path(config.cache_shm))
     if kept or dropped:
         log.info(
@@ -243,7 +246,30 @@ def page_store(model, config: WorkerConfig, identity: str):
             kept,
             dropped,
         )
+    if disk_identity:
+        store.disk = disk_tier(store, config, f"{disk_identity} {computed}")
     return store
+
+
+def disk_tier(store, config: WorkerConfig, identity: str):
+    """The prefix cache's disk tier for this model (None: off, or unusable, with a warning)."""
+    from .disk_cache import DiskTier, default_dir, disk_budget
+
+    root = Path(config["disk_cache_dir"]) if config["disk_cache_dir"] else default_dir()
+    budget = disk_budget(config["disk_cache_bytes"], root)
+    if budget <= 0:
+        return None
+    page_bytes = store.layout.page_bytes(store.page_tokens)
+    disk = DiskTier.open(root, identity, repr(store.layout), store.page_tokens, page_bytes, budget)
+    if disk is not None:
+        log.info(
+            "prefix cache disk tier: %s, %d pages (%d MiB of %d MiB)",
+            disk.path,
+            len(disk.entries),
+            disk.bytes_used >> 20,
+            budget >> 20,
+        )
+    return disk
 
 
 class TargetLoop:
@@ -289,6 +315,10 @@ class TargetLoop:
             )
         )
         while not self.stopping:
+            cache = engine.cache
+            if cache is not None and cache.disk_pending and not self.sock.poll(0, zmq.POLLIN):
+                self._spill(cache)  # between requests, a page at a time: nothing waits for it
+                continue
             try:
                 msg = decode(self.sock.recv_multipart(), table=WORKER_REQUESTS)
             except ProtocolError as exc:  # the daemon validated it; this is a bug
@@ -299,6 +329,15 @@ class TargetLoop:
                 log.error("unexpected %s message from the daemon", msg.op.value)
                 continue
             handler(msg)
+        cache = engine.cache
+        if cache is not None and cache.disk_pending:  # stopping: the pages not on disk yet, for a while
+            deadline = time.monotonic() + SHUTDOWN_SPILL_SECONDS
+            while cache.to_disk and time.monotonic() < deadline:
+                self._spill(cache, report=False)
+            if cache.to_disk:
+                log.info("prefix cache disk tier: %d pages left unwritten at shutdown", len(cache.to_disk))
+                cache.to_disk.clear()
+            self._spill(cache, report=False)  # (the index of what was written)
 
     def _drafter(self) -> Optional[Drafter]:
         kind = self.config.drafter
@@ -400,19 +439,35 @@ class TargetLoop:
         text = b"".join(model.piece(t) for t in msg.tokens).decode("utf-8", "replace")
         self.send(Detokenized(id=msg.id, text=text))
 
+    def _spill(self, cache, report: bool = True) -> None:
+        try:
+            if not cache.spill() and report:  # done: the daemon's status shows it from now on
+                self.send(CacheState(id=self.config.role, cache=cache.info()))
+        except Exception as exc:  # a bug: the disk tier stops, requests go on (and never spins on it)
+            log.exception("prefix cache disk tier: writing a page failed")
+            cache.to_disk.clear()
+            if cache.disk is not None:
+                cache.disk.turn_off(f"{type(exc).__name__}: {exc}")
+
     def _clear_cache(self, msg: CacheClear) -> None:
         self.engine.forget_live()  # nothing the requests before left is reused after a clear
         cache = self.engine.cache
         if cache is None:
             self.send(CacheCleared(id=msg.id, pages=0, bytes=0, cache=None))
             return
-        pages, used = cache.tree.pages(), cache.tree.allocator.used
-        cache.release()
-        cache.tree.clear()
+        pages, used, disk_pages, disk_bytes = cache.clear(memory_only=msg.memory_only)
         self._save_cache_index()
-        pages, used = pages - cache.tree.pages(), used - cache.tree.allocator.used
-        log.info("prefix cache cleared: %d pages, %d bytes", pages, used)
-        self.send(CacheCleared(id=msg.id, pages=pages, bytes=used, cache=cache.info()))
+        log.info(
+            "prefix cache cleared: %d pages, %d bytes%s",
+            pages,
+            used,
+            "" if cache.disk is None or msg.memory_only else f"; on disk {disk_pages} pages, {disk_bytes} bytes",
+        )
+        self.send(
+            CacheCleared(
+                id=msg.id, pages=pages, bytes=used, disk_pages=disk_pages, disk_bytes=disk_bytes, cache=cache.info()
+            )
+        )
 
     def _save_cache_index(self) -> None:
         from .arena import index_path

@@ -54,6 +54,16 @@ class Progress(Message):
 
 
 @dataclass
+class CacheState(Message):
+    """the target worker's prefix cache after work between requests (pages
+    written to the disk tier): what ``status`` shows until the next request."""
+
+    op: ClassVar[Op] = Op.CACHE_STATE
+    id: str  # "target"
+    cache: CacheInfo
+
+
+@dataclass
 class DrafterState(Message):
     """the daemon tells the target worker its drafter worker died
     (``available`` false: decode plainly) or was restarted (true: start afresh with it)."""
@@ -121,7 +131,8 @@ class Drafted(Message):
 WORKER_REQUESTS: dict[Op, type] = {**REQUESTS, Op.DRAFTER_STATE: DrafterState}
 """What the target worker decodes: the daemon's requests, and the drafter's state."""
 WORKER_REPLIES: dict[Op, type] = {
-    m.op: m for m in (Chunk, Done, Error, CacheCleared, Ready, Progress, DrafterHung, Tokenized, Detokenized)
+    m.op: m
+    for m in (Chunk, Done, Error, CacheCleared, Ready, Progress, DrafterHung, Tokenized, Detokenized, CacheState)
 }
 """What the daemon decodes from its workers (the drafter worker sends only ready or error)."""
 DRAFTER_REQUESTS: dict[Op, type] = {m.op: m for m in (DraftRequest, Shutdown)}

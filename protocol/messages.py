@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
@@ -65,6 +65,7 @@ class Op(str, enum.Enum):
     PROGRESS = "progress"  # internal: target worker -> daemon, at least every second of a request's work
     DRAFTER_STATE = "drafter_state"  # internal: daemon -> target worker, the drafter went away or came back
     DRAFTER_HUNG = "drafter_hung"  # internal: target worker -> daemon, the drafter stopped answering
+    CACHE_STATE = "cache_state"  # internal: target worker -> daemon, the prefix cache after work between requests
     TOKENIZE = "tokenize"  # text, or messages as the chat template renders them -> token ids
     DETOKENIZE = "detokenize"  # token ids -> text
     DRAFT = "draft"  # internal: target worker -> drafter worker
@@ -419,10 +420,12 @@ class Shutdown(Message):
 
 @dataclass
 class CacheClear(Message):
-    """Empty the prefix cache (after the running request, before the next)."""
+    """Empty the prefix cache (after the running request, before the next): both
+    tiers, or with ``memory_only`` the shared memory alone (the disk keeps its pages)."""
 
     op: ClassVar[Op] = Op.CACHE_CLEAR
     id: str
+    memory_only: bool = False
 
 
 @dataclass
@@ -567,8 +570,28 @@ class GovernorInfo:
 
 
 @dataclass
+class DiskCacheInfo:
+    """The prefix cache's disk tier (see daemon/disk_cache.py): the target's pages in files."""
+
+    path: str  # the directory of this model's pages
+    state: str  # "on", or "off: <why>" (a full or read-only disk, say)
+    pages: int
+    bytes_used: int
+    bytes_budget: int  # --disk-cache-bytes (every model's pages in the directory together)
+    hits: int  # requests that read at least one page from disk
+    tokens_from_disk: int  # of tokens_from_cache: read from disk (then kept in shared memory)
+    pages_read: int
+    read_seconds: float
+    pages_written: int  # between requests, never while one waits
+    bytes_written: int
+    write_seconds: float
+    evictions: int
+    dropped: int  # page files ignored: damaged, truncated, not this user's, of another format
+
+
+@dataclass
 class CacheInfo:
-    """The prefix cache (see daemon/prefix_cache.py)."""
+    """The prefix cache (see daemon/prefix_cache.py): the shared-memory tier, and the disk tier in ``disk``."""
 
     page_tokens: int
     pages: int  # pages held (of every model)
@@ -583,6 +606,7 @@ class CacheInfo:
     page_bytes: dict[str, int] = field(default_factory=dict)  # bytes of one page, by model: "target", "drafter"
     drafter_tokens_from_cache: int = 0  # tokens the drafter restored instead of reading
     tokens_from_live: int = 0  # of tokens_from_cache: kept in the target's KV from the request before (no pages read)
+    disk: Optional[DiskCacheInfo] = None  # the disk tier; None when it is off (--disk-cache-bytes 0) or unusable
 
 
 @dataclass
@@ -708,6 +732,8 @@ class CacheCleared(Message):
     id: str
     pages: int  # pages dropped
     bytes: int  # bytes freed
+    disk_pages: int = 0  # page files removed from the disk tier
+    disk_bytes: int = 0
     cache: Optional[CacheInfo] = None  # the cache now (None: the daemon has none)
 
 

@@ -43,6 +43,8 @@ def pytest_configure(config):
     # config file of the user's
     os.environ["TANDEM_METRICS_ADDR"] = "127.0.0.1:0"
     os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tdm-cfg-")
+    # ... and the prefix cache's disk tier never in the user's ~/.cache (nor shared with a DaemonProcess's)
+    os.environ["TANDEM_DISK_CACHE_DIR"] = tempfile.mkdtemp(prefix="tdm-kv-")
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +94,7 @@ class DaemonProcess:
             "XDG_STATE_HOME": str(self.dir / "state"),
             "XDG_CONFIG_HOME": str(self.dir / "config"),
             "TANDEM_METRICS_ADDR": "127.0.0.1:0",
+            "TANDEM_DISK_CACHE_DIR": str(self.dir / "kv"),  # the prefix cache's disk tier: this daemon's own
             **(env or {}),
         }
         self._log = open(self.log_path, "wb")

@@ -59,6 +59,7 @@ REQUESTS = [
     P.Status(id="s1"),
     P.Shutdown(id="x1"),
     P.CacheClear(id="k1"),
+    P.CacheClear(id="k2", memory_only=True),
     P.Tokenize(id="t1", text="def f():", with_pieces=True),
     P.Tokenize(id="t2", messages=[P.ChatMessage(role="user", content="Hi")], tools=[]),
     P.Detokenize(id="d1", tokens=[1, 2, 3]),
@@ -123,6 +124,7 @@ REPLIES = [
         cache=P.CacheInfo(16, 0, 0, 2**30, 1, 2, 32, 8, 0, pages_total=100, page_bytes={"target": 2**20}),
     ),
     P.CacheCleared(id="k2", pages=0, bytes=0, cache=None),
+    P.CacheCleared(id="k3", pages=2, bytes=2 << 20, disk_pages=5, disk_bytes=5 << 20, cache=None),
     P.Tokenized(id="t1", tokens=[755, 282], pieces=["def", " f"]),
     P.Detokenized(id="d1", text="abc"),
 ]
@@ -131,6 +133,23 @@ WORKER_REPLIES = [  # worker -> daemon, besides the chunks, done, errors and cac
     I.Ready(id="target", model=PROBED, pid=43),
     I.Progress(id="g1"),
     I.DrafterHung(id="g1", message="the drafter did not answer within 10 s"),
+    I.CacheState(
+        id="target",
+        cache=P.CacheInfo(
+            16,
+            4,
+            4 << 20,
+            2**30,
+            1,
+            0,
+            64,
+            8,
+            0,
+            disk=P.DiskCacheInfo(
+                "/home/u/.cache/tandem/kv/ab", "on", 4, 4 << 20, 4 << 30, 1, 64, 4, 0.01, 4, 4 << 20, 0.02, 0, 0
+            ),
+        ),
+    ),
 ]
 
 

@@ -718,17 +718,16 @@ def cmd_cache(args) -> int:
         if held:
             _say(f"left {held} model(s)' pages that a running daemon holds (clear them through its socket)")
         return 0
+    on_disk = f" and {reply.disk_pages:,} ({_mib(reply.disk_bytes)}) from disk" if not args.memory_only else ""
     if reply.cache is None:
         _say("this daemon has no prefix cache (it was started with --cache-bytes 0)")
+        if reply.disk_pages:
+            print(f"removed {reply.disk_pages:,} page files ({_mib(reply.disk_bytes)}) of earlier daemons from disk")
         return 0
     disk = reply.cache.disk
     print(
         f"cleared {reply.pages:,} pages ({_mib(reply.bytes)}) from shared memory"
-        + (
-            f" and {reply.disk_pages:,} ({_mib(reply.disk_bytes)}) from disk"
-            if disk is not None and not args.memory_only
-            else ""
-        )
+        + on_disk
         + f"; the cache now holds {reply.cache.pages:,} pages"
         + (f" in memory, {disk.pages:,} on disk ({disk.path})" if disk is not None else "")
     )

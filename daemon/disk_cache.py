@@ -52,6 +52,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import stat
 import struct
@@ -77,6 +78,7 @@ DEFAULT_DISK_BYTES = 4 << 30
 DEFAULT_FREE_SHARE = 4  # auto budget: at most a quarter of the file system's free space
 FREE_RESERVE = 1 << 30  # never fill the file system closer than this (or 5% of it, if less)
 AGE_BUCKET_SECONDS = 5.0
+OTHERS_TTL_SECONDS = 30.0  # other buckets' sizes are read again after this long (another daemon writes them)
 LOCK_WAIT_SECONDS = 5.0  # a worker being replaced may hold its bucket's lock a moment longer
 
 
@@ -109,7 +111,8 @@ def free_bytes(directory: Path) -> int:
 
 def disk_budget(requested: Optional[int], directory: Path) -> int:
     """``requested`` bytes, or (None) the default: 4 GiB, or a quarter of the
-    file system's free space if that is less."""
+    file system's free space if that is less (the tier's own files counted as
+    free: they are its to evict)."""
     if requested is not None:
         return requested
     probe = directory
@@ -119,28 +122,67 @@ def disk_budget(requested: Optional[int], directory: Path) -> int:
         free = free_bytes(probe)
     except OSError:
         return 0
-    return min(DEFAULT_DISK_BYTES, free // DEFAULT_FREE_SHARE)
+    return min(DEFAULT_DISK_BYTES, (free + cached_bytes(directory)) // DEFAULT_FREE_SHARE)
 
 
-def clear_dir(root: Path) -> tuple[int, int, int]:
-    """Remove every bucket in ``root`` that no daemon holds (``tandem cache
-    clear`` with no daemon running); returns (page files, bytes, buckets held)."""
-    pages = nbytes = held = 0
+BUCKET_NAME = re.compile(r"[0-9a-f]{32}")
+
+
+def buckets(root: Path, skip: str = "") -> list[tuple[Path, int, int, float]]:
+    """The buckets in ``root`` (directories named like one, holding a lock or an
+    index: nothing else there is ever touched), but ``skip``: (path, page files,
+    bytes, last change), least recently changed first."""
+    out = []
     try:
-        buckets = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+        entries = list(os.scandir(root))
     except OSError:
-        return 0, 0, 0
-    for e in buckets:
+        return out
+    for e in entries:
+        if e.name == skip or not BUCKET_NAME.fullmatch(e.name) or not e.is_dir(follow_symlinks=False):
+            continue
         try:
-            files = [f for f in os.scandir(e.path) if f.name.endswith(".page")]
-            size = sum(f.stat(follow_symlinks=False).st_size for f in files)
+            files = list(os.scandir(e.path))
+            names = {f.name for f in files}
+            if "lock" not in names and "index" not in names:
+                continue
+            pages = [f.stat(follow_symlinks=False) for f in files if f.name.endswith((".page", ".tmp"))]
+            mtime = max((f.stat(follow_symlinks=False).st_mtime for f in files), default=0.0)
         except OSError:
             continue
-        if remove_bucket(Path(e.path)):
-            pages, nbytes = pages + len(files), nbytes + size
+        out.append((Path(e.path), len(pages), sum(st.st_size for st in pages), mtime))
+    return sorted(out, key=lambda t: t[3])
+
+
+def cached_bytes(root: Path) -> int:
+    """Bytes of page files in every bucket of ``root``."""
+    return sum(b for _, _, b, _ in buckets(root))
+
+
+def clear_dir(root: Path, skip: str = "") -> tuple[int, int, int]:
+    """Remove every bucket in ``root`` (but ``skip``) that no daemon holds
+    (``tandem cache clear``); returns (page files, bytes, buckets held)."""
+    pages = nbytes = held = 0
+    for path, n, size, _ in buckets(root, skip):
+        if remove_bucket(path):
+            pages, nbytes = pages + n, nbytes + size
         else:
             held += 1
     return pages, nbytes, held
+
+
+def is_held(path: Path) -> bool:
+    """A running daemon holds the bucket's lock."""
+    try:
+        fd = os.open(path / "lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def remove_bucket(path: Path) -> bool:
@@ -220,7 +262,8 @@ class DiskTier:
         self._lock_fd = lock_fd
         self.entries: dict[bytes, Entry] = {}
         self.bytes_used = 0  # of this bucket's page files
-        self.others: Optional[list[tuple[Path, int, float]]] = None  # other buckets (read at the first write)
+        self.others: Optional[list[tuple[Path, int, float, bool]]] = None  # other buckets: path, bytes, mtime, held
+        self.others_read = 0.0  # when (monotonic)
         self.stats = DiskStats()
         self.off_reason = ""  # why the tier is off ("" while on)
         self.dirty = False  # the index on disk is behind
@@ -238,26 +281,45 @@ class DiskTier:
             return None
         bucket = bucket_name(identity, layout, page_tokens)
         path = root / bucket
-        try:
-            _private_dir(root)
-            _private_dir(path)
-            fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            log.warning("no disk tier for the prefix cache: %s (%s)", exc.filename or root, exc.strerror or exc)
-            return None
         deadline = time.monotonic() + LOCK_WAIT_SECONDS
         while True:
             try:
+                _private_dir(root)
+                _private_dir(path)
+                fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                log.warning("no disk tier for the prefix cache: %s (%s)", exc.filename or root, exc.strerror or exc)
+                return None
+            try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
+                os.close(fd)
                 if time.monotonic() > deadline:
-                    os.close(fd)
                     log.warning("no disk tier for the prefix cache: another tandem daemon on this model uses %s", path)
                     return None
                 time.sleep(0.1)
+                continue
+            try:
+                current = os.lstat(path / "lock").st_ino
+            except OSError:
+                current = -1
+            if os.fstat(fd).st_ino == current:
+                break
+            os.close(fd)  # the bucket was removed (cleared) while this one locked it: lock the new one
         tier = cls(root, bucket, page_tokens, page_bytes, budget, fd)
         tier._load()
+        others = tier.others = tier._other_buckets()
+        if tier.bytes_used + sum(b for _, b, _, _ in others) > budget:  # a budget lowered since
+            tier._make_room(0, set())
+            tier.save_index()
+        if others:
+            log.info(
+                "prefix cache disk tier: %d other bucket(s) in %s (other models, kernels or page formats: "
+                "%d MiB) are not read; they go first when this one needs room",
+                len(others),
+                root,
+                sum(b for _, b, _, _ in others) >> 20,
+            )
         return tier
 
     def close(self) -> None:
@@ -494,25 +556,21 @@ class DiskTier:
 
     def _make_room(self, size: int, protect: set[bytes]) -> bool:
         """Evict until ``size`` more bytes keep DIR within the budget and the
-        file system above its reserve; False if they cannot."""
-        if self.others is None:
+        file system above its reserve; False (evicting nothing) if they cannot."""
+        if self.others is None or time.monotonic() - self.others_read > OTHERS_TTL_SECONDS:
             self.others = self._other_buckets()
-        others = self.others
         while True:
-            used = self.bytes_used
-            other_bytes = sum(b for _, b, _ in others)
+            held = sum(b for _, b, _, h in self.others if h)  # a running daemon's: counted, never removed
+            unheld = sum(b for _, b, _, h in self.others if not h)
             try:
                 room = free_bytes(self.path) - free_reserve(self.path)
             except OSError:
                 room = size
-            if used + other_bytes + size <= self.budget and size <= room:
+            over = self.bytes_used + held + unheld + size - self.budget
+            if over <= 0 and size <= room:
                 return True
-            if others:  # another model's (or format's) pages go first, least recently used first
-                victim_dir, _, _ = others.pop(0)
-                self._remove_bucket(victim_dir)
-                continue
-            victim = self._victim(protect)
-            if victim is None:
+            evictable = unheld + self.bytes_used - sum(self.entries[k].size for k in protect if k in self.entries)
+            if max(over, size - room) > evictable:  # evicting all that may go would not do: keep it all
                 if size > room and not self._warned_full:
                     self._warned_full = True
                     log.warning(
@@ -520,6 +578,15 @@ class DiskTier:
                         "until there is more (or set --disk-cache-bytes)",
                         self.path,
                     )
+                return False
+            other = next((t for t in self.others if not t[3]), None)
+            if other is not None:  # another model's (or format's) pages go first, least recently used first
+                self.others.remove(other)
+                if not self._remove_bucket(other[0]):
+                    self.others.append((other[0], other[1], other[2], True))  # held after all
+                continue
+            victim = self._victim(protect)
+            if victim is None:
                 return False
             self.drop(victim, evicted=True)
 
@@ -534,28 +601,16 @@ class DiskTier:
 
         return min(leaves, key=order).key
 
-    def _other_buckets(self) -> list[tuple[Path, int, float]]:
-        """Other buckets in DIR that no daemon holds: (path, bytes, last use), oldest first."""
-        out = []
-        try:
-            entries = list(os.scandir(self.dir))
-        except OSError:
-            return out
-        for e in entries:
-            if e.name == self.bucket or not e.is_dir(follow_symlinks=False):
-                continue
-            try:
-                files = list(os.scandir(e.path))
-                size = sum(f.stat(follow_symlinks=False).st_size for f in files if f.name.endswith(".page"))
-                mtime = max((f.stat(follow_symlinks=False).st_mtime for f in files), default=0.0)
-            except OSError:
-                continue
-            out.append((Path(e.path), size, mtime))
-        return sorted(out, key=lambda t: t[2])
+    def _other_buckets(self) -> list[tuple[Path, int, float, bool]]:
+        """The other buckets in DIR: (path, bytes, last change, held by a running daemon), oldest first."""
+        self.others_read = time.monotonic()
+        return [(path, size, mtime, is_held(path)) for path, _, size, mtime in buckets(self.dir, skip=self.bucket)]
 
-    def _remove_bucket(self, path: Path) -> None:
+    def _remove_bucket(self, path: Path) -> bool:
         if remove_bucket(path):
             log.info("prefix cache disk tier: removed %s (another model's pages) to stay in budget", path)
+            return True
+        return False
 
     # ------------------------------------------------------------------ dropping
 
@@ -591,7 +646,7 @@ class DiskTier:
             self._unlink(self.path / (key.hex() + ".page"))
         self.entries.clear()
         self.bytes_used = 0
-        other_pages, other_bytes, _ = clear_dir(self.dir)  # (this bucket is held: by this process)
+        other_pages, other_bytes, _ = clear_dir(self.dir, skip=self.bucket)
         pages, used = pages + other_pages, used + other_bytes
         self.others = None
         self.dirty = True

@@ -115,6 +115,30 @@ class Metrics:
         self.cache_bytes = Gauge("tandem_prefix_cache_bytes", "Bytes of shared memory holding cached pages", registry=r)
         self.cache_budget = Gauge("tandem_prefix_cache_budget_bytes", "The prefix cache's byte budget", registry=r)
         self.cache_pages = Gauge("tandem_prefix_cache_pages", "Cached pages (of every model)", registry=r)
+        # the disk tier (--disk-cache-bytes): the target's pages in files
+        self.disk_hits = Counter(
+            "tandem_prefix_cache_disk_hits", "Requests that read at least one page from the disk tier", registry=r
+        )
+        self.disk_tokens = Counter(
+            "tandem_prefix_cache_disk_tokens",
+            "Prompt tokens restored from the disk tier instead of prefilled",
+            registry=r,
+        )
+        self.disk_pages_written = Counter(
+            "tandem_prefix_cache_disk_pages_written", "Pages written to the disk tier (between requests)", registry=r
+        )
+        self.disk_evictions = Counter(
+            "tandem_prefix_cache_disk_evictions", "Pages removed from the disk tier to stay in budget", registry=r
+        )
+        self.disk_dropped = Counter(
+            "tandem_prefix_cache_disk_dropped",
+            "Page files ignored: damaged, truncated, not this user's own, of another format",
+            registry=r,
+        )
+        self.disk_bytes = Gauge("tandem_prefix_cache_disk_bytes", "Bytes of the disk tier's page files", registry=r)
+        self.disk_budget = Gauge("tandem_prefix_cache_disk_budget_bytes", "The disk tier's byte budget", registry=r)
+        self.disk_pages = Gauge("tandem_prefix_cache_disk_pages", "Pages in the disk tier", registry=r)
+        self.disk_on = Gauge("tandem_prefix_cache_disk_on", "1 while the disk tier is on, 0 when it is off", registry=r)
         self.restarts = Counter(
             "tandem_worker_restarts", "Worker processes restarted after they died", ["role"], registry=r
         )
@@ -125,7 +149,7 @@ class Metrics:
             "Requests whose drafter worker died while they ran: they finished with plain decoding",
             registry=r,
         )
-        self._last_cache: Optional[tuple[int, int, int]] = None
+        self._last_cache: Optional[tuple[int, ...]] = None
         self._draft_total = DraftStats()
         r.register(_Live(live))
         self.server = None
@@ -183,14 +207,30 @@ class Metrics:
 
     def cache_seen(self, c: CacheInfo) -> None:
         """The worker's cumulative cache counters; a worker that restarted counts from 0 again."""
-        now = (c.hits, c.misses, c.evictions)
-        last = self._last_cache or (0, 0, 0)
-        for counter, new, old in zip((self.cache_hits, self.cache_misses, self.cache_evictions), now, last):
+        d = c.disk
+        counters = [self.cache_hits, self.cache_misses, self.cache_evictions]
+        now = [c.hits, c.misses, c.evictions]
+        if d is not None:
+            counters += [
+                self.disk_hits,
+                self.disk_tokens,
+                self.disk_pages_written,
+                self.disk_evictions,
+                self.disk_dropped,
+            ]
+            now += [d.hits, d.tokens_from_disk, d.pages_written, d.evictions, d.dropped]
+        last = (*(self._last_cache or ())[: len(now)], *(0,) * len(now))
+        for counter, new, old in zip(counters, now, last):
             counter.inc(new - old if new >= old else new)
-        self._last_cache = now
+        self._last_cache = tuple(now)
         self.cache_bytes.set(c.bytes_used)
         self.cache_budget.set(c.bytes_budget)
         self.cache_pages.set(c.pages)
+        if d is not None:
+            self.disk_bytes.set(d.bytes_used)
+            self.disk_budget.set(d.bytes_budget)
+            self.disk_pages.set(d.pages)
+            self.disk_on.set(1 if d.state == "on" else 0)
 
     def worker_restarted(self, role: str) -> None:
         self.restarts.labels(role).inc()

@@ -46,6 +46,7 @@ from .prefix_cache import Node, Page, PageTree
 log = logging.getLogger("tandem.cache")
 
 INDEX_VERSION = 1
+MAX_QUEUED = 8192  # pages waiting for the disk tier before the evicted ones among them are forgotten
 
 
 def map_arena(path: str, size: int) -> mmap.mmap:
@@ -261,23 +262,29 @@ class PageStore:
         if not wanted or have + len(wanted) * self.page_tokens <= live:
             return have, 0
         end = have + len(wanted) * self.page_tokens
-        planned = self.tree.store(list(tokens[:end]), self.role, self._page_bytes())
-        fresh = {node.depth * self.page_tokens: (node, page) for node, page, new in planned if new}
+        fresh: dict[int, tuple[Node, Page]] = {}
         read = 0
-        for start, parent, key in wanted:
-            node, page = fresh.pop(start, (None, None))
-            if node is None:
-                break  # no room in the arena for it
-            data = disk.read(key, parent, tokens[start : start + self.page_tokens])
-            if data is None:
-                fresh[start] = (node, page)
-                break
-            self.arena[page.offset : page.offset + len(data)] = data
-            node.pages[self.role] = replace(page, crc=zlib.crc32(data))
-            node.disk_key = key
-            read += 1
-        # pages planned but not read (a file that failed its checks, and what follows): freed, deepest first
-        self.unplan([node for _, (node, _) in sorted(fresh.items(), reverse=True)], self.role)
+        try:
+            planned = self.tree.store(list(tokens[:end]), self.role, self._page_bytes())
+            fresh = {node.depth * self.page_tokens: (node, page) for node, page, new in planned if new}
+            for start, parent, key in wanted:
+                node, page = fresh.get(start, (None, None))
+                if node is None:
+                    break  # no room in the arena for it
+                data = disk.read(key, parent, tokens[start : start + self.page_tokens])
+                if data is None:
+                    break
+                self.arena[page.offset : page.offset + len(data)] = data
+                node.pages[self.role] = replace(page, crc=page_crc(self.arena, page))
+                node.disk_key = key
+                del fresh[start]
+                read += 1
+        except Exception as exc:  # a bug, or the disk failing under it: the prompt is read, the tier stops
+            log.warning("prefix cache disk tier: reading pages failed (%s: %s)", type(exc).__name__, exc)
+            disk.turn_off(f"reading failed: {type(exc).__name__}: {exc}")
+        finally:
+            # pages planned but not read (a file that failed its checks, and what follows): freed, deepest first
+            self.unplan([node for _, (node, _) in sorted(fresh.items(), reverse=True)], self.role)
         return have, read * self.page_tokens
 
     @property
@@ -292,6 +299,7 @@ class PageStore:
         disk = self.disk
         while disk is not None and self.to_disk and not disk.off_reason:
             node = self.to_disk.popleft()
+            node.to_disk = False
             page = node.pages.get(self.role)
             gone = node.parent is None or node.parent.children.get(node.tokens) is not node
             if page is None or page.crc is None or gone:
@@ -300,14 +308,24 @@ class PageStore:
             if key in disk:
                 continue
             parent = disk.root_key if node.parent is self.tree.root else self._key(node.parent)
-            data = bytes(self.arena[page.offset : page.offset + self._page_bytes()])
-            if zlib.crc32(data) == page.crc:
-                disk.write(key, parent, node.depth, node.tokens, data)
+            if page_crc(self.arena, page) == page.crc:  # (as sealed: over the page's whole allocation)
+                disk.write(
+                    key,
+                    parent,
+                    node.depth,
+                    node.tokens,
+                    bytes(self.arena[page.offset : page.offset + self._page_bytes()]),
+                )
                 return self.disk_pending
-        self.to_disk.clear()
+        self._unqueue()
         if disk is not None:
             disk.save_index()
         return self.disk_pending
+
+    def _unqueue(self) -> None:
+        for node in self.to_disk:
+            node.to_disk = False
+        self.to_disk.clear()
 
     def clear(self, memory_only: bool = False) -> tuple[int, int, int, int]:
         """Drop every unlocked page (and, unless ``memory_only``, every page on
@@ -315,7 +333,7 @@ class PageStore:
         pages, used = self.tree.pages(), self.tree.allocator.used
         self.release()
         self.tree.clear()
-        self.to_disk.clear()
+        self._unqueue()
         disk_pages = disk_bytes = 0
         if self.disk is not None and not memory_only:
             disk_pages, disk_bytes = self.disk.clear()
@@ -462,7 +480,12 @@ class PageStore:
             chain = self.tree.match(tokens[:full], self.role, count=False)
             keys = [self._key(node) for node in chain]
             self.disk.touch([k for k in keys if k in self.disk])
-            self.to_disk.extend(node for node, k in zip(chain, keys) if k not in self.disk)
+            for node, k in zip(chain, keys):
+                if k not in self.disk and not node.to_disk:  # (each queued once)
+                    node.to_disk = True
+                    self.to_disk.append(node)
+            if len(self.to_disk) > MAX_QUEUED:  # no time between requests to write them: drop the evicted
+                self.to_disk = collections.deque(n for n in self.to_disk if n.pages.get(self.role) is not None)
         if not planned:
             return 0
         nodes = [node for _, node in planned]

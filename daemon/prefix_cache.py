@@ -131,6 +131,7 @@ class Node:
     locks: int = 0
     serial: int = 0  # creation order, for stable tie-breaking
     disk_key: Optional[bytes] = None  # its key in the disk tier, once computed (daemon/disk_cache.py)
+    to_disk: bool = False  # queued to be written to the disk tier
 
     @property
     def prefix_tokens(self) -> int:

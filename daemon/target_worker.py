@@ -247,15 +247,25 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
             dropped,
         )
     if disk_identity:
-        store.disk = disk_tier(store, config, f"{disk_identity} {computed}")
+        # files outlive this daemon: also the llama.cpp build, its CPU features and the weights' layout, which
+        # a later start (an upgrade, another setting, a home directory shared with another machine) may change
+        version, features = model.runtime()
+        runtime = f"llama.cpp={version} extra_buffers={model.extra_buffers} cpu={features.strip()}"
+        store.disk = disk_tier(store, config, f"{disk_identity} {computed} {runtime}")
     return store
+
+
+def disk_dir(config: WorkerConfig) -> Path:
+    from .disk_cache import default_dir
+
+    return Path(config["disk_cache_dir"]) if config["disk_cache_dir"] else default_dir()
 
 
 def disk_tier(store, config: WorkerConfig, identity: str):
     """The prefix cache's disk tier for this model (None: off, or unusable, with a warning)."""
-    from .disk_cache import DiskTier, default_dir, disk_budget
+    from .disk_cache import DiskTier, disk_budget
 
-    root = Path(config["disk_cache_dir"]) if config["disk_cache_dir"] else default_dir()
+    root = disk_dir(config)
     budget = disk_budget(config["disk_cache_bytes"], root)
     if budget <= 0:
         return None
@@ -452,22 +462,37 @@ class TargetLoop:
     def _clear_cache(self, msg: CacheClear) -> None:
         self.engine.forget_live()  # nothing the requests before left is reused after a clear
         cache = self.engine.cache
+        if cache is None or cache.disk is None:  # no disk tier in this daemon: page files of earlier ones go too
+            disk_pages, disk_bytes = self._clear_disk_dir() if not msg.memory_only else (0, 0)
         if cache is None:
-            self.send(CacheCleared(id=msg.id, pages=0, bytes=0, cache=None))
+            self.send(CacheCleared(id=msg.id, pages=0, bytes=0, disk_pages=disk_pages, disk_bytes=disk_bytes))
             return
-        pages, used, disk_pages, disk_bytes = cache.clear(memory_only=msg.memory_only)
+        if cache.disk is None:
+            pages, used, _, _ = cache.clear(memory_only=True)
+        else:
+            pages, used, disk_pages, disk_bytes = cache.clear(memory_only=msg.memory_only)
         self._save_cache_index()
         log.info(
             "prefix cache cleared: %d pages, %d bytes%s",
             pages,
             used,
-            "" if cache.disk is None or msg.memory_only else f"; on disk {disk_pages} pages, {disk_bytes} bytes",
+            "" if msg.memory_only else f"; on disk {disk_pages} pages, {disk_bytes} bytes",
         )
         self.send(
             CacheCleared(
                 id=msg.id, pages=pages, bytes=used, disk_pages=disk_pages, disk_bytes=disk_bytes, cache=cache.info()
             )
         )
+
+    def _clear_disk_dir(self) -> tuple[int, int]:
+        from .disk_cache import clear_dir
+
+        try:
+            pages, nbytes, _ = clear_dir(disk_dir(self.config))
+        except OSError as exc:
+            log.warning("prefix cache: could not remove the disk tier's page files: %s", exc)
+            return 0, 0
+        return pages, nbytes
 
     def _save_cache_index(self) -> None:
         from .arena import index_path

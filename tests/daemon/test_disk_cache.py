@@ -215,17 +215,69 @@ def test_another_models_pages_go_first(tmp_path):
 def test_a_full_or_read_only_disk_turns_the_tier_off_and_never_raises(tmp_path, monkeypatch, caplog):
     tier = open_tier(tmp_path)
     keys = chain(tier, TOKENS[:1])
+    real_write = DiskTier._write_file
 
-    def full(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(self, path, data, sync=False):  # the disk fills halfway through the page
+        real_write(self, path, data[:10])
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(disk_cache.os, "write", full)
+    monkeypatch.setattr(DiskTier, "_write_file", full)
     with caplog.at_level(logging.WARNING, logger="tandem.cache"):
         assert not tier.write(child_key(keys[0], TOKENS[1]), keys[0], 1, TOKENS[1], page(1))
     assert tier.off_reason and "the disk is full" in caplog.text
     assert tier.info().state.startswith("off: the disk is full")
-    assert not list(tier.path.glob("*.tmp"))  # the half-written file is gone
     assert not tier.write(child_key(keys[0], TOKENS[2]), keys[0], 1, TOKENS[2], page(2))  # quietly, from now on
+
+
+def test_a_held_bucket_of_another_model_counts_and_stays(tmp_path):
+    other = open_tier(tmp_path, identity="other model")  # a running daemon on another model holds it
+    chain(other, TOKENS)
+    budget = 5 * other.file_bytes
+    tier = open_tier(tmp_path, budget=budget)
+    chain(tier, [[1, 1, 1, 1], [2, 2, 2, 2]])
+    assert tier.write(child_key(tier.root_key, [9, 9, 9, 9]), tier.root_key, 0, [9, 9, 9, 9], page(9))
+    assert len(other.entries) == 3 and all(other.path.glob("*.page"))  # never removed
+    assert len(tier.entries) == 2 and tier.stats.evictions == 1  # this one's own page went instead
+    assert tier.bytes_used + other.bytes_used <= budget
+
+
+def test_nothing_but_buckets_is_ever_removed(tmp_path):
+    models = tmp_path / "models"  # --disk-cache-dir pointed at ~/.cache/tandem, say
+    models.mkdir()
+    (models / "model.gguf").write_bytes(b"GGUF")
+    lookalike = tmp_path / ("0" * 32)  # named like a bucket, but not one
+    lookalike.mkdir()
+    (lookalike / "notes.txt").write_text("mine")
+    other = open_tier(tmp_path, identity="other model")
+    chain(other, TOKENS)
+    other.close()
+    tier = open_tier(tmp_path)
+    chain(tier, TOKENS[:2])
+    assert tier.clear() == (5, 5 * tier.file_bytes)
+    assert (models / "model.gguf").read_bytes() == b"GGUF" and (lookalike / "notes.txt").read_text() == "mine"
+    assert disk_cache.clear_dir(tmp_path) == (0, 0, 1)  # (the one held is this test's own)
+    assert (models / "model.gguf").exists()
+
+
+def test_too_little_free_space_evicts_nothing_it_cannot_use(tmp_path, monkeypatch, caplog):
+    tier = open_tier(tmp_path)
+    keys = chain(tier, TOKENS)
+    monkeypatch.setattr(disk_cache, "free_bytes", lambda path: 0)  # full of someone else's files
+    monkeypatch.setattr(disk_cache, "free_reserve", lambda path: 10 * tier.file_bytes)
+    with caplog.at_level(logging.WARNING, logger="tandem.cache"):
+        assert not tier.write(child_key(keys[-1], [0, 0, 0, 0]), keys[-1], 3, [0, 0, 0, 0], page(0))
+    assert len(tier.entries) == 3 and not tier.off_reason  # kept: evicting them would not have made room
+    assert "too little free space" in caplog.text
+
+
+def test_a_lowered_budget_is_enforced_at_start(tmp_path):
+    tier = open_tier(tmp_path)
+    chain(tier, TOKENS)
+    tier.save_index()
+    tier.close()
+    again = open_tier(tmp_path, budget=2 * tier.file_bytes)
+    assert again.bytes_used <= 2 * tier.file_bytes and len(again.entries) == 2
+    assert len(list(again.path.glob("*.page"))) == 2
 
 
 def test_clear_removes_every_page_file(tmp_path):
@@ -254,7 +306,8 @@ def test_clear_dir_without_a_daemon_leaves_a_held_bucket(tmp_path):
 # --------------------------------------------------------------------------- with a model's real KV pages
 
 
-def test_pages_spilled_to_disk_restore_bit_identical_logits_into_an_empty_arena(smollm2_path, tmp_path):
+@pytest.mark.parametrize("page_tokens", [16, 5])  # (5: a page whose bytes are no multiple of the arena's alignment)
+def test_pages_spilled_to_disk_restore_bit_identical_logits_into_an_empty_arena(smollm2_path, tmp_path, page_tokens):
     from multiprocessing import shared_memory
 
     import numpy as np
@@ -263,7 +316,6 @@ def test_pages_spilled_to_disk_restore_bit_identical_logits_into_an_empty_arena(
     from tandem.daemon.page_store import PageStore
     from tandem.daemon.prefix_cache import ExtentAllocator, PageTree
 
-    page_tokens = 16
     model = LlamaModel(smollm2_path, n_ctx=512)
     shms = [shared_memory.SharedMemory(create=True, size=8 << 20) for _ in range(2)]
     try:
@@ -275,11 +327,14 @@ def test_pages_spilled_to_disk_restore_bit_identical_logits_into_an_empty_arena(
             s.disk = DiskTier.open(tmp_path, IDENTITY, repr(s.layout), page_tokens, page_bytes, 64 << 20)
             return s
 
-        prompt = model.tokenize("Tool output: the build passed with 3 warnings. " * 12, add_special=True)[:70]
+        prompt = model.tokenize("Tool output: the build passed with 3 warnings. " * 12, add_special=True)
+        prompt = prompt[: 4 * page_tokens + page_tokens // 2]
         first = store_with_disk(shms[0])
         model.clear()
         model.decode(prompt)
         assert first.store(prompt) == 4
+        assert len(first.to_disk) == 4
+        first.store(prompt)  # stored again: queued once
         assert len(first.to_disk) == 4
         while first.spill():
             pass
@@ -304,8 +359,24 @@ def test_pages_spilled_to_disk_restore_bit_identical_logits_into_an_empty_arena(
         second.release()
         assert second.info().disk.pages_read == 4
 
-        # a damaged page: the restore stops before it, the output stays the same
+        # an arena with room for two pages: two are read from disk, the rest of the prompt is read
         second.disk.close()
+        small_shm = shared_memory.SharedMemory(create=True, size=8 << 20)
+        shms.append(small_shm)
+        small = PageStore(
+            PageTree(page_tokens, ExtentAllocator(2 * second.tree.allocator._round(second._page_bytes()))),
+            small_shm.buf,
+            model,
+        )
+        small.probe_layout()
+        small.disk = DiskTier.open(tmp_path, IDENTITY, repr(small.layout), page_tokens, small._page_bytes(), 64 << 20)
+        n = small.restore(follow_up)
+        assert n == 2 * page_tokens and small.tree.pages() == 2
+        assert np.array_equal(model.decode(follow_up[n:])[0], expected)
+        small.release()
+        small.disk.close()
+
+        # a damaged page: the restore stops before it, the output stays the same
         third_shm = shared_memory.SharedMemory(create=True, size=8 << 20)
         shms.append(third_shm)
         victim = sorted(second.disk.entries.values(), key=lambda e: e.depth)[2]

@@ -274,6 +274,32 @@ def test_cache_seen_turns_cumulative_counters_into_increments_and_sets_the_gauge
     assert value(metrics, "tandem_prefix_cache_pages") == 1
 
 
+def test_the_disk_tier_has_its_own_counters_and_gauges(metrics):
+    from dataclasses import replace
+
+    from tandem.protocol import DiskCacheInfo
+
+    def disk(hits, tokens, written, state="on"):
+        return DiskCacheInfo(
+            "/kv/ab", state, written, written * 1000, 1 << 30, hits, tokens, 0, 0.0, written, 0, 0.0, 0, 1
+        )
+
+    metrics.cache_seen(cache(hits=2, misses=1, evictions=0))  # before the tier reported anything
+    metrics.cache_seen(replace(cache(hits=3, misses=1, evictions=0), disk=disk(1, 64, 4)))
+    metrics.cache_seen(
+        replace(cache(hits=4, misses=1, evictions=0), disk=disk(2, 128, 9, state="off: the disk is full"))
+    )
+    assert value(metrics, "tandem_prefix_cache_hits_total") == 4
+    assert value(metrics, "tandem_prefix_cache_disk_hits_total") == 2
+    assert value(metrics, "tandem_prefix_cache_disk_tokens_total") == 128
+    assert value(metrics, "tandem_prefix_cache_disk_pages_written_total") == 9
+    assert value(metrics, "tandem_prefix_cache_disk_dropped_total") == 1
+    assert value(metrics, "tandem_prefix_cache_disk_pages") == 9
+    assert value(metrics, "tandem_prefix_cache_disk_bytes") == 9000
+    assert value(metrics, "tandem_prefix_cache_disk_budget_bytes") == 1 << 30
+    assert value(metrics, "tandem_prefix_cache_disk_on") == 0
+
+
 def test_cache_counters_of_a_restarted_worker_count_from_zero_again(metrics):
     metrics.cache_seen(cache(hits=10, misses=4, evictions=2))
     metrics.cache_seen(cache(hits=1, misses=0, evictions=2))  # a new worker: hits went down, so it restarted

@@ -239,6 +239,18 @@ def test_waiting_clears_are_done_by_one_and_bounded(h):
     assert h.started() == ["a", "b"]
 
 
+@pytest.mark.parametrize("kinds, memory_only", [((True, True), True), ((True, False), False), ((False, True), False)])
+def test_coalesced_clears_keep_the_disk_only_if_every_one_asks(h, kinds, memory_only):
+    h.submit(b"C1", "a")
+    h.s.start_next()
+    for i, kind in enumerate(kinds):
+        h.s.clear_cache(b"C%d" % i, CacheClear(id=f"k{i}", memory_only=kind))
+    h.worker_says(done("a"))
+    h.s.start_next()
+    (sent,) = [m for m in h.to_target if isinstance(m, CacheClear)]
+    assert sent.id == "k0" and sent.memory_only is memory_only
+
+
 def test_a_duplicate_id_from_the_connection_that_owns_it_is_answered_without_the_id(h):
     h.submit(b"C1", "a")
     h.s.start_next()

@@ -30,6 +30,17 @@ def pages_on_disk(kv) -> list:
     return sorted(kv.rglob("*.page"))
 
 
+def bytes_on_disk(kv) -> int:
+    """Bytes of every file in the tier (temporary ones too), as the worker may be writing and evicting."""
+    total = 0
+    for p in kv.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() and p.name not in ("index", "lock") else 0
+        except FileNotFoundError:
+            pass
+    return total
+
+
 def test_a_prompt_survives_a_reboot_and_bad_page_files_are_ignored(start_daemon, tandem_cli):
     before = arenas()
     first = start_daemon("--ctx-size", "1024")
@@ -83,11 +94,14 @@ def test_a_prompt_survives_a_reboot_and_bad_page_files_are_ignored(start_daemon,
 
     # a file of an older page format, and a truncated one: ignored at the next start, with a warning
     files = sorted(pages_on_disk(kv), key=lambda p: disk_cache.HEADER.unpack_from(p.read_bytes())[3])
-    old, short = files[0], files[1]
+    old, short, foreign = files[0], files[1], files[2]
     raw = bytearray(old.read_bytes())
     struct.pack_into("<I", raw, 8, disk_cache.FORMAT_VERSION - 1)
     old.write_bytes(bytes(raw))
     short.write_bytes(short.read_bytes()[:1000])
+    as_root = os.getuid() == 0  # (CI runs as root: giving a file to another user needs it)
+    if as_root:
+        os.chown(foreign, 65534, 65534)
     fourth = start_daemon("--ctx-size", "1024", env={"TANDEM_DISK_CACHE_DIR": str(kv)})
     with fourth.client() as client:
         out = client.complete(messages=MESSAGES, max_tokens=24, temperature=0.0)
@@ -95,7 +109,50 @@ def test_a_prompt_survives_a_reboot_and_bad_page_files_are_ignored(start_daemon,
     assert fourth.stop() == 0
     log = fourth.log()
     assert "an older tandem's" in log and "truncated" in log, log
+    assert not as_root or f"ignoring {foreign}: not this user's own" in log, log
     assert tier_dir.is_dir()
+
+
+def test_another_models_pages_are_never_read(start_daemon, coder_path):
+    smol = start_daemon("--ctx-size", "1024")
+    kv = smol.dir / "kv"
+    with smol.client() as client:
+        client.complete(messages=MESSAGES, max_tokens=4, temperature=0.0)
+    assert smol.stop() == 0
+    files = {p: p.read_bytes() for p in pages_on_disk(kv)}
+    assert files
+    coder = start_daemon("--ctx-size", "1024", model=coder_path, env={"TANDEM_DISK_CACHE_DIR": str(kv)})
+    with coder.client() as client:
+        assert client.status().cache.disk.pages == 0
+        out = client.complete(messages=MESSAGES, max_tokens=4, temperature=0.0)
+    assert out.usage.cached_tokens == 0 and out.cache.disk.pages_read == 0
+    assert coder.stop() == 0
+    assert "1 other bucket(s)" in coder.log() and "not read" in coder.log(), coder.log()
+    assert all(p.read_bytes() == raw for p, raw in files.items())  # and left as they were, in budget
+
+
+def test_the_disk_budget_holds_under_a_long_random_workload(start_daemon):
+    import random
+
+    budget = 3 << 20
+    d = start_daemon("--ctx-size", "1024", "--disk-cache-bytes", str(budget))
+    kv = d.dir / "kv"
+    rng = random.Random(3)
+    words = "alpha beta gamma delta build test file error warning module function class import".split()
+    with d.client() as client:
+        for i in range(24):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(60, 200)))
+            client.complete(prompt=f"{i}: {text}", max_tokens=2, temperature=0.0)
+            assert bytes_on_disk(kv) <= budget
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            disk = client.status().cache.disk
+            if disk.pages_written and disk.evictions:
+                break
+            time.sleep(0.1)
+    assert d.stop() == 0
+    assert disk.evictions > 0 and 0 < disk.bytes_used <= budget
+    assert bytes_on_disk(kv) <= budget
 
 
 def test_cache_clear_clears_both_tiers_or_memory_only(start_daemon, tandem_cli):

@@ -139,7 +139,9 @@ def one_run(r: int, args, model: Path) -> dict:
             d = client.status().cache.disk
             row[f"{key}_pages_read"], row[f"{key}_read_seconds"] = d.pages_read, d.read_seconds
         stop(proc, client)
-        say(f"  {system:9s} " + json.dumps({k: v for k, v in row.items() if k.split("_")[0] in system.split()[-1]}))
+        prefix = {"disk warm": "warm_", "disk cold": "cold_", "no disk": "no_disk_"}[system]
+        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k.startswith(prefix)}
+        say(f"  {system:9s} " + json.dumps(shown))
     return row
 
 

@@ -165,6 +165,8 @@ def test_cache_clear_clears_both_tiers_or_memory_only(start_daemon, tandem_cli):
             time.sleep(0.05)  # written between requests, never while one waits
         on_disk = client.status().cache.disk.pages
         assert on_disk > 0
+    out = tandem_cli(d.socket, "status")
+    assert out.returncode == 0 and f"disk:      on: {on_disk:,} pages" in out.stdout, out.stdout + out.stderr
     out = tandem_cli(d.socket, "cache", "clear", "--memory-only")
     assert out.returncode == 0 and "from disk" not in out.stdout, out.stdout + out.stderr
     with d.client() as client:

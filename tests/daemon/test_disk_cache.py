@@ -212,20 +212,21 @@ def test_another_models_pages_go_first(tmp_path):
     assert not other.path.exists() and len(tier.entries) == 2
 
 
-def test_a_full_or_read_only_disk_turns_the_tier_off_and_never_raises(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("code, says", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "read-only file system")])
+def test_a_full_or_read_only_disk_turns_the_tier_off_and_never_raises(tmp_path, monkeypatch, caplog, code, says):
     tier = open_tier(tmp_path)
     keys = chain(tier, TOKENS[:1])
     real_write = DiskTier._write_file
 
-    def full(self, path, data, sync=False):  # the disk fills halfway through the page
+    def full(self, path, data, sync=False):  # the disk fills (or is remounted read-only) halfway through the page
         real_write(self, path, data[:10])
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        raise OSError(code, os.strerror(code), str(path))
 
     monkeypatch.setattr(DiskTier, "_write_file", full)
     with caplog.at_level(logging.WARNING, logger="tandem.cache"):
         assert not tier.write(child_key(keys[0], TOKENS[1]), keys[0], 1, TOKENS[1], page(1))
-    assert tier.off_reason and "the disk is full" in caplog.text
-    assert tier.info().state.startswith("off: the disk is full")
+    assert tier.off_reason and says in caplog.text
+    assert tier.info().state.startswith("off: ") and says in tier.info().state
     assert not tier.write(child_key(keys[0], TOKENS[2]), keys[0], 1, TOKENS[2], page(2))  # quietly, from now on
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -44,7 +45,8 @@ def test_multi_turn_chat_with_the_cache_equals_without(cached_daemon):
             first = cached
         st = client.status()
     c = st.cache
-    assert c is not None and c == cached.cache and c.page_tokens == 16
+    # (the disk tier's counts in status may have moved on since: pages written between requests)
+    assert c is not None and replace(c, disk=None) == replace(cached.cache, disk=None) and c.page_tokens == 16
     assert c.hits == 2 and c.misses == 1  # the first turn missed; the cache: false requests did not look
     assert c.tokens_from_cache > 0 and c.tokens_prefilled > 0 and 0 < c.bytes_used <= c.bytes_budget == 64 * 2**20
     assert 0 < c.tokens_from_live < c.tokens_from_cache  # turn 2 from the live KV, turn 3 from pages

@@ -31,60 +31,66 @@ from tandem.daemon import models
 from tandem.daemon.llama_model import LlamaModel
 
 
+class Probe:
+    def __init__(self, path, extra_buffers: bool):
+        self.m = LlamaModel(path, n_ctx=512, extra_buffers=extra_buffers, fast_prefill=True)
+        code = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+        toks = self.m.tokenize(code * 3, add_special=True)[:90]
+        self.base, self.rest = toks[:70], toks[70:90]
+
+    def fresh(self) -> None:
+        self.m.clear()
+        self.m.prefill(self.base)
+
+    def padded(self, seq, multiple: int = 4) -> list[int]:
+        return list(seq) + [self.rest[0]] * ((-len(seq)) % multiple)
+
+    def steps(self, pad_rows: bool) -> tuple[list, float]:
+        m = self.m
+        self.fresh()
+        out, started = [], time.perf_counter()
+        for t in self.rest:
+            n0 = m.n_past
+            out.append(m.decode(self.padded([t]) if pad_rows else [t], logits_for=[0])[0].copy())
+            m.truncate(n0 + 1)
+        return out, (time.perf_counter() - started) / len(self.rest)
+
+    def passes(self, width: int, pad_rows: bool) -> list:
+        m = self.m
+        self.fresh()
+        out, i = [], 0
+        while i < len(self.rest):
+            seq = self.rest[i : i + width]
+            n0 = m.n_past
+            rows = m.decode(self.padded(seq) if pad_rows else seq, logits_for=list(range(len(seq))))
+            out += [r.copy() for r in rows]
+            m.truncate(n0 + len(seq))
+            i += len(seq)
+        return out
+
+
+def same(x, y) -> int:
+    return sum(np.array_equal(p, q) for p, q in zip(x, y))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     args = ap.parse_args()
     path = models.pull(args.model)
     for extra_buffers in (False, True):
-        m = LlamaModel(path, n_ctx=512, extra_buffers=extra_buffers, fast_prefill=True)
-        code = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
-        toks = m.tokenize(code * 3, add_special=True)[:90]
-        base, rest = toks[:70], toks[70:90]
-        pad = rest[0]
-
-        def fresh():
-            m.clear()
-            m.prefill(base)
-
-        def padded(seq, multiple=4):
-            return list(seq) + [pad] * ((-len(seq)) % multiple)
-
-        def steps(pad_rows: bool) -> tuple[list, float]:
-            fresh()
-            out, started = [], time.perf_counter()
-            for t in rest:
-                n0 = m.n_past
-                out.append(m.decode(padded([t]) if pad_rows else [t], logits_for=[0])[0].copy())
-                m.truncate(n0 + 1)
-            return out, (time.perf_counter() - started) / len(rest)
-
-        def passes(width: int, pad_rows: bool) -> list:
-            fresh()
-            out, i = [], 0
-            while i < len(rest):
-                seq = rest[i : i + width]
-                n0 = m.n_past
-                rows = m.decode(padded(seq) if pad_rows else seq, logits_for=list(range(len(seq))))
-                out += [r.copy() for r in rows]
-                m.truncate(n0 + len(seq))
-                i += len(seq)
-            return out
-
-        a, ta = steps(False)
-        b, tb = steps(True)
-        c, d, e = passes(5, True), passes(5, False), passes(8, True)
-
-        def same(x, y):
-            return sum(np.array_equal(p, q) for p, q in zip(x, y))
-
-        n = len(rest)
-        print(f"extra buffers {'on' if extra_buffers else 'off'}: step {ta * 1000:.1f} ms, padded step {tb * 1000:.1f} ms")
+        p = Probe(path, extra_buffers)
+        a, ta = p.steps(False)
+        b, tb = p.steps(True)
+        c, d, e = p.passes(5, True), p.passes(5, False), p.passes(8, True)
+        n = len(p.rest)
+        on = "on" if extra_buffers else "off"
+        print(f"extra buffers {on}: step {ta * 1000:.1f} ms, padded step {tb * 1000:.1f} ms")
         print(f"  (b) padded step = (a) step: {same(b, a)}/{n}")
         print(f"  (c) 5-token pass padded to 8 = (b): {same(c, b)}/{n}, = (a): {same(c, a)}/{n}")
         print(f"  (d) 5-token pass unpadded = (a): {same(d, a)}/{n}")
         print(f"  (e) 8-token pass = (b): {same(e, b)}/{n}")
-        m.close()
+        p.m.close()
     return 0
 
 

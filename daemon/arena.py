@@ -65,19 +65,25 @@ def _arena_re() -> re.Pattern:
     return re.compile(rf"tandem-kv-{os.getuid()}-([0-9a-f]{{32}}|\d+)(\.index)?")
 
 
+def check_own(st: os.stat_result, path: str | Path, directory: bool = False, fix: str = "") -> None:
+    """``UntrustedFile`` unless ``st`` is of a regular file (or ``directory``) of
+    this user that nobody else may use; ``fix`` is added to the mode's complaint."""
+    if not (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)):
+        why = "not a directory (or a symbolic link)" if directory else "not a regular file"
+        raise UntrustedFile(errno.ENOTDIR if directory else errno.EPERM, why, str(path))
+    if st.st_uid != os.getuid():
+        raise UntrustedFile(errno.EPERM, f"owned by uid {st.st_uid}, not by this user ({os.getuid()})", str(path))
+    if st.st_mode & 0o077:
+        raise UntrustedFile(errno.EPERM, f"mode {stat.S_IMODE(st.st_mode):04o}: others may use it{fix}", str(path))
+
+
 def open_own(path: str | Path, flags: int = os.O_RDONLY) -> int:
     """Open ``path`` (never through a symbolic link) and return the fd, only if
     it is a regular file of this user that nobody else can read or write;
     otherwise ``UntrustedFile`` (or the open's own OSError)."""
     fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UntrustedFile(errno.EPERM, "not a regular file", str(path))
-        if st.st_uid != os.getuid():
-            raise UntrustedFile(errno.EPERM, f"owned by uid {st.st_uid}, not by this user ({os.getuid()})", str(path))
-        if st.st_mode & 0o077:
-            raise UntrustedFile(errno.EPERM, f"mode {stat.S_IMODE(st.st_mode):04o}: others may use it", str(path))
+        check_own(os.fstat(fd), path)
     except BaseException:
         os.close(fd)
         raise

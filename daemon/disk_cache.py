@@ -54,7 +54,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import struct
 import time
 import zlib
@@ -66,7 +65,7 @@ import msgpack
 
 from tandem.protocol import DiskCacheInfo
 
-from .arena import UntrustedFile, open_own
+from .arena import UntrustedFile, check_own, open_own
 
 log = logging.getLogger("tandem.cache")
 
@@ -236,15 +235,7 @@ def _private_dir(path: Path) -> None:
     """Create ``path`` (and parents) 0700, or check that it is this user's own
     directory that nobody else may use; ``UntrustedFile`` otherwise."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UntrustedFile(errno.ENOTDIR, "not a directory (or a symbolic link)", str(path))
-    if st.st_uid != os.getuid():
-        raise UntrustedFile(errno.EPERM, f"owned by uid {st.st_uid}, not by this user ({os.getuid()})", str(path))
-    if st.st_mode & 0o077:
-        raise UntrustedFile(
-            errno.EPERM, f"mode {stat.S_IMODE(st.st_mode):04o}: others may use it (chmod 700 it)", str(path)
-        )
+    check_own(os.lstat(path), path, directory=True, fix=" (chmod 700 it)")
 
 
 class DiskTier:
@@ -349,10 +340,11 @@ class DiskTier:
             else:
                 try:
                     st = e.stat(follow_symlinks=False)
-                    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                        why = "not this user's own private file"
-                    elif st.st_size != size or size != self.file_bytes:
+                    check_own(st, e.path)
+                    if st.st_size != size or size != self.file_bytes:
                         why = f"holds {st.st_size} bytes, not {self.file_bytes} (truncated?)"
+                except UntrustedFile as exc:
+                    why = f"not this user's own private file ({exc.strerror})"
                 except OSError as exc:
                     why = exc.strerror or str(exc)
             if not reachable and not why:

@@ -185,7 +185,8 @@ PROMPT = "A prefix the cache keeps between turns. " * 8
 
 @root_only
 def test_an_index_another_user_planted_is_not_trusted(start_daemon, restart_target):
-    d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M")
+    # the disk tier off: its own (genuine) copies of the pages would legitimately restore them
+    d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M", "--disk-cache-bytes", "0")
     with d.client() as c:
         plain = c.complete(prompt=PROMPT, max_tokens=8, ignore_eos=True, temperature=0).text
         index = index_path(arena_of(c.status().pid))
@@ -200,8 +201,9 @@ def test_an_index_another_user_planted_is_not_trusted(start_daemon, restart_targ
 def test_pages_that_do_not_restore_are_dropped_and_the_request_still_succeeds(start_daemon, restart_target):
     """An index whose pages point at zeroed bytes with the zero page's checksum
     (what a planted index did before owners were checked) passes the integrity
-    check; restoring it must not fail the request (it was INTERNAL)."""
-    d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M")
+    check; restoring it must not fail the request (it was INTERNAL). The disk
+    tier is off: its genuine copies of the pages would restore them instead."""
+    d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M", "--disk-cache-bytes", "0")
     with d.client() as c:
         plain = c.complete(prompt=PROMPT, max_tokens=8, ignore_eos=True, temperature=0).text
         arena = arena_of(c.status().pid)

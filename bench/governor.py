@@ -23,7 +23,7 @@ identical to plain.
 (A B A B ...), on a governed daemon with one state per task and on one with a
 single state for all requests, against plain.
 
-    python bench/governor.py --target PRESET|PATH --drafter PRESET|PATH|ngram [--runs 3] [--prompts 3] [--tokens 64]
+    python bench/governor.py --target PRESET|PATH --drafter PRESET|PATH|ngram|suffix [--runs 3] [--prompts 3] [--tokens 64]
         [--kinds json support story code edit] [--alternate edit,story --cycles 4]
 """
 
@@ -87,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
 
     target = model_path(args.target)
-    drafter = "ngram" if args.drafter == "ngram" else str(model_path(args.drafter))
+    drafter = args.drafter if args.drafter in ("ngram", "suffix") else str(model_path(args.drafter))
     corpus = load_all_kinds()
     state = Path(tempfile.mkdtemp(prefix="tdm-gov-state-"))
     print(

@@ -460,7 +460,9 @@ class Engine:
         if self.governors is None or req.draft == "on" or (req.seed is not None and req.temperature > 0):
             return None
         key = task_key(tokens) + ("" if k == self.draft_tokens else f"/k{k}")
-        return self.governors.get(key, k)
+        governor = self.governors.get(key, k)
+        governor.new_request()
+        return governor
 
     def _governed_round(self, state: RequestState) -> list[int]:
         """A round of the kind the governor asks for, timed for it. While the
@@ -470,6 +472,8 @@ class Engine:
         of switching, paid once per probe, not of drafting."""
         governor, drafter = state.governor, state.drafter
         assert governor is not None and drafter is not None
+        if drafter.free_proposals and governor.costs is not None:
+            return self._gated_round(state, governor, drafter)
         if not drafter.ready():
             state.drafted_last = False
             return self._round(state, None)[0]
@@ -489,14 +493,43 @@ class Engine:
         state.drafted_last = drafting
         return tokens
 
+    def _gated_round(self, state: RequestState, governor: Governor, drafter: Drafter) -> list[int]:
+        """A governed round of a drafter whose proposals are free (prompt lookup):
+        propose every round, and verify as many of the drafts as the governor
+        predicts pay for the proposal's evidence (none: a plain round, the proposal
+        then followed in what decoding produces). See governor.py."""
+        context = state.context()
+        left = min(state.req.max_tokens - len(state.completion) - 1, self.model.n_ctx - len(context))
+        proposal, dists = drafter.propose(context, min(state.k, left), state.p_min) if left > 0 else ([], None)
+        match = drafter.evidence
+        k = governor.gated_length(len(proposal), match)
+        started = self.clock()
+        if k:
+            chosen = (proposal[:k], dists[:k] if dists is not None else None)
+            tokens, timed = self._round(state, drafter, k, proposal=chosen)
+        else:
+            tokens, timed = self._round(state, None)
+        seconds = self.clock() - started
+        drafted, accepted = state.last_round[0], state.last_round[1]
+        if timed:
+            governor.observe(*state.last_round)
+        governor.gated_round(proposal, match, drafted, accepted, tokens, seconds if timed else None)
+        state.drafted_last = bool(drafted)
+        return tokens
+
     def _round(
-        self, state: RequestState, drafter: Optional[Drafter], k: Optional[int] = None
+        self,
+        state: RequestState,
+        drafter: Optional[Drafter],
+        k: Optional[int] = None,
+        proposal: Optional[tuple[list[int], Optional[list[SparseDist]]]] = None,
     ) -> tuple[list[int], bool]:
         """One round (of at most ``k`` drafts; None: the request's). The context
         ends with the last sampled token, which the target has not seen yet.
         Returns the tokens this round adds (>= 1) and whether it ran as asked
         (False: no room left to draft in it). ``state.last_round`` says what it
-        did: (drafts, accepted, drafter seconds, target seconds, tokens read)."""
+        did: (drafts, accepted, drafter seconds, target seconds, tokens read).
+        ``proposal``: the drafter's drafts (and q) for this round, already asked for."""
         model, context = self.model, state.context()
         # room for drafts: before max_tokens (the round adds one token of its own)
         # and inside the context (the target reads the pending token + the drafts)
@@ -513,7 +546,8 @@ class Engine:
             # jump-forward: the grammar's only continuation, verified as drafts (no drafter needed)
             drafts, dists = forced, [SparseDist.one_hot(t) for t in forced]
         elif drafter is not None and room > 0:
-            drafts, dists = drafter.propose(context, room, state.p_min)
+            drafts, dists = drafter.propose(context, room, state.p_min) if proposal is None else proposal
+            drafts, dists = drafts[:room], dists[:room] if dists is not None else None
             if constraint is not None and drafts:  # what the grammar forbids costs no target compute
                 n = constraint.valid_prefix(drafts)
                 drafts, dists = drafts[:n], dists[:n] if dists is not None else None

@@ -52,6 +52,18 @@ at the best length is predicted to pay with the acceptance it measured (not by
 its own speed); once drafting, the measured averages above decide whether it
 goes on.
 
+**Free proposals (prompt lookup: ``Drafter.free_proposals``).** A drafter
+without a model proposes at no cost, so the governor does not probe: the engine
+asks for a proposal every round, with its evidence (the length of the match it
+copies from), and the governor verifies the predicted best number of its drafts
+(0: a plain round) from the acceptance measured for proposals of that evidence
+(``GATE_BUCKETS``: match lengths 1, 2-3, 4-7, ... 64+). A proposal a plain round
+did not verify is followed in the tokens decoding produces instead (a *shadow*:
+whether they equal its drafts is what verifying them would have accepted, in
+distribution too when sampling, since its q is one-hot). So a copy-heavy stretch
+is found within a proposal or two and drafted, and a task where copies do not
+hold pays nothing to find that out.
+
 A ``GovernorBank`` keeps one governor per task (see ``task_key``) and persists
 them; ``Engine`` drives them.
 """
@@ -101,6 +113,15 @@ class GovernorParams:
     probe_budget: float = 0.01  # with pass costs: a failed probe costs at most this share of the time between probes
     prior_weight: float = 1.0  # with pass costs: drafts' worth of weight the pooled α has for a task
     alpha_window: int = 64  # drafting rounds: acceptance counts decay with this time constant
+    gate_prior: float = 0.5  # free proposals: the acceptance assumed of evidence not seen yet (weight prior_weight)
+
+
+GATE_BUCKETS = 7  # free proposals' evidence: match lengths 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64+
+
+
+def evidence_bucket(match: int) -> int:
+    """The bucket (1 ... GATE_BUCKETS) of a proposal copied after a match of ``match`` tokens."""
+    return min(max(match, 1).bit_length(), GATE_BUCKETS)
 
 
 @dataclass
@@ -263,6 +284,9 @@ class Governor:
     alpha_prior: float = 0.5  # the pooled α of every task when this one started
     costs: Optional[PassCosts] = field(default=None, repr=False)  # the machine's, shared; None: no predictions
     k_max: int = 4  # the daemon's draft length: what probes draft and predictions are for
+    # free proposals: [accepted, rejected] per evidence bucket (decaying like ``accepted``)
+    gate: dict[int, list[float]] = field(default_factory=dict)
+    shadow: Optional[list] = field(default=None, repr=False)  # [drafts, bucket, matched so far]: not verified
     plain: MovingRate = field(init=False)
     draft: MovingRate = field(init=False)
     _started: Optional[float] = field(default=None, init=False, repr=False)
@@ -333,6 +357,69 @@ class Governor:
     def skip_round(self) -> None:
         """The round started did not run as asked (no room left to draft): not counted."""
         self._started = None
+
+    # ---- free proposals (see the module's docstring)
+
+    def gate_alpha(self, bucket: int) -> float:
+        """The acceptance measured for proposals of this evidence bucket, smoothed toward ``gate_prior``."""
+        accepted, rejected = self.gate.get(bucket, (0.0, 0.0))
+        w = self.params.prior_weight
+        return (accepted + w * self.params.gate_prior) / (accepted + rejected + w)
+
+    def gated_length(self, proposed: int, match: int) -> int:
+        """How many drafts of a free proposal of ``proposed`` tokens, copied after a
+        match of ``match`` tokens, to verify: the predicted best, 0 (a plain round)
+        when no length is predicted to pay."""
+        if proposed <= 0 or self.costs is None:
+            return 0
+        k, speedup = self.costs.best(self.gate_alpha(evidence_bucket(match)), min(proposed, self.k_max))
+        return k if speedup >= self.params.threshold else 0
+
+    def gated_round(
+        self, proposal: list[int], match: int, drafted: int, accepted: int, tokens: list[int], seconds: Optional[float]
+    ) -> None:
+        """A round of free proposals ran: the engine proposed ``proposal`` (after a
+        match of ``match``), verified ``drafted`` of it (0: a plain round) and kept
+        ``accepted``; the round added ``tokens`` in ``seconds`` (None: not timed)."""
+        if drafted:
+            self._gate_add(evidence_bucket(match), accepted, drafted)
+        self._follow(tokens)
+        if not drafted and proposal and self.shadow is None:
+            self.shadow = [list(proposal), evidence_bucket(match), 0]
+            self._follow(tokens)
+        self.phase = DRAFTING if drafted else PLAIN
+        if drafted:
+            self.draft_rounds += 1
+        else:
+            self.plain_rounds += 1
+        if seconds is not None:
+            (self.draft if drafted else self.plain).add(len(tokens), seconds)
+
+    def new_request(self) -> None:
+        """A shadow does not carry over into another request's tokens."""
+        self.shadow = None
+
+    def _follow(self, tokens: list[int]) -> None:
+        shadow = self.shadow
+        if shadow is None:
+            return
+        drafts, bucket, matched = shadow
+        for t in tokens:
+            if t != drafts[matched]:
+                break
+            matched += 1
+            if matched == len(drafts):
+                break
+        else:
+            shadow[2] = matched
+            return
+        self._gate_add(bucket, matched, len(drafts))
+        self.shadow = None
+
+    def _gate_add(self, bucket: int, accepted: int, drafted: int) -> None:
+        decay = 1.0 - 1.0 / self.params.alpha_window
+        a, r = self.gate.get(bucket, (0.0, 0.0))
+        self.gate[bucket] = [a * decay + accepted, r * decay + (1.0 if accepted < drafted else 0.0)]
 
     # ---- the state machine
 
@@ -463,6 +550,7 @@ class Governor:
             "accepted": self.accepted,
             "rejected": self.rejected,
             "alpha_prior": self.alpha_prior,
+            "gate": {str(b): list(c) for b, c in sorted(self.gate.items())},
         }
 
     @classmethod
@@ -493,7 +581,18 @@ class Governor:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= top:
                 raise ValueError(f"bad {key}")
             counts[key] = float(v)
-        g = cls(params=params, clock=clock, debt=float(debt), **counts, **{k: d[k] for k in ("phase", *ints)})
+        gate = {}
+        for b, c in d.get("gate", {}).items():  # (absent in states written before free proposals)
+            if not (isinstance(b, str) and b.isdigit() and 1 <= int(b) <= GATE_BUCKETS):
+                raise ValueError(f"bad evidence bucket {b!r}")
+            if not (isinstance(c, list) and len(c) == 2):
+                raise ValueError("bad evidence counts")
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e9 for v in c):
+                raise ValueError("evidence counts out of range")
+            gate[int(b)] = [float(c[0]), float(c[1])]
+        g = cls(
+            params=params, clock=clock, debt=float(debt), gate=gate, **counts, **{k: d[k] for k in ("phase", *ints)}
+        )
         for name in ("plain", "draft"):
             tokens, seconds, n = d[name]
             if not (isinstance(tokens, (int, float)) and isinstance(seconds, (int, float)) and type(n) is int):

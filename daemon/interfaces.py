@@ -58,6 +58,12 @@ class Drafter(abc.ABC):
     without state of its own (no KV cache, no process): nothing to start, always
     ready, no prefix-cache pages, never down."""
 
+    # True: proposing costs next to nothing (prompt lookup: no model runs), so a
+    # governed request asks for a proposal every round and the governor weighs its
+    # ``evidence`` (see governor.py); False: proposing costs a drafter's steps.
+    free_proposals = False
+    evidence = 0  # of the last proposal: how many tokens the match it copies after is long
+
     def begin(self, request_id: str, prompt: list[int], sampler: "Sampler", prefill: bool = True) -> None:
         """A new request; ``prefill``: start reading the prompt now (in parallel with the target)."""
 

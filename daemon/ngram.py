@@ -20,6 +20,8 @@ from .speculative import SparseDist
 
 
 class NgramDrafter(Drafter):
+    free_proposals = True
+
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
@@ -46,6 +48,7 @@ class NgramDrafter(Drafter):
             self.tokens.append(t)
 
     def draft(self, k: int) -> list[int]:
+        self.evidence = 0
         if k <= 0:
             return []
         end = len(self.tokens)
@@ -53,6 +56,7 @@ class NgramDrafter(Drafter):
             key = tuple(self.tokens[end - n :])
             at = self._last_end.get(key)
             if at is not None and at < end:
+                self.evidence = n
                 return self.tokens[at : at + k]
         return []
 

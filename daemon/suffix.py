@@ -182,6 +182,8 @@ class ReplyMemory:
 
 
 class SuffixDrafter(Drafter):
+    free_proposals = True
+
     def __init__(self, factor: float = 1.0, memory_tokens: int = 1 << 16, min_match: int = 3):
         self.factor = factor
         self.min_match = min_match
@@ -195,6 +197,7 @@ class SuffixDrafter(Drafter):
     def draft(self, k: int) -> list[int]:
         """Up to ``k`` tokens to follow the context read so far."""
         assert self.index is not None
+        self.evidence = 0
         if k <= 0:
             return []
         length, end = self.index.earlier_match()
@@ -203,9 +206,12 @@ class SuffixDrafter(Drafter):
         if self.memory.matched > length:
             drafts = self.memory.continuation(self._budget(self.memory.matched, k))
             if drafts or length < self.min_match:
+                self.evidence = self.memory.matched if drafts else 0
                 return drafts
         at = end + 1
-        return self.index.tokens[at : at + self._budget(length, k)]
+        drafts = self.index.tokens[at : at + self._budget(length, k)]
+        self.evidence = length if drafts else 0
+        return drafts
 
     def _budget(self, match: int, k: int) -> int:
         return max(1, min(k, int(match * self.factor)))

@@ -20,6 +20,7 @@ from tandem.daemon.governor import (
     GovernorBank,
     GovernorParams,
     MovingRate,
+    evidence_bucket,
     state_file,
     task_key,
 )
@@ -518,3 +519,80 @@ def test_with_a_drafter_that_drafts_cold_a_new_task_probes_at_its_second_round(c
     g.observe(4, 0, 0.0, 0.025)  # nothing held: plain again, for the costed interval (doubled)
     rounds(g, clock, 1, plain_tps=100, draft_tps=100)
     assert g.phase == PLAIN and g.countdown >= costs.probe_interval(1, 0.01, 4)
+
+
+# --------------------------------------------------------------------------- free proposals (prompt lookup)
+
+
+@pytest.fixture
+def free_drafter(list_drafter):
+    """``free_drafter(script, wrong_at, match=8)``: a ListDrafter whose proposals cost
+    nothing, each copied after a match of ``match`` tokens."""
+
+    class FreeListDrafter(list_drafter):
+        free_proposals = True
+
+        def __init__(self, continuation: bytes, wrong_at: set[int], match: int = 8):
+            super().__init__(continuation, wrong_at)
+            self.match = match
+
+        def propose(self, context, k, p_min):
+            drafts, dists = super().propose(context, k, p_min)
+            self.evidence = self.match if drafts else 0
+            return drafts, dists
+
+    return FreeListDrafter
+
+
+def test_a_shadow_measures_what_verifying_a_proposal_would_have_accepted():
+    g = Governor(costs=PassCosts(TIMED_COSTS, drafter_prior=0.0))
+    g.gated_round([5, 6, 7, 8], match=8, drafted=0, accepted=0, tokens=[5], seconds=0.01)  # a plain round
+    assert g.shadow == [[5, 6, 7, 8], evidence_bucket(8), 1] and g.gate == {}
+    g.gated_round([9], match=2, drafted=0, accepted=0, tokens=[6], seconds=0.01)  # one shadow at a time
+    g.gated_round([], match=0, drafted=0, accepted=0, tokens=[7, 0], seconds=0.02)  # 8 expected, 0 came
+    assert g.shadow is None and g.gate == {evidence_bucket(8): [3.0, 1.0]}
+    assert g.gate_alpha(evidence_bucket(8)) == pytest.approx((3 + 0.5) / (4 + 1))
+    assert g.gate_alpha(evidence_bucket(64)) == 0.5  # evidence never seen: the prior
+    assert [evidence_bucket(m) for m in (0, 1, 2, 3, 4, 7, 8, 63, 64, 10**6)] == [1, 1, 2, 2, 3, 3, 4, 6, 7, 7]
+    g.new_request()
+    assert g.shadow is None
+    restored = Governor.from_dict(json.loads(json.dumps(g.to_dict())), g.params, g.clock)
+    assert restored.gate == g.gate
+    for bad in ({"8": [1, 2]}, {"4": [1]}, {"4": [-1, 0]}, {"x": [0, 0]}):
+        with pytest.raises(ValueError):
+            Governor.from_dict({**g.to_dict(), "gate": bad}, g.params, g.clock)
+
+
+def test_free_proposals_that_hold_are_drafted_from_the_first_request(clock, engine_run, free_drafter):
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0, drafts_cold=True)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    done, model = engine_run(clock, bank, free_drafter(SCRIPT, set()))
+    assert done.text == SCRIPT[:200].decode()
+    assert model.widths[0] > 1 and max(model.widths) == 5  # drafted at once (verifying is cheap here)
+    assert done.draft.acceptance_rate == 1.0 and done.draft.rounds >= 200 // 5 - 1
+    assert done.governor.phase == DRAFTING and done.governor.probes == 0  # nothing to probe
+
+
+def test_free_proposals_that_fail_cost_one_round_and_the_output_is_unchanged(clock, engine_run, free_drafter):
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0, drafts_cold=True)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    done, model = engine_run(clock, bank, free_drafter(SCRIPT, set(range(1000))))
+    assert done.text == SCRIPT[:200].decode()
+    assert sum(w > 1 for w in model.widths) == 1 == done.draft.rounds  # the prior's one try, then shadows
+    g = bank.get(bank.last_task)
+    assert g.gate_alpha(evidence_bucket(8)) < 0.05
+    done, model = engine_run(clock, bank, free_drafter(SCRIPT, set(range(1000))))
+    assert set(model.widths) == {1} and done.draft is None  # the next request knows
+
+
+def test_where_verifying_is_dear_free_proposals_are_drafted_once_a_shadow_shows_they_hold(clock, engine_run, free_drafter):
+    dear = {w: 0.010 + 0.006 * (w - 1) for w in range(1, 6)}  # a 5-token pass costs 3.4 one-token ones
+    costs = PassCosts(dear, drafter_prior=0.0, drafts_cold=True)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    done, model = engine_run(clock, bank, free_drafter(SCRIPT, set()))
+    assert done.text == SCRIPT[:200].decode()
+    assert model.widths[:4] == [1, 1, 1, 1]  # the prior (0.5) does not pay: a shadow of 4 drafts first
+    assert model.widths[4] > 1 and done.draft.acceptance_rate == 1.0
+    weak = free_drafter(SCRIPT, set(), match=1)  # the same drafts after a 1-token match: evidence not seen
+    done, model = engine_run(clock, bank, weak, prompt="another task")
+    assert model.widths[:4] == [1, 1, 1, 1]

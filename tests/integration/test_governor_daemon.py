@@ -112,12 +112,19 @@ def test_governor_state_survives_a_restart_and_is_keyed_by_the_models(short_tmpd
     assert json.loads(files[0].read_text())["version"] == 1  # replaced by a good one
 
 
-def test_ngram_drafter_is_governed_too(start_daemon):
-    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024")
-    code = "def area(width, height):\n    return width * height\n\n"
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_a_lookup_drafter_drafts_a_copy_from_the_first_request_and_changes_nothing(start_daemon, drafter):
+    """Prompt lookup proposes for free: the governor follows its proposals in what
+    plain rounds decode (or verifies them where the prior already pays) and drafts
+    a copy-heavy reply from the first request, without probing."""
+    d = start_daemon("--drafter", drafter, "--ctx-size", "1024")
+    block = "def area(width, height):\n    return width * height\n\n"
+    prompt = f"# the same function, again and again\n{block * 4}"
     with d.client() as client:
-        done = client.complete(
-            prompt=f"Rewrite this code exactly:\n{code}\nRewritten:\n", max_tokens=40, temperature=0.0
-        )
-        assert done.governor is not None and done.governor.plain_rounds >= 2
-        assert client.status().governor == done.governor
+        done = client.complete(prompt=prompt, max_tokens=48, temperature=0.0, ignore_eos=True)
+        off = client.complete(prompt=prompt, max_tokens=48, temperature=0.0, ignore_eos=True, draft="off")
+        assert done.text == off.text
+        g = done.governor
+        assert g is not None and g.probes == 0 and g.draft_rounds > 0 and done.draft.rounds == g.draft_rounds
+        assert done.draft.acceptance_rate > 0.5
+        assert client.status().governor == g

@@ -23,7 +23,8 @@ identical to plain.
 (A B A B ...), on a governed daemon with one state per task and on one with a
 single state for all requests, against plain.
 
-    python bench/governor.py --target PRESET|PATH --drafter PRESET|PATH|ngram|suffix [--runs 3] [--prompts 3] [--tokens 64]
+    python bench/governor.py --target PRESET|PATH --drafter PRESET|PATH|ngram|suffix [--runs 3] [--prompts 3]
+        [--tokens 64]
         [--kinds json support story code edit] [--alternate edit,story --cycles 4]
 """
 

@@ -585,7 +585,7 @@ def test_free_proposals_that_fail_cost_one_round_and_the_output_is_unchanged(clo
     assert set(model.widths) == {1} and done.draft is None  # the next request knows
 
 
-def test_where_verifying_is_dear_free_proposals_are_drafted_once_a_shadow_shows_they_hold(clock, engine_run, free_drafter):
+def test_where_verifying_is_dear_lookup_drafts_wait_for_a_shadow_that_holds(clock, engine_run, free_drafter):
     dear = {w: 0.010 + 0.006 * (w - 1) for w in range(1, 6)}  # a 5-token pass costs 3.4 one-token ones
     costs = PassCosts(dear, drafter_prior=0.0, drafts_cold=True)
     bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)

@@ -74,6 +74,7 @@ class RequestState:
     first_token_at: float = 0.0
     completion: list[int] = field(default_factory=list)
     drafted_last: bool = False  # the previous round drafted
+    forced_last: bool = False  # the previous round was the grammar's forced tokens (jump-forward)
     # the last round: drafts, accepted, drafter seconds, target seconds, tokens the target read
     last_round: tuple[int, int, float, float, int] = (0, 0, 0.0, 0.0, 1)
     finish: Optional[FinishReason] = None
@@ -513,6 +514,10 @@ class Engine:
         drafted, accepted = state.last_round[0], state.last_round[1]
         if timed:
             governor.observe(*state.last_round)
+        if state.forced_last or state.constraint is not None:
+            # what the grammar forces or forbids, verifying would not have met: no shadow
+            governor.drop_shadow()
+            proposal = []
         governor.gated_round(proposal, match, drafted, accepted, tokens, seconds if timed else None)
         state.drafted_last = bool(drafted)
         return tokens
@@ -552,6 +557,7 @@ class Engine:
                 n = constraint.valid_prefix(drafts)
                 drafts, dists = drafts[:n], dists[:n] if dists is not None else None
         counted = bool(drafts) and not forced
+        state.forced_last = bool(forced)
         if not drafts and self.min_batch > 1 and model.n_ctx - len(context) >= 1:
             # Exact mode: this target's single-token kernels round differently from
             # its batched ones, so a step without drafts still reads two positions,

@@ -53,16 +53,19 @@ its own speed); once drafting, the measured averages above decide whether it
 goes on.
 
 **Free proposals (prompt lookup: ``Drafter.free_proposals``).** A drafter
-without a model proposes at no cost, so the governor does not probe: the engine
-asks for a proposal every round, with its evidence (the length of the match it
-copies from), and the governor verifies the predicted best number of its drafts
-(0: a plain round) from the acceptance measured for proposals of that evidence
-(``GATE_BUCKETS``: match lengths 1, 2-3, 4-7, ... 64+). A proposal a plain round
-did not verify is followed in the tokens decoding produces instead (a *shadow*:
-whether they equal its drafts is what verifying them would have accepted, in
-distribution too when sampling, since its q is one-hot). So a copy-heavy stretch
-is found within a proposal or two and drafted, and a task where copies do not
-hold pays nothing to find that out.
+without a model proposes at next to no cost, so, where pass costs are known, the
+governor does not probe: the engine asks for a proposal every round, with its
+evidence (the length of the match it copies from), and the governor verifies the
+predicted best number of its drafts (0: a plain round) from the acceptance
+measured for proposals of that evidence (``GATE_BUCKETS``: match lengths 1, 2-3,
+4-7, ... 64+; unseen evidence counts as ``gate_prior``). A proposal a plain round
+did not verify is followed in the tokens decoding produces instead (a *shadow*,
+one at a time, none under a grammar): how many of its drafts they repeat
+estimates what verifying them would have accepted, in distribution too when
+sampling, since its q is one-hot. A shadow still holding when its request ends
+counts what it matched, with no rejection. So a copy-heavy stretch is found
+within a proposal or two and drafted, and a task where copies do not hold learns
+that without a target pass.
 
 A ``GovernorBank`` keeps one governor per task (see ``task_key``) and persists
 them; ``Engine`` drives them.
@@ -383,20 +386,36 @@ class Governor:
         ``accepted``; the round added ``tokens`` in ``seconds`` (None: not timed)."""
         if drafted:
             self._gate_add(evidence_bucket(match), accepted, drafted)
-        self._follow(tokens)
-        if not drafted and proposal and self.shadow is None:
+        if self.shadow is not None:
+            # (a shadow that ends at this round's token leaves no new one from this
+            # round's proposal: made before that token, from the same copy, it would
+            # count the same outcome twice)
+            self._follow(tokens)
+        elif not drafted and proposal:
             self.shadow = [list(proposal), evidence_bucket(match), 0]
             self._follow(tokens)
-        self.phase = DRAFTING if drafted else PLAIN
-        if drafted:
-            self.draft_rounds += 1
-        else:
-            self.plain_rounds += 1
+        self.phase, self.countdown = (DRAFTING if drafted else PLAIN), 0
         if seconds is not None:
+            if drafted:
+                self.draft_rounds += 1
+            else:
+                self.plain_rounds += 1
             (self.draft if drafted else self.plain).add(len(tokens), seconds)
 
+    def drop_shadow(self) -> None:
+        """Tokens that verifying the shadow's drafts would not have met follow
+        (the grammar's forced tokens): the shadow ends unmeasured."""
+        self.shadow = None
+
     def new_request(self) -> None:
-        """A shadow does not carry over into another request's tokens."""
+        """A shadow does not carry over into another request's tokens: one that
+        still held when its request ended counts the drafts it matched, with no
+        rejection (what is known of it; dropping it would count only the shadows
+        that fail early)."""
+        if self.shadow is not None:
+            _, bucket, matched = self.shadow
+            if matched:
+                self._gate_add(bucket, matched, matched)
         self.shadow = None
 
     def _follow(self, tokens: list[int]) -> None:

@@ -544,6 +544,9 @@ def free_drafter(list_drafter):
     return FreeListDrafter
 
 
+DECAY = 1 - 1 / GovernorParams().alpha_window
+
+
 def test_a_shadow_measures_what_verifying_a_proposal_would_have_accepted():
     g = Governor(costs=PassCosts(TIMED_COSTS, drafter_prior=0.0))
     g.gated_round([5, 6, 7, 8], match=8, drafted=0, accepted=0, tokens=[5], seconds=0.01)  # a plain round
@@ -554,8 +557,10 @@ def test_a_shadow_measures_what_verifying_a_proposal_would_have_accepted():
     assert g.gate_alpha(evidence_bucket(8)) == pytest.approx((3 + 0.5) / (4 + 1))
     assert g.gate_alpha(evidence_bucket(64)) == 0.5  # evidence never seen: the prior
     assert [evidence_bucket(m) for m in (0, 1, 2, 3, 4, 7, 8, 63, 64, 10**6)] == [1, 1, 2, 2, 3, 3, 4, 6, 7, 7]
-    g.new_request()
-    assert g.shadow is None
+    g.gated_round([1, 2, 3], match=8, drafted=0, accepted=0, tokens=[1], seconds=0.01)
+    g.gated_round([], match=0, drafted=0, accepted=0, tokens=[2], seconds=0.01)
+    g.new_request()  # the request ended with the shadow still holding: 2 matched, none rejected
+    assert g.shadow is None and g.gate == {evidence_bucket(8): [pytest.approx(3 * DECAY + 2), pytest.approx(DECAY)]}
     restored = Governor.from_dict(json.loads(json.dumps(g.to_dict())), g.params, g.clock)
     assert restored.gate == g.gate
     for bad in ({"8": [1, 2]}, {"4": [1]}, {"4": [-1, 0]}, {"x": [0, 0]}):
@@ -593,6 +598,40 @@ def test_where_verifying_is_dear_lookup_drafts_wait_for_a_shadow_that_holds(cloc
     assert done.text == SCRIPT[:200].decode()
     assert model.widths[:4] == [1, 1, 1, 1]  # the prior (0.5) does not pay: a shadow of 4 drafts first
     assert model.widths[4] > 1 and done.draft.acceptance_rate == 1.0
-    weak = free_drafter(SCRIPT, set(), match=1)  # the same drafts after a 1-token match: evidence not seen
-    done, model = engine_run(clock, bank, weak, prompt="another task")
-    assert model.widths[:4] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.8, 0.95])
+def test_shadows_estimate_the_acceptance_without_bias(alpha):
+    """Per-token acceptance alpha, 4-token proposals from one copy source every round
+    (as prompt lookup makes them): a shadow that ends at a round's token must not be
+    followed by one from that round's proposal (it would count the outcome twice)."""
+    rng = np.random.default_rng(7)
+    params = GovernorParams(alpha_window=10**9)  # no decay: the plain count
+    g = Governor(params=params, costs=PassCosts(TIMED_COSTS, drafter_prior=0.0))
+    for _ in range(40_000):
+        # the copy's next 4 tokens: each holds with probability alpha, after the ones before
+        proposal = [1, 1, 1, 1]
+        token = 1 if rng.random() < alpha else 2
+        g.gated_round(proposal, match=8, drafted=0, accepted=0, tokens=[token], seconds=0.01)
+    a, r = g.gate[evidence_bucket(8)]
+    assert a / (a + r) == pytest.approx(alpha, abs=0.01)
+
+
+def test_evidence_buckets_are_learnt_apart_within_one_task(clock, engine_run, free_drafter):
+    dear = {w: 0.010 + 0.006 * (w - 1) for w in range(1, 6)}
+    bank = GovernorBank("id", clock=clock, costs=PassCosts(dear, drafter_prior=0.0, drafts_cold=True), k_max=4)
+    engine_run(clock, bank, free_drafter(SCRIPT, set(), match=8))  # long matches hold
+    g = bank.get(bank.last_task)
+    assert g.gate_alpha(evidence_bucket(8)) > 0.9
+    done, model = engine_run(clock, bank, free_drafter(SCRIPT, set(), match=1))  # the same task, 1-token matches
+    assert model.widths[:4] == [1, 1, 1, 1]  # not seen yet: a shadow first, whatever long matches did
+    assert done.draft is not None and done.draft.rounds > 0
+
+
+def test_the_engine_ends_a_shadow_with_its_request(clock, engine_run, free_drafter):
+    bank = GovernorBank("id", clock=clock, costs=PassCosts(TIMED_COSTS, drafter_prior=0.0, drafts_cold=True), k_max=4)
+    engine_run(clock, bank, free_drafter(SCRIPT, set()))
+    g = bank.get(bank.last_task)
+    g.shadow = [[7, 7, 7], evidence_bucket(64), 2]  # as a request that ended by its stop sequence leaves one
+    engine_run(clock, bank, free_drafter(SCRIPT, set()))  # the same task
+    assert g.gate[evidence_bucket(64)] == [2.0, 0.0]  # counted when the next request began, never followed into it

@@ -206,6 +206,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="SIZE",
     ),
     Option(
+        "settle",
+        "bool",
+        True,
+        "prefix cache, with --kernels mixed: between requests, read the last request's final partial "
+        "prompt chunk and its reply again in whole chunks into cache pages, so a next turn that re-sends them "
+        "(a chat's, an agent's) reads only what is new; a request that arrives stops it at once. off = no "
+        "work between requests",
+    ),
+    Option(
         "page_tokens",
         "int",
         16,

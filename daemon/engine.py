@@ -201,6 +201,16 @@ class Engine:
             if not req.cache:
                 self.forget_live()  # cache: false: what it read is not kept for the next request either
 
+    def settle(self, interrupted: Callable[[], bool]) -> int:
+        """Idle time: read what the last request left past its last whole prefill
+        chunk again, in whole chunks, into prefix-cache pages (LlamaModel.settle),
+        so that a next turn re-sending it reads only what is new; returns the tokens
+        settled."""
+        settle = getattr(self.model, "settle", None)
+        if self.cache is None or settle is None:
+            return 0
+        return settle(self.cache.store_or_skip, interrupted)
+
     def forget_live(self) -> None:
         """What the model's KV cache holds is never reused (``cache: false``, a cache clear)."""
         forget = getattr(self.model, "forget_history", None)

@@ -128,6 +128,9 @@ def _install_kernel_hook() -> None:
     slot.value = ctypes.cast(init_backend, ctypes.c_void_p).value
 
 
+SETTLE_MAX_STATE = 512 * 2**20  # bytes: a KV state larger than this is not copied to settle it
+
+
 class LlamaModel:
     def __init__(
         self,
@@ -141,8 +144,10 @@ class LlamaModel:
         reference_kernels: bool = True,
         fast_prefill: bool = False,
         prefill_chunk: int = PREFILL_CHUNK,
+        settle: bool = False,
     ):
         self.path = Path(path)
+        self.can_settle = settle and fast_prefill  # see ``settle``
         llama_logger.set_verbose(False)
         llama.llama_backend_init()
         stepwise_reference = reference_kernels or fast_prefill  # decoding steps use the reference kernels
@@ -158,6 +163,8 @@ class LlamaModel:
         # fast prefill: prompts read with fast kernels, in chunks of this many tokens from position 0 (0: off)
         self.prefill_chunk = max(int(prefill_chunk), 1) if fast_prefill else 0
         self.fixed_upto = 0  # KV positions [0, fixed_upto) were read in whole chunks by ``prefill``
+        # the state before ``settle`` (blob, n_past, history, fixed_upto, prefilled), until the next request
+        self._before_settle: Optional[tuple] = None
         self._prefilled: Optional[tuple[int, np.ndarray]] = None  # (prompt length, logits after it) of the last one
         self._cpu_backends: list[int] = []
         self._create_context(flash_attn)
@@ -388,6 +395,7 @@ class LlamaModel:
     # ------------------------------------------------------------------ decoding
 
     def clear(self) -> None:
+        self._before_settle = None
         llama.llama_memory_clear(self.memory, True)
         self.n_past = 0
         self.history = []
@@ -406,6 +414,13 @@ class LlamaModel:
     def prefilled_logits(self, tokens: Sequence[int]) -> Optional[np.ndarray]:
         """The logits after ``tokens`` when they are exactly the prompt the last
         ``prefill`` read and the KV cache still holds it (a re-sent prompt)."""
+        before, self._before_settle = self._before_settle, None
+        if before is not None:  # the cache was settled since: the prompt as it was, if this re-sends it
+            blob, n_past, history, fixed_upto, prefilled = before
+            if prefilled is None or prefilled[0] != len(tokens) or history[: len(tokens)] != list(tokens):
+                return None
+            self.set_seq_state(blob, n_past, history)
+            self.fixed_upto, self._prefilled = fixed_upto, prefilled
         if self._prefilled is None:
             return None
         n, logits = self._prefilled
@@ -467,8 +482,71 @@ class LlamaModel:
             if self._prefilled is not None and self._prefilled[0] > n_keep:
                 self._prefilled = None
 
+    def settle(self, keep: Callable[[list[int]], object], interrupted: Callable[[], bool]) -> int:
+        """Idle time, with fast prefill: read again, in whole prefill chunks, what
+        the KV cache holds past the last whole chunk a prefill read (a prompt's
+        last, partial chunk and the reply decoded after it), as an uncached
+        request whose prompt starts with those tokens reads them (a chat's or an
+        agent's next turn re-sends them), and hand those tokens to ``keep``
+        (which stores their pages in the prefix cache). The cache then holds them
+        so; the state before is kept as a copy until the next request: one that
+        re-sends the last prompt gets it back (``prefilled_logits``: that prompt's
+        last chunk as an uncached request reads it), any other drops it.
+
+        ``interrupted()`` is polled between chunks and, through llama.cpp's abort
+        callback, between a pass's graph nodes: a message that arrives stops it
+        within milliseconds, keeping the chunks already read. Returns the tokens
+        read again (0: nothing to settle, or its state is over
+        ``SETTLE_MAX_STATE``); when interrupted, -1 - those read (a next call
+        goes on from there).
+
+        Why a copy and not a second sequence sharing the cells: with the old
+        cells still occupied, the chunks read again land after them, and llama.cpp
+        then computes them differently (measured: logits 0.4 apart) from an
+        uncached request, whose cells are contiguous."""
+        chunk = self.prefill_chunk
+        if not (chunk and self.can_settle):
+            return 0
+        before = self._before_settle  # (an interrupted settle goes on from where it stopped)
+        source, n_source = (self.history, self.n_past) if before is None else (before[2], before[1])
+        start, end = self.fixed_upto, n_source // chunk * chunk
+        if end <= start or -1 in source[start:end] or self.history != source[: self.n_past]:
+            return 0
+        if before is None:
+            if llama.llama_state_seq_get_size(self.ctx, 0) > SETTLE_MAX_STATE:
+                return 0
+            before = (self.seq_state(), self.n_past, list(self.history), self.fixed_upto, self._prefilled)
+        tokens = list(source[:end])
+        try:
+            self.truncate(start)
+        except DecodeError:  # a cache that cannot drop a tail (it was cleared): as it was, unsettled
+            self.set_seq_state(before[0], before[1], before[2])
+            self.fixed_upto, self._prefilled = before[3], before[4]
+            self.can_settle = False
+            return 0
+        callback = llama.ggml_abort_callback(lambda _: bool(interrupted()))
+        llama.llama_set_abort_callback(self.ctx, callback, None)
+        done = start
+        try:
+            for at in range(start, end, chunk):
+                if interrupted():
+                    break
+                self.prefill(tokens[at : at + chunk])
+                done = at + chunk
+        except DecodeError:  # aborted for a message (llama_decode 2): the chunks before it stand
+            pass
+        finally:
+            llama.llama_set_abort_callback(self.ctx, llama.ggml_abort_callback(), None)
+        llama.llama_memory_seq_rm(self.memory, 0, done, -1)  # (an aborted chunk's cells, if it left any)
+        self.n_past, self.history, self.fixed_upto, self._prefilled = done, tokens[:done], done, None
+        self._before_settle = before
+        if done > start:
+            keep(tokens[:done])
+        return done - start if done == end else start - done - 1
+
     def forget_history(self) -> None:
         """The KV cache's contents are no longer to be reused (``live_prefix`` 0)."""
+        self._before_settle = None
         self.history = [-1] * self.n_past
         self.fixed_upto = 0
         self._prefilled = None

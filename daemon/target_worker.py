@@ -287,6 +287,7 @@ class TargetLoop:
         self.config = config
         self.sock = sock
         self.stopping = False
+        self.settle_due = False  # the last request left KV to settle in idle time (see _settle)
         self.cancelled: set[str] = set()
         self.engine: Optional[Engine] = None
         self.last_beat = 0.0
@@ -326,6 +327,10 @@ class TargetLoop:
         )
         while not self.stopping:
             cache = engine.cache
+            if self.settle_due and not self.sock.poll(0, zmq.POLLIN):
+                self.settle_due = False  # once per request: what it left is settled, or a request came
+                self._settle()
+                continue
             if cache is not None and cache.disk_pending and not self.sock.poll(0, zmq.POLLIN):
                 self._spill(cache)  # between requests, a page at a time: nothing waits for it
                 continue
@@ -389,6 +394,7 @@ class TargetLoop:
                 # its pages survive this worker being killed
                 self._save_cache_index()
             self.send(done)
+            self.settle_due = engine.cache is not None
             self._report_narrow_drafter(done)
             if done.governor is not None and engine.governors is not None:
                 engine.governors.save()  # after the reply: a few ms of disk never delay it
@@ -448,6 +454,21 @@ class TargetLoop:
             return
         text = b"".join(model.piece(t) for t in msg.tokens).decode("utf-8", "replace")
         self.send(Detokenized(id=msg.id, text=text))
+
+    def _settle(self) -> None:
+        """Between requests: the last request's partial chunk and reply, read again
+        in whole chunks into prefix-cache pages, for a next turn that re-sends them
+        (see LlamaModel.settle); a request that arrives meanwhile stops it."""
+        engine = self.engine
+        try:
+            settled = engine.settle(lambda: bool(self.sock.poll(0, zmq.POLLIN)))
+        except Exception:  # a bug: the next turn reads those chunks itself, as it did before
+            log.exception("settling the last request's KV failed")
+            return
+        if settled < 0:
+            self.settle_due = True  # a message came first: again once it is answered (a request resets it)
+        elif settled and engine.cache is not None and not engine.cache.disk_pending:
+            self.send(CacheState(id=self.config.role, cache=engine.cache.info()))
 
     def _spill(self, cache, report: bool = True) -> None:
         try:

@@ -81,6 +81,8 @@ def load_model(config: WorkerConfig):
         reference_kernels=kernels != "fast",
         # the drafter's KV need not be exact (the target verifies what it drafts): it reads as before
         fast_prefill=kernels == "mixed" and config.role == "target",
+        # a turn's tail read again in whole chunks between requests (LlamaModel.settle), into cache pages
+        settle=config.role == "target" and bool(config.cache_shm) and config["settle"],
     )
 
 

@@ -197,6 +197,39 @@ def server_system_info(log_path: str) -> str:
 # --------------------------------------------------------------------------- one model
 
 
+def wait_quiet(pids: list[int], limit: float = 60.0, busy: float = 0.1) -> float:
+    """Wait until the process trees of ``pids`` use under ``busy`` of a core (over
+    0.2 s), at most ``limit`` seconds; returns the seconds waited. Between two
+    measured requests: work a system does after a reply (tandem settles the turn
+    and writes cache pages between requests) must not slow the next system down."""
+    import psutil
+
+    def cpu(procs: list) -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        procs = []
+        for pid in pids:
+            try:
+                root = psutil.Process(pid)
+                procs += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        before = cpu(procs)
+        time.sleep(0.2)
+        if cpu(procs) - before < busy * 0.2:
+            break
+    return time.monotonic() - started
+
+
 def bench_model(
     name: str, server_bin: Path, runs: int, tokens: int, ctx: int, threads: int, also_fast: bool = False
 ) -> dict:
@@ -242,6 +275,7 @@ def bench_model(
                         n = tokens
                     else:
                         messages, n = long_prompt, 2
+                    wait_quiet([p.pid for p in (daemon, fast_daemon, server.proc) if p is not None])
                     s = systems[system](messages, n)
                     if kind == "new":
                         replies[system] = s["text"]

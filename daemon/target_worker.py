@@ -394,7 +394,9 @@ class TargetLoop:
                 # its pages survive this worker being killed
                 self._save_cache_index()
             self.send(done)
-            self.settle_due = engine.cache is not None
+            # (not after fill in the middle: an editor's next request changes the text at the cursor, not
+            # after the reply, so the reply read again would never be reused)
+            self.settle_due = engine.cache is not None and not getattr(msg, "suffix", "")
             self._report_narrow_drafter(done)
             if done.governor is not None and engine.governors is not None:
                 engine.governors.save()  # after the reply: a few ms of disk never delay it

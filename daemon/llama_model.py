@@ -128,7 +128,7 @@ def _install_kernel_hook() -> None:
     slot.value = ctypes.cast(init_backend, ctypes.c_void_p).value
 
 
-SETTLE_MAX_STATE = 512 * 2**20  # bytes: a KV state larger than this is not copied to settle it
+SETTLE_MAX_STATE = 256 * 2**20  # bytes: a KV state larger than this is not copied to settle it
 
 
 class LlamaModel:
@@ -498,7 +498,8 @@ class LlamaModel:
         within milliseconds, keeping the chunks already read. Returns the tokens
         read again (0: nothing to settle, or its state is over
         ``SETTLE_MAX_STATE``); when interrupted, -1 - those read (a next call
-        goes on from there).
+        goes on from there, and stores the pages when it completes: the message
+        waiting is not kept waiting for that).
 
         Why a copy and not a second sequence sharing the cells: with the old
         cells still occupied, the chunks read again land after them, and llama.cpp
@@ -513,7 +514,9 @@ class LlamaModel:
         if end <= start or -1 in source[start:end] or self.history != source[: self.n_past]:
             return 0
         if before is None:
-            if llama.llama_state_seq_get_size(self.ctx, 0) > SETTLE_MAX_STATE:
+            size = llama.llama_state_seq_get_size(self.ctx, 0)
+            if size > SETTLE_MAX_STATE:
+                log.info("not settling: the KV state (%d MiB) is over %d MiB", size >> 20, SETTLE_MAX_STATE >> 20)
                 return 0
             before = (self.seq_state(), self.n_past, list(self.history), self.fixed_upto, self._prefilled)
         tokens = list(source[:end])
@@ -526,23 +529,28 @@ class LlamaModel:
             return 0
         callback = llama.ggml_abort_callback(lambda _: bool(interrupted()))
         llama.llama_set_abort_callback(self.ctx, callback, None)
-        done = start
+        done, stopped = start, False
         try:
             for at in range(start, end, chunk):
                 if interrupted():
+                    stopped = True
                     break
                 self.prefill(tokens[at : at + chunk])
                 done = at + chunk
-        except DecodeError:  # aborted for a message (llama_decode 2): the chunks before it stand
-            pass
+        except DecodeError as exc:  # aborted for a message (llama_decode 2): the chunks before it stand
+            stopped = getattr(exc, "rc", None) == 2 or interrupted()
+            if not stopped:
+                log.warning("settling stopped: %s", exc)
         finally:
             llama.llama_set_abort_callback(self.ctx, llama.ggml_abort_callback(), None)
         llama.llama_memory_seq_rm(self.memory, 0, done, -1)  # (an aborted chunk's cells, if it left any)
         self.n_past, self.history, self.fixed_upto, self._prefilled = done, tokens[:done], done, None
         self._before_settle = before
+        if stopped:  # the waiting message first; what was read stays live (pages at the end, if it goes on)
+            return start - done - 1
         if done > start:
             keep(tokens[:done])
-        return done - start if done == end else start - done - 1
+        return done - start
 
     def forget_history(self) -> None:
         """The KV cache's contents are no longer to be reused (``live_prefix`` 0)."""
@@ -619,7 +627,9 @@ class LlamaModel:
                 self.history = [-1] * self.n_past  # what it left in the cache is not known: never reused
                 self.fixed_upto = 0
                 self._prefilled = None
-                raise DecodeError(f"llama_decode returned {rc}")
+                error = DecodeError(f"llama_decode returned {rc}")
+                error.rc = rc  # (2: the abort callback stopped it)
+                raise error
             self.n_past += len(chunk)
             self.history.extend(chunk)
             for idx in wanted:

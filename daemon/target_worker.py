@@ -469,7 +469,7 @@ class TargetLoop:
             return
         if settled < 0:
             self.settle_due = True  # a message came first: again once it is answered (a request resets it)
-        if settled and engine.cache is not None:
+        elif settled and engine.cache is not None:
             self._save_cache_index()  # (the pages it stored outlive this worker, as a request's do)
             if not engine.cache.disk_pending:
                 self.send(CacheState(id=self.config.role, cache=engine.cache.info()))

@@ -21,7 +21,7 @@ def model(smollm2_path):
     from tandem.daemon.llama_model import LlamaModel
 
     assert chunk == PREFILL_CHUNK
-    m = LlamaModel(smollm2_path, n_ctx=1024, fast_prefill=True)
+    m = LlamaModel(smollm2_path, n_ctx=1024, fast_prefill=True, settle=True)
     yield m
     m.close()
 
@@ -103,3 +103,96 @@ def test_reference_kernels_everywhere_keep_every_position(smollm2_path):
         assert m.kv_reusable == 70 and m.prefilled_logits([1]) is None
     finally:
         m.close()
+
+
+# --------------------------------------------------------------------------- settling between requests
+
+
+def a_turn(model, prompt, reply):
+    """A request: the prompt read, its reply decoded a token at a time; the logits after the prompt."""
+    model.clear()
+    logits = model.prefill(prompt).copy()
+    for t in reply:
+        model.decode([t])
+    return logits
+
+
+def next_turn(model, tokens):
+    """What the engine does with the next prompt: the re-sent check, then what it keeps, then the rest."""
+    assert model.prefilled_logits(tokens) is None
+    keep = min(model.live_prefix(tokens), model.kv_reusable, (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK)
+    model.truncate(keep // PREFILL_CHUNK * PREFILL_CHUNK)
+    return model.n_past, model.prefill(tokens[model.n_past :]).copy()
+
+
+@pytest.fixture(scope="module")
+def turns(model):
+    t = model.tokenize(TEXT * 2, add_special=True)
+    c = PREFILL_CHUNK
+    prompt, reply, extended = t[: c + 40], t[c + 40 : c + 150], t[: c + 190]
+    model.clear()
+    uncached = model.prefill(extended).copy()
+    model.clear()
+    first = model.prefill(prompt).copy()
+    return prompt, reply, extended, uncached, first
+
+
+def test_a_settled_turn_gives_the_next_turn_its_reply_in_whole_chunks_with_uncached_logits(model, turns):
+    prompt, reply, extended, uncached, _ = turns
+    c = PREFILL_CHUNK
+    a_turn(model, prompt, reply)
+    assert model.kv_reusable == c  # only the prompt's first whole chunk, before settling
+    kept = []
+    assert model.settle(kept.append, lambda: False) == 2 * c  # [c, 3c): the partial chunk and the reply
+    assert kept == [list(prompt + reply)[: 3 * c]] and model.kv_reusable == 3 * c
+    assert model.settle(kept.append, lambda: False) == 0  # nothing left to settle
+    n, logits = next_turn(model, extended)
+    assert n == 3 * c and np.array_equal(logits, uncached)
+
+
+def test_a_prompt_re_sent_after_settling_gets_its_own_state_back(model, turns):
+    prompt, reply, _, _, first = turns
+    a_turn(model, prompt, reply)
+    step = model.decode([reply[0]])[0].copy()  # (what decoding on from the turn's end gives)
+    a_turn(model, prompt, reply)
+    model.settle(lambda tokens: None, lambda: False)
+    back = model.prefilled_logits(prompt)
+    assert back is not None and np.array_equal(back, first) and model.n_past == len(prompt) + len(reply)
+    assert model.kv_reusable == PREFILL_CHUNK  # as the turn left it
+    assert np.array_equal(model.decode([reply[0]])[0], step)
+
+
+def message_after(polls: int):
+    """``interrupted`` for settle: a message arrives after ``polls`` polls and waits (True from then on)."""
+    left = [polls]
+
+    def interrupted() -> bool:
+        left[0] -= 1
+        return left[0] < 0
+
+    return interrupted
+
+
+@pytest.mark.parametrize("polls_before", [0, 1, 3])
+def test_a_message_stops_settling_at_once_and_it_goes_on_later(model, turns, polls_before):
+    """``interrupted`` says True after some polls: between chunks (0) or inside a pass,
+    through llama.cpp's abort callback (the later ones). The chunks read stand; a
+    next call goes on; the next turn's logits are the uncached ones either way."""
+    prompt, reply, extended, uncached, first = turns
+    c = PREFILL_CHUNK
+    a_turn(model, prompt, reply)
+    kept = []
+    stopped = model.settle(kept.append, message_after(polls_before))
+    assert stopped < 0 and kept == [] and model.n_past == model.kv_reusable == c - 1 - stopped
+    n, logits = next_turn(model, extended)  # a request came: it keeps what was read
+    assert n >= c and np.array_equal(logits, uncached)
+    a_turn(model, prompt, reply)
+    model.settle(kept.append, message_after(polls_before))
+    assert model.settle(kept.append, lambda: False) > 0  # a message that was not a request: it goes on
+    assert kept and kept[-1] == list(prompt + reply)[: 3 * c]
+    n, logits = next_turn(model, extended)
+    assert n == 3 * c and np.array_equal(logits, uncached)
+    a_turn(model, prompt, reply)
+    model.settle(kept.append, lambda: True)
+    back = model.prefilled_logits(prompt)  # re-sent after a stopped settle: its own state back
+    assert back is not None and np.array_equal(back, first)

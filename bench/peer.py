@@ -204,29 +204,27 @@ def wait_quiet(pids: list[int], limit: float = 60.0, busy: float = 0.1) -> float
     and writes cache pages between requests) must not slow the next system down."""
     import psutil
 
-    def cpu(procs: list) -> float:
-        total = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
-
-    started = time.monotonic()
-    while time.monotonic() - started < limit:
-        procs = []
+    def sample() -> dict[int, float]:
+        out = {}
         for pid in pids:
             try:
                 root = psutil.Process(pid)
-                procs += [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
+                for p in [root, *root.children(recursive=True)]:
+                    t = p.cpu_times()
+                    out[p.pid] = t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        before = cpu(procs)
+        return out
+
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        before = sample()
         time.sleep(0.2)
-        if cpu(procs) - before < busy * 0.2:
-            break
+        after = sample()
+        used = sum(after[pid] - before[pid] for pid in after.keys() & before.keys())
+        if used < busy * 0.2:
+            return time.monotonic() - started
+    say(f"  (still busy after {limit:.0f} s: measuring anyway)")
     return time.monotonic() - started
 
 
@@ -275,8 +273,9 @@ def bench_model(
                         n = tokens
                     else:
                         messages, n = long_prompt, 2
-                    wait_quiet([p.pid for p in (daemon, fast_daemon, server.proc) if p is not None])
+                    waited = wait_quiet([p.pid for p in (daemon, fast_daemon, server.proc) if p is not None])
                     s = systems[system](messages, n)
+                    s["waited_before"] = waited
                     if kind == "new":
                         replies[system] = s["text"]
                     rows.append({"run": r, "kind": kind, "system": system, **s})
@@ -414,6 +413,14 @@ def write_report(results: dict, out_dir: Path) -> Path:
             + "; ".join(f"{k} {s} {p}/{c}" for k, s, p, c in cached)
             + ".",
         ]
+        waits = [r["waited_before"] for r in result["rows"] if "waited_before" in r]
+        if waits:
+            lines += [
+                "",
+                f"Each request waited until every system was idle (the work before it, e.g. tandem settling the "
+                f"turn it had just answered): median {statistics.median(waits):.2f} s, at most {max(waits):.2f} s. "
+                "A client that sends its next turn sooner gets less of what settling gives.",
+            ]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "REPORT.md").write_text("\n".join(lines) + "\n")
     return out_dir / "REPORT.md"

@@ -115,8 +115,8 @@ def test_governor_state_survives_a_restart_and_is_keyed_by_the_models(short_tmpd
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
 def test_a_lookup_drafter_drafts_a_copy_from_the_first_request_and_changes_nothing(start_daemon, drafter):
     """Prompt lookup proposes for free: the governor follows its proposals in what
-    plain rounds decode (or verifies them where the prior already pays) and drafts
-    a copy-heavy reply from the first request, without probing."""
+    plain rounds decode (or verifies them where the prior already pays), without
+    probing, and the output is plain decoding's."""
     d = start_daemon("--drafter", drafter, "--ctx-size", "1024")
     block = "def area(width, height):\n    return width * height\n\n"
     prompt = f"# the same function, again and again\n{block * 4}"
@@ -125,6 +125,10 @@ def test_a_lookup_drafter_drafts_a_copy_from_the_first_request_and_changes_nothi
         off = client.complete(prompt=prompt, max_tokens=48, temperature=0.0, ignore_eos=True, draft="off")
         assert done.text == off.text
         g = done.governor
-        assert g is not None and g.probes == 0 and g.draft_rounds > 0 and done.draft.rounds == g.draft_rounds
-        assert done.draft.acceptance_rate > 0.5
+        # never a probe (the old way: a new task predicted not to pay probed at its second round);
+        # whether drafting pays is this machine's measured costs' call (tests/daemon/test_governor.py
+        # has it on a scripted clock): where it drafted, the copy held
+        assert g is not None and g.probes == 0 and g.failed_probes == 0
+        assert g.draft_rounds == (done.draft.rounds if done.draft is not None else 0)
+        assert g.draft_rounds == 0 or done.draft.acceptance_rate > 0.5
         assert client.status().governor == g

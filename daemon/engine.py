@@ -510,7 +510,7 @@ class Engine:
         predicts pay for the proposal's evidence (none: a plain round, the proposal
         then followed in what decoding produces). See governor.py."""
         context = state.context()
-        left = min(state.req.max_tokens - len(state.completion) - 1, self.model.n_ctx - len(context))
+        left = self._left(state, context)
         proposal, dists = drafter.propose(context, min(state.k, left), state.p_min) if left > 0 else ([], None)
         match = drafter.evidence
         k = governor.gated_length(len(proposal), match)
@@ -546,9 +546,7 @@ class Engine:
         did: (drafts, accepted, drafter seconds, target seconds, tokens read).
         ``proposal``: the drafter's drafts (and q) for this round, already asked for."""
         model, context = self.model, state.context()
-        # room for drafts: before max_tokens (the round adds one token of its own)
-        # and inside the context (the target reads the pending token + the drafts)
-        left = min(state.req.max_tokens - len(state.completion) - 1, model.n_ctx - len(context))
+        left = self._left(state, context)
         room = min(state.k if k is None else k, left)
         started = self.clock()
         drafts: list[int] = []
@@ -604,6 +602,11 @@ class Engine:
         if counted and state.stats is not None:
             state.stats.add_round(len(drafts), n_accepted)
         return [*drafts[:n_accepted], own], timed
+
+    def _left(self, state: RequestState, context: list[int]) -> int:
+        """Tokens a round may draft: before max_tokens (the round adds one token of
+        its own) and inside the context (the target reads the pending token + the drafts)."""
+        return min(state.req.max_tokens - len(state.completion) - 1, self.model.n_ctx - len(context))
 
     def _masks(self, constraint: Constraint, drafts: list[int]) -> list[Optional[np.ndarray]]:
         """What the grammar allows at each row of the round: row i after the drafts

@@ -416,11 +416,10 @@ class LlamaModel:
         ``prefill`` read and the KV cache still holds it (a re-sent prompt)."""
         before, self._before_settle = self._before_settle, None
         if before is not None:  # the cache was settled since: the prompt as it was, if this re-sends it
-            blob, n_past, history, fixed_upto, prefilled = before
+            _, _, history, _, prefilled = before
             if prefilled is None or prefilled[0] != len(tokens) or history[: len(tokens)] != list(tokens):
                 return None
-            self.set_seq_state(blob, n_past, history)
-            self.fixed_upto, self._prefilled = fixed_upto, prefilled
+            self._put_back(before)
         if self._prefilled is None:
             return None
         n, logits = self._prefilled
@@ -523,8 +522,7 @@ class LlamaModel:
         try:
             self.truncate(start)
         except DecodeError:  # a cache that cannot drop a tail (it was cleared): as it was, unsettled
-            self.set_seq_state(before[0], before[1], before[2])
-            self.fixed_upto, self._prefilled = before[3], before[4]
+            self._put_back(before)
             self.can_settle = False
             return 0
         callback = llama.ggml_abort_callback(lambda _: bool(interrupted()))
@@ -551,6 +549,12 @@ class LlamaModel:
         if done > start:
             keep(tokens[:done])
         return done - start
+
+    def _put_back(self, before: tuple) -> None:
+        """The KV cache as ``settle`` found it (``_before_settle``'s tuple)."""
+        blob, n_past, history, fixed_upto, prefilled = before
+        self.set_seq_state(blob, n_past, history)
+        self.fixed_upto, self._prefilled = fixed_upto, prefilled
 
     def forget_history(self) -> None:
         """The KV cache's contents are no longer to be reused (``live_prefix`` 0)."""

@@ -549,6 +549,32 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+def _where(m) -> str:
+    """Where a model's layers are: "31 of 31 on CPU", "25 on CUDA0 and 6 on CPU"."""
+    if not m.layers:
+        return "unknown"
+    parts = sorted(m.layers.items(), key=lambda kv: (-kv[1], kv[0]))
+    if len(parts) == 1:
+        return f"all {parts[0][1]} on {parts[0][0]}"
+    return ", ".join(f"{n} on {dev}" for dev, n in parts) + f" (of {m.n_layers})"
+
+
+def _placement_lines(target, drafter) -> list[str]:
+    """The devices llama.cpp found in the target's worker and where each model's layers are."""
+    devices = []
+    for d in target.devices:
+        memory = f", {d.memory_total / 2**30:.1f} GiB" if d.memory_total else ""
+        devices.append(f"{d.name} ({d.description or d.kind}{memory})")
+    lines = [f"devices:   {', '.join(devices)}"]
+    if target.gpu_note:
+        lines[0] += "; " + target.gpu_note
+    layers = f"layers:    target {_where(target)}"
+    if drafter is not None and drafter.layers:
+        layers += f"; drafter {_where(drafter)}"
+    lines.append(layers)
+    return lines
+
+
 def cmd_status(args) -> int:
     with Client(args.socket) as client:
         st = client.status()
@@ -569,6 +595,9 @@ def cmd_status(args) -> int:
             f"model:     {m.name} ({_mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, "
             f"vocab {m.n_vocab:,}, {fim})"
         )
+    if st.model and st.model.devices:
+        for line in _placement_lines(st.model, st.drafter_model):
+            print(line)
     if st.model and st.model.batch_invariant is not None:
         m = st.model
         kernels = f"mixed kernels (prompts in {m.prefill_chunk}-token chunks)" if m.prefill_chunk else None
@@ -860,6 +889,7 @@ def cmd_show(args) -> int:
         "chat_template": template,
         "size_bytes": path.stat().st_size,
     }
+    info.update(_show_placement(args.socket, path))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -868,12 +898,43 @@ def cmd_show(args) -> int:
     print(f"  {'size':16} {_size(info['size_bytes'])}")
     print(f"  {'fill in middle':16} {'yes' if f['fim'] else 'no'}")
     print(f"  {'tool calls':16} {tools}")
+    print(f"  {'devices':16} {', '.join(d['name'] + ' (' + d['description'] + ')' for d in info['devices'])}")
+    if info["gpu_note"]:
+        print(f"  {'':16} {info['gpu_note']}")
+    print(f"  {'layers':16} {info['layers']}")
     if args.template:
         print(template)
     else:
         first = template.strip().splitlines()[0][:90] if template else "(none: send plain prompts, tandem run --raw)"
         print(f"  {'chat template':16} {first}{' ...' if template else ''}  (--template prints it whole)")
     return 0
+
+
+def _show_placement(socket, path: Path) -> dict:
+    """For `tandem show`: the devices llama.cpp has, and where the model's layers
+    are when the daemon serves it (its worker's view, RPC devices included);
+    otherwise this process's devices, without loading the model."""
+    from .autostart import daemon_answers
+
+    if daemon_answers(socket):
+        with Client(socket) as client:
+            st = client.status()
+        for m in (st.model, st.drafter_model):
+            if m is not None and m.devices and Path(m.path).resolve() == path.resolve():
+                return {
+                    "devices": [asdict(d) for d in m.devices],
+                    "gpu_note": m.gpu_note,
+                    "layers": f"{_where(m)} (as the daemon at {socket} serves it)",
+                }
+    from tandem.daemon.devices import gpu_note, list_devices
+
+    devices = list_devices()
+    return {
+        "devices": [asdict(d) for d in devices],
+        "gpu_note": gpu_note(devices),
+        "layers": "not loaded (the daemon does not serve it); llama.cpp places them at `tandem serve` "
+        "(--gpu-layers, --device)",
+    }
 
 
 def cmd_rm(args) -> int:

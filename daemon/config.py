@@ -41,7 +41,7 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class Option:
     key: str
-    kind: str  # "str", "int", "float", "bool", "size", "path", "choice", "addr"
+    kind: str  # "str", "int", "float", "bool", "size", "path", "choice", "addr", "layers", "rpc"
     default: Any
     help: str
     choices: tuple[str, ...] = ()
@@ -79,6 +79,11 @@ class Option:
             return 'HOST:PORT (127.0.0.1:9464; port 0 picks a free one) or "off"'
         if self.kind == "path":
             return f"a path{auto}"
+        if self.kind == "layers":
+            return f'a number of layers (0 or more) or "all"{auto}'
+        if self.kind == "rpc":
+            return 'HOST:PORT[,HOST:PORT...] of llama.cpp rpc-servers, or "" (none)'
+
         return "a string"
 
 
@@ -304,6 +309,55 @@ OPTIONS: tuple[Option, ...] = (
         choices=("auto", "on", "off"),
     ),
     Option(
+        "gpu_layers",
+        "layers",
+        AUTO,
+        "layers of the target to offload to a GPU or to --rpc servers: N, all, or 0 (none); auto = all where "
+        "llama.cpp has a GPU or RPC device, else none. Accepted on a build without a GPU backend, where "
+        "`tandem status` says how to install one",
+        auto=True,
+        metavar="N|all",
+    ),
+    Option(
+        "device",
+        "str",
+        "auto",
+        "llama.cpp device(s) for the target's offloaded layers, comma-separated (CUDA0, MTL0, RPC0...; "
+        "`tandem status` lists those found); auto = every GPU and RPC device, split by free memory",
+        metavar="NAME[,NAME...]",
+    ),
+    Option(
+        "drafter_gpu_layers",
+        "layers",
+        AUTO,
+        "as gpu_layers, for the model drafter (its own process; --rpc servers are the target's only)",
+        auto=True,
+        metavar="N|all",
+    ),
+    Option(
+        "drafter_device",
+        "str",
+        "auto",
+        "as device, for the model drafter",
+        metavar="NAME[,NAME...]",
+    ),
+    Option(
+        "rpc",
+        "rpc",
+        "",
+        "offload the target's layers to llama.cpp rpc-server processes, HOST:PORT[,HOST:PORT...], built from "
+        "the same llama.cpp (bench/build_rpc.sh); needs llama-cpp-python built with GGML_RPC. Loopback "
+        "addresses only, unless rpc_leaves_machine",
+        metavar="HOST:PORT[,...]",
+    ),
+    Option(
+        "rpc_leaves_machine",
+        "bool",
+        False,
+        "allow rpc addresses that are not this machine's: the model's weights and every request's "
+        "activations, from which its text can be recovered, then cross the network unencrypted",
+    ),
+    Option(
         "metrics_addr",
         "addr",
         LOOPBACK_METRICS,
@@ -424,6 +478,31 @@ def parse_value(option: Option, raw: Any, source: str) -> Any:
             except ValueError:
                 raise bad("the host must be an IP address or localhost") from None
         return f"{host}:{int(port)}" if ":" not in host else f"[{host}]:{int(port)}"
+    if kind == "layers":
+        if isinstance(raw, str) and raw.strip().lower() == "all":
+            return "all"
+        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+            raise bad()
+        try:
+            value = int(raw.strip(), 10) if isinstance(raw, str) else raw
+        except ValueError:
+            raise bad() from None
+        if value < 0:
+            raise bad("negative")
+        return value
+    if kind == "rpc":
+        if not isinstance(raw, str):
+            raise bad()
+        if raw.strip().lower() in ("", "off", "none"):
+            return ""
+        servers = []
+        for entry in raw.split(","):
+            host, sep, port = entry.strip().rpartition(":")
+            host = host.strip("[]")
+            if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise bad(f"{entry.strip()!r} is not HOST:PORT")
+            servers.append(f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}")
+        return ",".join(servers)
     if kind == "path":
         if isinstance(raw, os.PathLike):
             raw = os.fspath(raw)
@@ -589,6 +668,39 @@ def check(settings: Settings) -> None:
             "metrics would be reachable from other machines. Use 127.0.0.1:PORT, or set metrics_allow_remote = "
             "true (--metrics-allow-remote on) if you mean it"
         )
+    check_rpc(settings)
+
+
+def rpc_servers(value: str) -> list[str]:
+    """The rpc setting's HOST:PORT entries."""
+    return [s for s in value.split(",") if s]
+
+
+def check_rpc(settings: Settings) -> None:
+    """Every rpc-server address names this machine, unless the user said the traffic may leave it."""
+    servers = rpc_servers(settings.values["rpc"])
+    if not servers or settings.values["rpc_leaves_machine"]:
+        return
+    import socket
+
+    for server in servers:
+        host, _, port = server.rpartition(":")
+        host = host.strip("[]")
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)}
+        except OSError as exc:
+            raise ConfigError(
+                f"rpc = {settings.values['rpc']!r} (from {settings.sources['rpc']}): cannot resolve {host!r} "
+                f"({exc.strerror or exc})"
+            ) from None
+        remote = sorted(a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
+        if remote:
+            raise ConfigError(
+                f"rpc = {settings.values['rpc']!r} (from {settings.sources['rpc']}): {server} is not this machine "
+                f"({', '.join(remote)}); the target's weights and every request's activations would cross the "
+                "network, unencrypted. Use 127.0.0.1:PORT, or set rpc_leaves_machine = true "
+                "(--rpc-leaves-machine on) if you mean it"
+            )
 
 
 def show_value(option: Option, value: Any) -> str:

@@ -145,8 +145,12 @@ class LlamaModel:
         fast_prefill: bool = False,
         prefill_chunk: int = PREFILL_CHUNK,
         settle: bool = False,
+        gpu_layers: int = 0,
+        devices: Optional[Sequence[str]] = None,
     ):
         self.path = Path(path)
+        self.gpu_layers = int(gpu_layers)  # llama.cpp's n_gpu_layers: -1 all, N, 0 none
+        self.device_names = list(devices or [])  # [] = llama.cpp's choice (every GPU and RPC device)
         self.can_settle = settle and fast_prefill  # see ``settle``
         llama_logger.set_verbose(False)
         llama.llama_backend_init()
@@ -179,11 +183,23 @@ class LlamaModel:
     def _load_model(self) -> None:
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
+        from .devices import DeviceError, LoadLog, select_devices
+
         params = llama.llama_model_default_params()
         params.use_extra_bufts = self.extra_buffers
-        self.model = llama.llama_model_load_from_file(os.fsencode(self.path), params)
+        params.n_gpu_layers = self.gpu_layers
+        if self.device_names:
+            try:
+                chosen = select_devices(self.device_names)
+            except DeviceError as exc:
+                raise ModelLoadError(str(exc)) from None
+            params.devices = ctypes.addressof(chosen)  # kept alive by `chosen` until the load returns
+        with LoadLog() as load_log:
+            self.model = llama.llama_model_load_from_file(os.fsencode(self.path), params)
+        self.placement = load_log.placement()
         if not self.model:
-            raise ModelLoadError(f"llama.cpp could not load {self.path}: is it a GGUF model file?")
+            why = "; ".join(self.placement.errors[-3:]) or "is it a GGUF model file?"
+            raise ModelLoadError(f"llama.cpp could not load {self.path}: {why}")
         self.vocab = llama.llama_model_get_vocab(self.model)
         self.n_vocab = int(llama.llama_vocab_n_tokens(self.vocab))
         self.size_bytes = self.path.stat().st_size

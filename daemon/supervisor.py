@@ -55,6 +55,9 @@ def governor_identity(c) -> str:
     s = c.settings
     drafter = describe(c.drafter_path) if c.drafter_path is not None else c.drafter_name
     kernels = f" kernels={s.kernels} flash={'on' if s.flash_attn else 'off'}"
+    placed = (s.gpu_layers, s.device, s.drafter_gpu_layers, s.drafter_device, s.rpc)
+    if placed != (None, "auto", None, "auto", ""):  # layers placed by hand: other pass costs
+        kernels += " placed=" + "/".join(str(v) for v in placed)
     return f"target={describe(c.model_path)} drafter={drafter} k={s.draft_tokens}{kernels}"
 
 

@@ -9,10 +9,13 @@ its sockets, the prefix cache's arena and the files it keeps state in.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from tandem.protocol import ModelInfo
+
+log = logging.getLogger("tandem.worker")
 
 EXTRA_BUFFERS = {"auto": None, "on": True, "off": False}
 
@@ -54,6 +57,10 @@ class WorkerConfig:
 
 def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
     """What a worker tells the daemon about its loaded model; ``more``: its role's own fields."""
+    from .devices import gpu_backend, gpu_note, list_devices
+
+    placement = model.placement
+    devices = list_devices()
     return ModelInfo(
         name=config.model_name,
         path=str(model.path),
@@ -61,17 +68,54 @@ def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
         n_ctx_train=model.n_ctx_train,
         n_vocab=model.n_vocab,
         size_bytes=model.size_bytes,
+        devices=devices,
+        gpu_backend=gpu_backend(),
+        gpu_note=gpu_note(devices),
+        gpu_layers_asked=model.gpu_layers,
+        n_layers=placement.n_layers,
+        layers=dict(placement.layers),
+        weights=dict(placement.weights),
         **more,
     )
+
+
+def placement_settings(config: WorkerConfig) -> tuple[int, list[str]]:
+    """(n_gpu_layers, device names) for this worker's model from the settings
+    (the drafter's own: drafter_gpu_layers, drafter_device). auto and "all" are
+    llama.cpp's -1: every layer on the GPU and RPC devices there are, none on a
+    build without them. Device "none" keeps every layer on the CPU."""
+    prefix = "drafter_" if config.role == "drafter" else ""
+    layers, device = config[prefix + "gpu_layers"], config[prefix + "device"].strip()
+    n = -1 if layers is None or layers == "all" else int(layers)
+    if device.lower() == "none":
+        return 0, []
+    names = [] if device.lower() in ("", "auto") else [d.strip() for d in device.split(",") if d.strip()]
+    return n, names
 
 
 def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
-    from .llama_model import LlamaModel
+    from .config import is_loopback, rpc_servers
+    from .devices import DeviceError, add_rpc_servers
+    from .llama_model import LlamaModel, ModelLoadError
 
+    if config.role == "target" and config["rpc"]:
+        servers = rpc_servers(config["rpc"])
+        remote = [s for s in servers if not is_loopback(s)]
+        if remote:  # allowed by rpc_leaves_machine (config.check_rpc refuses it otherwise)
+            log.warning(
+                "rpc: %s not on this machine: the target's weights and every request's activations cross the "
+                "network, unencrypted (rpc_leaves_machine is on)",
+                ", ".join(remote),
+            )
+        try:
+            add_rpc_servers(servers)
+        except DeviceError as exc:
+            raise ModelLoadError(str(exc)) from None
+    gpu_layers, devices = placement_settings(config)
     kernels = config["kernels"]
-    return LlamaModel(
+    model = LlamaModel(
         config.model_path,
         n_ctx=config["ctx_size"],
         n_threads=config["threads"],
@@ -83,7 +127,25 @@ def load_model(config: WorkerConfig):
         fast_prefill=kernels == "mixed" and config.role == "target",
         # a turn's tail read again in whole chunks between requests (LlamaModel.settle), into cache pages
         settle=config.role == "target" and bool(config.cache_shm) and config["settle"],
+        gpu_layers=gpu_layers,
+        devices=devices,
     )
+    _say_where(model, config)
+    return model
+
+
+def _say_where(model, config: WorkerConfig) -> None:
+    """Log where the layers went, and why not where they were asked to go."""
+    from .devices import gpu_note, list_devices
+
+    p = model.placement
+    where = ", ".join(f"{n} on {d}" for d, n in sorted(p.layers.items(), key=lambda kv: -kv[1])) or "unknown"
+    log.info("%s: %d layers: %s", model.path.name, p.n_layers, where)
+    prefix = "drafter_" if config.role == "drafter" else ""
+    asked = config[prefix + "gpu_layers"]
+    if asked not in (None, 0) and set(p.layers) <= {"CPU"}:
+        why = gpu_note(list_devices()) or "llama.cpp placed none elsewhere"
+        log.warning("%sgpu_layers = %s, but every layer runs on the CPU: %s", prefix, asked, why)
 
 
 TWO_PROCESS_SPIN = 10_000

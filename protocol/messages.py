@@ -672,6 +672,17 @@ class CancelReply(Message):
 
 
 @dataclass
+class DeviceInfo:
+    """a llama.cpp compute device in a worker's process."""
+
+    name: str  # llama.cpp's name: "CPU", "CUDA0", "MTL0", "RPC0"...
+    description: str  # the CPU's or GPU's model; an RPC device's HOST:PORT
+    kind: str  # "cpu", "gpu", "igpu", "accel", "rpc"
+    memory_free: int = 0  # bytes (0: not reported)
+    memory_total: int = 0
+
+
+@dataclass
 class ModelInfo:
     name: str
     path: str
@@ -689,6 +700,13 @@ class ModelInfo:
     flash_attn: Optional[bool] = None
     prefill_chunk: int = 0  # "mixed": prompts are read with fast kernels in chunks of this many tokens from 0
     extra_buffers: Optional[bool] = None  # llama.cpp's repacked weights are in use
+    devices: list[DeviceInfo] = field(default_factory=list)  # the devices llama.cpp has in this model's worker
+    gpu_backend: bool = False  # llama.cpp can offload layers (a GPU backend or RPC is compiled in)
+    gpu_note: str = ""  # without one: how to install a llama.cpp with a GPU backend
+    gpu_layers_asked: int = 0  # the setting: -1 all, N layers (0 with auto where nothing can take them)
+    n_layers: int = 0  # layers llama.cpp places: the repeating ones and the output layer
+    layers: dict[str, int] = field(default_factory=dict)  # device name -> layers placed there
+    weights: dict[str, int] = field(default_factory=dict)  # llama.cpp weight buffer ("CPU_Mapped", "CUDA0") -> bytes
 
 
 @dataclass

@@ -106,6 +106,38 @@ def test_metrics_off_loopback_and_remote():
     assert s.metrics_addr == "0.0.0.0:9464"
 
 
+def test_gpu_layers_take_a_count_all_or_auto_from_every_source(tmp_path):
+    assert load({}, None, environ={}).gpu_layers is None  # auto: llama.cpp's choice
+    assert load({"gpu_layers": "all"}, None, environ={}).gpu_layers == "all"
+    assert load({"gpu_layers": "ALL"}, None, environ={}).gpu_layers == "all"
+    assert load({}, None, environ={"TANDEM_DRAFTER_GPU_LAYERS": "12"}).drafter_gpu_layers == 12
+    f = tmp_path / "c.toml"
+    f.write_text('gpu_layers = 7\ndrafter_gpu_layers = "all"\ndevice = "CUDA0,CUDA1"\n')
+    s = load({}, f, environ={})
+    assert (s.gpu_layers, s.drafter_gpu_layers, s.device) == (7, "all", "CUDA0,CUDA1")
+    for bad in ("-1", "many", "1.5"):
+        with pytest.raises(ConfigError, match='gpu_layers.*a number of layers \\(0 or more\\) or "all"'):
+            load({"gpu_layers": bad}, None, environ={})
+    with pytest.raises(ConfigError, match="gpu_layers"):
+        load({}, None, environ={"TANDEM_GPU_LAYERS": "true"})
+
+
+def test_rpc_servers_are_loopback_unless_the_user_says_the_traffic_leaves():
+    s = load({"rpc": " 127.0.0.1:50052, localhost:50053,[::1]:50054"}, None, environ={})
+    assert s.rpc == "127.0.0.1:50052,localhost:50053,[::1]:50054"
+    assert config.rpc_servers(s.rpc) == ["127.0.0.1:50052", "localhost:50053", "[::1]:50054"]
+    assert load({"rpc": "off"}, None, environ={}).rpc == "" and load({}, None, environ={}).rpc == ""
+    for remote in ("192.168.1.20:50052", "127.0.0.1:50052,10.0.0.7:50052", "[2001:db8::1]:50052"):
+        with pytest.raises(ConfigError, match="is not this machine.*unencrypted.*rpc_leaves_machine = true"):
+            load({"rpc": remote}, None, environ={})
+        assert load({"rpc": remote, "rpc_leaves_machine": "on"}, None, environ={}).rpc == remote.replace(" ", "")
+    for bad in ("127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", ":50052", "127.0.0.1:port"):
+        with pytest.raises(ConfigError, match="is not HOST:PORT"):
+            load({"rpc": bad}, None, environ={})
+    with pytest.raises(ConfigError, match="cannot resolve 'no-such-host.invalid'"):
+        load({"rpc": "no-such-host.invalid:50052"}, None, environ={})
+
+
 def test_every_option_has_a_flag_an_environment_variable_and_help():
     keys = [o.key for o in config.OPTIONS]
     assert len(keys) == len(set(keys))

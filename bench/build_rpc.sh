@@ -1,0 +1,77 @@
+#!/bin/sh
+# llama.cpp's RPC backend for tandem --rpc, from the llama.cpp vendored in the llama-cpp-python sdist
+# tandem pins (client and server must speak the same RPC protocol version, so the server comes from the
+# same sources as the library the daemon loads):
+#   1. rpc-server (llama.cpp's tools/rpc, binary ggml-rpc-server) -> ~/.cache/tandem/rpc-server/<version>/bin/
+#   2. llama-cpp-python reinstalled with CMAKE_ARGS="-DGGML_RPC=on" (the same version; it replaces the installed
+#      one in this Python environment: nothing else about it changes)
+#   3. with --test: the RPC test (tests/integration/test_rpc.py: two rpc-servers on 127.0.0.1, SmolLM2 split
+#      across them, output compared with a local run) and the loopback benchmark (bench/rpc.py)
+# Usage: bench/build_rpc.sh [--test] [--no-python]
+# Needs cmake and a C++ compiler; ~4 minutes for rpc-server and ~6 for llama-cpp-python on 2 cores.
+set -eu
+TEST=0
+PYTHON=1
+for arg in "$@"; do
+  case "$arg" in
+    --test) TEST=1 ;;
+    --no-python) PYTHON=0 ;;
+    *) echo "usage: bench/build_rpc.sh [--test] [--no-python]" >&2; exit 2 ;;
+  esac
+done
+HERE=$(cd "$(dirname "$0")" && pwd)
+VERSION=$(python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))" 2>/dev/null || echo 0.3.36)
+ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/tandem/rpc-server"
+OUT="$ROOT/$VERSION"
+mkdir -p "$ROOT/src"
+cd "$ROOT/src"
+SDIST="llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  # pip keeps a downloaded sdist in -d even when its metadata step fails; newer pips delete it, so
+  # PyPI's simple index (sha256-checked) is the fallback, as in bench/build_llama_server.sh
+  pip download --no-deps --no-binary :all: --no-build-isolation "llama-cpp-python==$VERSION" -d . >/dev/null 2>&1 || true
+fi
+if [ ! -f "$SDIST" ]; then
+  link=$(curl -fsS https://pypi.org/simple/llama-cpp-python/ | grep -o "https://[^\"]*$SDIST#sha256=[0-9a-f]*" | head -1) || true
+  if [ -n "$link" ]; then
+    curl -fsSL -o "$SDIST.part" "${link%%#*}" &&
+      echo "${link##*sha256=}  $SDIST.part" | sha256sum -c - >/dev/null &&
+      mv "$SDIST.part" "$SDIST"
+  fi
+fi
+[ -f "$SDIST" ] || { echo "could not download llama-cpp-python==$VERSION from PyPI" >&2; exit 1; }
+
+# 1. rpc-server, rebuilt when the CPU differs (GGML_NATIVE: see bench/build_llama_server.sh)
+CPU=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -d' ' -f1)
+if [ ! -x "$OUT/bin/rpc-server" ] || [ "$(cat "$OUT/cpu-flags" 2>/dev/null)" != "$CPU" ]; then
+  rm -rf "$OUT" "llama_cpp_python-$VERSION"
+  tar xzf "$SDIST"
+  SRC="$ROOT/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
+  NOAMX=""
+  if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+  cmake -S "$SRC" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_RPC=ON -DLLAMA_CURL=OFF \
+    -DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX" -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+  cmake --build "$OUT/build" --target ggml-rpc-server -j "$(nproc)"
+  mkdir -p "$OUT/bin"
+  cp "$OUT/build/bin/ggml-rpc-server" "$OUT/bin/rpc-server"
+  echo "$CPU" > "$OUT/cpu-flags"
+  rm -rf "$OUT/build"
+fi
+echo "rpc-server: $OUT/bin/rpc-server"
+
+# 2. llama-cpp-python with the RPC backend
+if [ "$PYTHON" = 1 ]; then
+  if python -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_rpc() else 1)" 2>/dev/null; then
+    echo "llama-cpp-python $VERSION already has the RPC backend"
+  else
+    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=on" pip install --force-reinstall --no-deps --no-cache-dir "./$SDIST"
+  fi
+fi
+
+# 3. the test and the benchmark
+if [ "$TEST" = 1 ]; then
+  cd "$HERE/.."
+  TANDEM_RPC_SERVER="$OUT/bin/rpc-server" python -m pytest -q tests/integration/test_rpc.py
+  TANDEM_RPC_SERVER="$OUT/bin/rpc-server" python bench/rpc.py
+fi

@@ -1,0 +1,144 @@
+"""llama.cpp's RPC backend through the daemon: SmolLM2 split across two
+rpc-server processes on 127.0.0.1 (`tandem serve --rpc A,B`), greedy output
+identical to the same daemon without them, and the prefix cache restoring KV
+that lives on the servers.
+
+It needs llama-cpp-python built with GGML_RPC and an rpc-server from the same
+llama.cpp: `bench/build_rpc.sh` builds both (and `bench/build_rpc.sh --test`
+runs this file). Where either is missing the tests skip, saying so; the
+start-up errors of `--rpc` without them are tested in test_devices.py."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from tandem.client import RequestFailed
+from tandem.daemon.devices import rpc_server_binary
+
+SYSTEM = "You are a terse assistant for a small software team. Answer in one or two sentences. " * 4
+PROMPTS = [
+    [{"role": "user", "content": "Name three uses of a hash map."}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "What is a mutex?"}],
+]
+
+if not llama_cpp.llama_supports_rpc():
+    pytest.skip(
+        "llama-cpp-python was built without llama.cpp's RPC backend: bench/build_rpc.sh rebuilds it with "
+        'CMAKE_ARGS="-DGGML_RPC=on" and builds a matching rpc-server',
+        allow_module_level=True,
+    )
+if rpc_server_binary() is None:
+    pytest.skip("no rpc-server of this llama.cpp: bench/build_rpc.sh builds one", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rpc_servers():
+    """Two rpc-servers on 127.0.0.1, each with the CPU device and 1 thread."""
+    binary: Path = rpc_server_binary()  # type: ignore[assignment]
+    procs, addrs = [], []
+    for _ in range(2):
+        port = _free_port()
+        procs.append(
+            subprocess.Popen(
+                [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        addrs.append(f"127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 30
+        for addr in addrs:
+            host, port = addr.split(":")
+            while True:
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, f"rpc-server at {addr} did not listen"
+                    time.sleep(0.1)
+        yield addrs
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
+def _replies(d, **params) -> list:
+    with d.client() as c:
+        return [c.complete(messages=m, max_tokens=48, temperature=0.0, **params) for m in PROMPTS]
+
+
+def test_a_model_split_across_two_rpc_servers_answers_as_a_local_one(start_daemon, rpc_servers, tandem_cli):
+    local = start_daemon("--ctx-size", "512", "--threads", "1")
+    remote = start_daemon("--ctx-size", "512", "--threads", "1", "--rpc", ",".join(rpc_servers))
+    with remote.client() as c:
+        m = c.status().model
+    rpc = {d.name: d.description for d in m.devices if d.kind == "rpc"}
+    assert sorted(rpc.values()) == sorted(rpc_servers)
+    # every layer on the two servers (llama.cpp splits them by the memory each reports)
+    assert set(m.layers) == set(rpc) and sum(m.layers.values()) == m.n_layers == 31
+    assert all(n > 0 for n in m.layers.values())
+    assert any(name.startswith("RPC") for name in m.weights)
+    out = tandem_cli(remote.socket, "status").stdout
+    assert f"({rpc_servers[0]}" in out and " on RPC" in out
+
+    want = [r.text for r in _replies(local, cache=False)]
+    got = _replies(remote, cache=False)
+    assert [r.text for r in got] == want and all(r.usage.completion_tokens > 0 for r in got)
+    # the prefix cache: KV copied out of the servers into pages, and back into them, with the same output
+    long = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a mutex?"}]
+    with local.client() as c:
+        expected = c.complete(messages=long, max_tokens=32, temperature=0.0, cache=False).text
+    with remote.client() as c:
+        first = c.complete(messages=long, max_tokens=32, temperature=0.0)
+        c.complete(messages=PROMPTS[0], max_tokens=8, temperature=0.0)  # the live KV holds another prompt now
+        before = c.status().cache
+        again = c.complete(messages=long, max_tokens=32, temperature=0.0)
+        after = c.status().cache
+    assert first.text == again.text == expected
+    restored = after.tokens_from_cache - before.tokens_from_cache
+    from_pages = restored - (after.tokens_from_live - before.tokens_from_live)
+    assert again.usage.cached_tokens >= 64 and from_pages >= 64, (again.usage, before, after)
+    assert "Traceback" not in remote.log()
+
+
+def test_a_server_that_goes_away_fails_requests_not_the_daemon(start_daemon, rpc_servers):
+    """llama.cpp's RPC client aborts its process when a server disconnects
+    mid-graph: the target worker dies, the daemon answers with an error and stays up."""
+    port = _free_port()
+    binary = rpc_server_binary()
+    server = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        d = start_daemon("--ctx-size", "512", "--rpc", f"127.0.0.1:{port}", env={"TANDEM_WORKER_TIMEOUT": "20"})
+        server.kill()
+        server.wait(10)
+        with d.client() as c:
+            with pytest.raises(RequestFailed):
+                c.complete(prompt="Hello", max_tokens=8, temperature=0.0)
+            assert c.status().state in ("ready", "loading", "failed")
+        assert d.proc.poll() is None  # the daemon itself lives
+    finally:
+        server.kill()
+        server.wait(10)

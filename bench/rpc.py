@@ -1,8 +1,9 @@
 """A model split across llama.cpp rpc-servers on loopback vs the same model local.
 
-Starts two rpc-server processes on 127.0.0.1 (the binary bench/build_rpc.sh
-builds, or $TANDEM_RPC_SERVER) and three daemons on the same model: local,
-``--rpc A`` (every layer on one server) and ``--rpc A,B`` (split across two).
+Starts three rpc-server processes on 127.0.0.1 (the binary bench/build_rpc.sh
+builds, or $TANDEM_RPC_SERVER; an rpc-server serves one client at a time) and
+three daemons on the same model: local, ``--rpc A`` (every layer on one
+server) and ``--rpc B,C`` (split across two).
 Per run, in rotating order, each answers the same prompts greedily; reported
 per system: decode tok/s (completion tokens after the first / generation
 seconds) and time to first token, median and range over the runs, as ratios to
@@ -85,10 +86,10 @@ def main() -> None:
     if binary is None:
         sys.exit("no rpc-server: run bench/build_rpc.sh (or set TANDEM_RPC_SERVER)")
     model = model_path(args.model)
-    servers = [start_server(binary, args.threads) for _ in range(2)]
+    servers = [start_server(binary, args.threads) for _ in range(3)]
     addrs = [a for _, a in servers]
     common = ("--model", str(model), "--ctx-size", "1024", "--threads", str(args.threads), "--cache-bytes", "0")
-    systems = {"local": (), "rpc x1": ("--rpc", addrs[0]), "rpc x2": ("--rpc", ",".join(addrs))}
+    systems = {"local": (), "rpc x1": ("--rpc", addrs[0]), "rpc x2": ("--rpc", ",".join(addrs[1:]))}
     procs, clients = {}, {}
     try:
         for name, extra in systems.items():

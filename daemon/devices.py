@@ -194,20 +194,55 @@ def rpc_server_binary() -> Optional[Path]:
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
+# llama.cpp's RPC protocol as vendored in llama-cpp-python 0.3.36 (ggml/src/ggml-rpc): a request is
+# | command (1 byte) | size (u64) | data |, a reply | size (u64) | data |; HELLO (14) carries 24 bytes of
+# transport capabilities and is answered with major, minor, patch, padding and 24 bytes of them
+RPC_PROTO_MAJOR, RPC_PROTO_MINOR = 7, 0
+RPC_CMD_HELLO = 14
+RPC_CONN_CAPS_SIZE = 24
+
+
 def _reachable(endpoint: str, timeout: float = 5.0) -> None:
-    """Connect once before llama.cpp does: its RPC client aborts the process on
-    some failures, and a refused connection deserves a message that names the fix."""
+    """Say HELLO to an rpc-server before llama.cpp does: its client aborts the
+    process when a server fails, and waits forever on one that serves another
+    client (an rpc-server serves one at a time). A server that is not there,
+    is busy or speaks another protocol version gets a message naming the fix."""
     import socket
+    import struct
 
     host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    start = f"start it there first: rpc-server -H {host} -p {port} (built by bench/build_rpc.sh)"
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            pass
-    except OSError as exc:
+        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+            sock.sendall(struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS_SIZE) + bytes(RPC_CONN_CAPS_SIZE))
+            want = 8 + 4 + RPC_CONN_CAPS_SIZE
+            reply = b""
+            while len(reply) < want:
+                part = sock.recv(want - len(reply))
+                if not part:
+                    break
+                reply += part
+    except TimeoutError:
         raise DeviceError(
-            f"cannot reach the rpc-server at {endpoint} ({exc.strerror or exc}); start it there first: "
-            f"rpc-server -H {host.strip('[]')} -p {port} (built by bench/build_rpc.sh)"
+            f"the rpc-server at {endpoint} does not answer within {timeout:.0f} s: an rpc-server serves one client "
+            "at a time; is another tandem daemon or llama.cpp program using it? Give each its own rpc-server"
         ) from None
+    except OSError as exc:
+        raise DeviceError(f"cannot reach the rpc-server at {endpoint} ({exc.strerror or exc}); {start}") from None
+    size = struct.unpack("<Q", reply[:8])[0] if len(reply) >= 8 else 0
+    if len(reply) < want or size != 4 + RPC_CONN_CAPS_SIZE:
+        raise DeviceError(
+            f"{endpoint} does not answer as an rpc-server of this llama.cpp ({LLAMA_CPP_PYTHON}, RPC protocol "
+            f"{RPC_PROTO_MAJOR}.{RPC_PROTO_MINOR}); {start}"
+        )
+    major, minor, patch = reply[8], reply[9], reply[10]
+    if major != RPC_PROTO_MAJOR or minor > RPC_PROTO_MINOR:
+        raise DeviceError(
+            f"the rpc-server at {endpoint} speaks RPC protocol {major}.{minor}.{patch}, this llama.cpp "
+            f"({LLAMA_CPP_PYTHON}) {RPC_PROTO_MAJOR}.{RPC_PROTO_MINOR}: build the server from the same sources "
+            "(bench/build_rpc.sh)"
+        )
 
 
 # --------------------------------------------------------------------------- where the layers went

@@ -11,7 +11,9 @@ start-up errors of `--rpc` without them are tested in test_devices.py."""
 from __future__ import annotations
 
 import socket
+import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -34,8 +36,13 @@ if not llama_cpp.llama_supports_rpc():
         'CMAKE_ARGS="-DGGML_RPC=on" and builds a matching rpc-server',
         allow_module_level=True,
     )
-if rpc_server_binary() is None:
-    pytest.skip("no rpc-server of this llama.cpp: bench/build_rpc.sh builds one", allow_module_level=True)
+
+
+def _server_binary() -> Path:
+    binary = rpc_server_binary()
+    if binary is None:
+        pytest.skip("no rpc-server of this llama.cpp: bench/build_rpc.sh builds one")
+    return binary
 
 
 def _free_port() -> int:
@@ -47,7 +54,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def rpc_servers():
     """Two rpc-servers on 127.0.0.1, each with the CPU device and 1 thread."""
-    binary: Path = rpc_server_binary()  # type: ignore[assignment]
+    binary = _server_binary()
     procs, addrs = [], []
     for _ in range(2):
         port = _free_port()
@@ -120,7 +127,7 @@ def test_a_server_that_goes_away_fails_requests_not_the_daemon(start_daemon, rpc
     """llama.cpp's RPC client aborts its process when a server disconnects
     mid-graph: the target worker dies, the daemon answers with an error and stays up."""
     port = _free_port()
-    binary = rpc_server_binary()
+    binary = _server_binary()
     server = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"], stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
@@ -142,3 +149,43 @@ def test_a_server_that_goes_away_fails_requests_not_the_daemon(start_daemon, rpc
     finally:
         server.kill()
         server.wait(10)
+
+
+def test_a_server_another_daemon_holds_is_named_busy(start_daemon, daemon_process, smollm2_path, rpc_servers):
+    """An rpc-server serves one client at a time: a second daemon gets an error, not a hang."""
+    first = start_daemon("--ctx-size", "512", "--rpc", rpc_servers[0])
+    second = daemon_process(smollm2_path, "--ctx-size", "512", "--rpc", rpc_servers[0])
+    try:
+        assert second.proc.wait(60) == 1
+        assert f"the rpc-server at {rpc_servers[0]} does not answer" in second.log()
+        assert "serves one client at a time" in second.log()
+    finally:
+        second.stop()
+        second.cleanup()
+    with first.client() as c:  # the first one is unharmed
+        assert c.complete(prompt="Hello", max_tokens=4, temperature=0.0).usage.completion_tokens > 0
+
+
+def test_a_server_of_another_protocol_version_is_refused_by_name(daemon_process, smollm2_path):
+    """A server that answers HELLO with another major version (a fake one here): a clear error."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+
+    def answer():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 + 8 + 24)
+            conn.sendall(struct.pack("<Q", 28) + bytes([6, 1, 0, 0]) + bytes(24))
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    d = daemon_process(smollm2_path, "--ctx-size", "512", "--rpc", f"127.0.0.1:{port}")
+    try:
+        assert d.proc.wait(60) == 1
+        assert "speaks RPC protocol 6.1.0" in d.log() and "bench/build_rpc.sh" in d.log()
+    finally:
+        d.stop()
+        d.cleanup()
+        listener.close()

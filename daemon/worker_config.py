@@ -41,6 +41,7 @@ class WorkerConfig:
     drafter_bytes: int = 0  # the target's: the model drafter's file size (its step-cost prior)
     drafter_quantization: str = ""  # the target's: the model drafter's (gguf general.file_type), "" unknown
     spin_count: Optional[int] = None  # GOMP_SPINCOUNT (None: libgomp's default); see ``spin_count_for``
+    life: int = 1  # 1 at the daemon's start, 2... for each restart of this worker
 
     def __getitem__(self, key: str) -> Any:
         """A setting: ``config["kernels"]``."""
@@ -97,8 +98,7 @@ def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
     from .config import is_loopback, rpc_servers
-    from .devices import DeviceError, add_rpc_servers
-    from .llama_model import LlamaModel, ModelLoadError
+    from .llama_model import LlamaModel
 
     if config.role == "target" and config["rpc"]:
         servers = rpc_servers(config["rpc"])
@@ -109,10 +109,7 @@ def load_model(config: WorkerConfig):
                 "network, unencrypted (rpc_leaves_machine is on)",
                 ", ".join(remote),
             )
-        try:
-            add_rpc_servers(servers)
-        except DeviceError as exc:
-            raise ModelLoadError(str(exc)) from None
+        _add_rpc_servers(servers, wait=RPC_RESTART_WAIT if config.life > 1 else 0.0)
     gpu_layers, devices = placement_settings(config)
     kernels = config["kernels"]
     model = LlamaModel(
@@ -132,6 +129,33 @@ def load_model(config: WorkerConfig):
     )
     _say_where(model, config)
     return model
+
+
+RPC_RESTART_WAIT = 300.0  # seconds a restarted target waits for its rpc-servers to come back
+
+
+def _add_rpc_servers(servers: list[str], wait: float) -> None:
+    """Register the rpc-servers; a restarted worker (the target died because a
+    server went away) waits up to ``wait`` seconds for them to answer again, so
+    a server restarted meanwhile brings the daemon back without a restart."""
+    import time
+
+    from .devices import DeviceError, add_rpc_servers
+    from .llama_model import ModelLoadError
+
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        try:
+            add_rpc_servers(servers)
+            return
+        except DeviceError as exc:
+            if time.monotonic() >= deadline or "built without" in str(exc):
+                raise ModelLoadError(str(exc)) from None
+            if not said:
+                log.warning("%s; waiting up to %.0f s for it", exc, wait)
+                said = True
+            time.sleep(2.0)
 
 
 def _say_where(model, config: WorkerConfig) -> None:

@@ -143,7 +143,7 @@ class WorkerHandle:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint(self.ipc_path))
         os.chmod(self.ipc_path, 0o600)
-        config = dataclasses.replace(self.base_config, endpoint=endpoint(self.ipc_path))
+        config = dataclasses.replace(self.base_config, endpoint=endpoint(self.ipc_path), life=self.generation)
         if self.process is not None:
             self.process.close()
         self.process = WorkerProcess(config)

@@ -22,6 +22,7 @@ import pytest
 
 from tandem.client import RequestFailed
 from tandem.daemon.devices import rpc_server_binary
+from tandem.protocol import ErrorCode
 
 SYSTEM = "You are a terse assistant for a small software team. Answer in one or two sentences. " * 4
 PROMPTS = [
@@ -123,29 +124,48 @@ def test_a_model_split_across_two_rpc_servers_answers_as_a_local_one(start_daemo
     assert "Traceback" not in remote.log()
 
 
-def test_a_server_that_goes_away_fails_requests_not_the_daemon(start_daemon, rpc_servers):
-    """llama.cpp's RPC client aborts its process when a server disconnects
-    mid-graph: the target worker dies, the daemon answers with an error and stays up."""
+def _listening(port: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port}"
+            time.sleep(0.1)
+
+
+def test_a_server_that_goes_away_fails_the_request_and_the_daemon_comes_back_with_it(start_daemon):
+    """llama.cpp's RPC client aborts its process when a server disconnects: the
+    request gets an error, the daemon lives, and its restarted target waits for
+    the server, so a server started again brings it back without a restart."""
     port = _free_port()
     binary = _server_binary()
-    server = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"], stderr=subprocess.DEVNULL)
+    argv = [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        d = start_daemon("--ctx-size", "512", "--rpc", f"127.0.0.1:{port}", env={"TANDEM_WORKER_TIMEOUT": "20"})
-        server.kill()
-        server.wait(10)
+        _listening(port)
+        d = start_daemon("--ctx-size", "512", "--rpc", f"127.0.0.1:{port}")
         with d.client() as c:
-            with pytest.raises(RequestFailed):
-                c.complete(prompt="Hello", max_tokens=8, temperature=0.0)
-            assert c.status().state in ("ready", "loading", "failed")
-        assert d.proc.poll() is None  # the daemon itself lives
+            want = c.complete(prompt="Hello", max_tokens=8, temperature=0.0, cache=False).text
+            server.kill()
+            server.wait(10)
+            with pytest.raises(RequestFailed) as info:
+                c.complete(prompt="Hello", max_tokens=8, temperature=0.0, cache=False)
+            assert info.value.code == ErrorCode.WORKER_DIED
+            deadline = time.monotonic() + 30
+            while f"cannot reach the rpc-server at 127.0.0.1:{port}" not in d.log():
+                assert time.monotonic() < deadline, d.log()[-3000:]
+                time.sleep(0.2)
+            assert "waiting up to 300 s" in d.log() and c.status().state == "loading"
+            server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _listening(port)
+            deadline = time.monotonic() + 60
+            while c.status().state != "ready":
+                assert time.monotonic() < deadline, d.log()[-3000:]
+                time.sleep(0.2)
+            assert c.complete(prompt="Hello", max_tokens=8, temperature=0.0, cache=False).text == want
+        assert d.proc.poll() is None
     finally:
         server.kill()
         server.wait(10)

@@ -148,17 +148,25 @@ def main() -> None:
         c = clients["plain"]
         fresh = c.complete(messages=long_prompt, max_tokens=48, temperature=0.0, cache=False)
         c.complete(messages=long_prompt, max_tokens=48, temperature=0.0)
+        c.complete(messages=corpus["json"][0], max_tokens=8, temperature=0.0)  # the live KV holds another prompt
+        before = c.status().cache
         again = c.complete(messages=long_prompt, max_tokens=48, temperature=0.0)
+        after = c.status().cache
+        from_pages = (after.tokens_from_cache - before.tokens_from_cache) - (
+            after.tokens_from_live - before.tokens_from_live
+        )
         same = again.text == fresh.text
         say(
             f"prompt {fresh.usage.prompt_tokens} tokens: TTFT "
             f"{fresh.timings.time_to_first_token_seconds * 1000:.0f} ms uncached, "
             f"{again.timings.time_to_first_token_seconds * 1000:.0f} ms with "
-            f"{again.usage.cached_tokens} tokens from the cache; output identical: {same}"
+            f"{again.usage.cached_tokens} tokens from the cache ({from_pages} restored from pages); output "
+            f"identical: {same}"
         )
         results["cache"] = {
             "prompt_tokens": fresh.usage.prompt_tokens,
             "cached_tokens": again.usage.cached_tokens,
+            "restored_from_pages": from_pages,
             "ttft_uncached_s": fresh.timings.time_to_first_token_seconds,
             "ttft_cached_s": again.timings.time_to_first_token_seconds,
             "identical": same,

@@ -319,3 +319,23 @@ def restart_target(c, timeout: float = 60.0) -> None:
 def _restart_target():
     """``restart_target(client)``: kill the target worker and wait for its successor."""
     return restart_target
+
+
+def page_restore(client, messages: list, other: list, max_tokens: int = 32) -> tuple[str, str, int]:
+    """(text uncached, text of the same prompt restored from the prefix cache's
+    pages, tokens restored from pages): the prompt is sent, then ``other`` (so
+    the worker's live KV no longer holds it), then the prompt again."""
+    fresh = client.complete(messages=messages, max_tokens=max_tokens, temperature=0.0, cache=False).text
+    client.complete(messages=messages, max_tokens=max_tokens, temperature=0.0)
+    client.complete(messages=other, max_tokens=8, temperature=0.0)
+    before = client.status().cache
+    again = client.complete(messages=messages, max_tokens=max_tokens, temperature=0.0)
+    after = client.status().cache
+    live = after.tokens_from_live - before.tokens_from_live
+    return fresh, again.text, after.tokens_from_cache - before.tokens_from_cache - live
+
+
+@pytest.fixture(name="page_restore", scope="session")
+def _page_restore():
+    """``page_restore(client, messages, other)``: see ``page_restore``."""
+    return page_restore

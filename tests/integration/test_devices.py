@@ -55,6 +55,18 @@ def test_gpu_flags_place_the_layers_and_status_says_where(start_daemon, smollm2_
     assert "devices:   CPU (" in out
 
 
+def test_the_prefix_cache_restores_kv_exactly_wherever_the_layers_are(start_daemon, page_restore):
+    """KV pages are copied out of the device that holds the KV (llama.cpp's
+    sequence state API) and back: on a GPU that is its memory, here the CPU's."""
+    d = start_daemon("--ctx-size", "1024", "--gpu-layers", "all")
+    system = "You are a terse assistant for a small software team. Answer in one or two sentences. " * 4
+    long = [{"role": "system", "content": system}, {"role": "user", "content": "What is a mutex?"}]
+    with d.client() as c:
+        fresh, restored, from_pages = page_restore(c, long, [{"role": "user", "content": "Hi"}])
+        where = c.status().model.layers
+    assert restored == fresh and from_pages >= 64, (where, from_pages)
+
+
 def test_device_none_keeps_every_layer_on_the_cpu(start_daemon):
     d = start_daemon("--ctx-size", "512", "--gpu-layers", "all", "--device", "none")
     with d.client() as c:

@@ -90,7 +90,14 @@ def _replies(d, **params) -> list:
         return [c.complete(messages=m, max_tokens=48, temperature=0.0, **params) for m in PROMPTS]
 
 
-def test_a_model_split_across_two_rpc_servers_answers_as_a_local_one(start_daemon, rpc_servers, tandem_cli):
+def _replies_to(d, messages) -> str:
+    with d.client() as c:
+        return c.complete(messages=messages, max_tokens=32, temperature=0.0, cache=False).text
+
+
+def test_a_model_split_across_two_rpc_servers_answers_as_a_local_one(
+    start_daemon, rpc_servers, tandem_cli, page_restore
+):
     local = start_daemon("--ctx-size", "512", "--threads", "1")
     remote = start_daemon("--ctx-size", "512", "--threads", "1", "--rpc", ",".join(rpc_servers))
     with remote.client() as c:
@@ -109,18 +116,9 @@ def test_a_model_split_across_two_rpc_servers_answers_as_a_local_one(start_daemo
     assert [r.text for r in got] == want and all(r.usage.completion_tokens > 0 for r in got)
     # the prefix cache: KV copied out of the servers into pages, and back into them, with the same output
     long = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a mutex?"}]
-    with local.client() as c:
-        expected = c.complete(messages=long, max_tokens=32, temperature=0.0, cache=False).text
     with remote.client() as c:
-        first = c.complete(messages=long, max_tokens=32, temperature=0.0)
-        c.complete(messages=PROMPTS[0], max_tokens=8, temperature=0.0)  # the live KV holds another prompt now
-        before = c.status().cache
-        again = c.complete(messages=long, max_tokens=32, temperature=0.0)
-        after = c.status().cache
-    assert first.text == again.text == expected
-    restored = after.tokens_from_cache - before.tokens_from_cache
-    from_pages = restored - (after.tokens_from_live - before.tokens_from_live)
-    assert again.usage.cached_tokens >= 64 and from_pages >= 64, (again.usage, before, after)
+        fresh, restored, from_pages = page_restore(c, long, PROMPTS[0])
+    assert restored == fresh == _replies_to(local, long) and from_pages >= 64
     assert "Traceback" not in remote.log()
 
 

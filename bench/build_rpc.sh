@@ -7,7 +7,9 @@
 #      one in this Python environment: nothing else about it changes)
 #   3. with --test: the RPC test (tests/integration/test_rpc.py: two rpc-servers on 127.0.0.1, SmolLM2 split
 #      across them, output compared with a local run) and the loopback benchmark (bench/rpc.py)
-# Usage: bench/build_rpc.sh [--test] [--no-python]
+# Usage: [CMAKE_ARGS="-DGGML_CUDA=on"] bench/build_rpc.sh [--test] [--no-python]
+# CMAKE_ARGS (a GPU backend's flags) go to both builds; run it on each machine that runs an rpc-server
+# (GGML_NATIVE builds for the CPU it runs on).
 # Needs cmake and a C++ compiler; ~4 minutes for rpc-server and ~6 for llama-cpp-python on 2 cores.
 set -eu
 TEST=0
@@ -49,8 +51,9 @@ if [ ! -x "$OUT/bin/rpc-server" ] || [ "$(cat "$OUT/cpu-flags" 2>/dev/null)" != 
   SRC="$ROOT/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
   NOAMX=""
   if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+  # shellcheck disable=SC2086 # CMAKE_ARGS is a list of flags
   cmake -S "$SRC" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_RPC=ON -DLLAMA_CURL=OFF \
-    -DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX" -DBUILD_SHARED_LIBS=OFF \
+    -DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX" -DBUILD_SHARED_LIBS=OFF ${CMAKE_ARGS:-} \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
   cmake --build "$OUT/build" --target ggml-rpc-server -j "$(nproc)"
   mkdir -p "$OUT/bin"
@@ -62,8 +65,15 @@ echo "rpc-server: $OUT/bin/rpc-server"
 
 # 2. llama-cpp-python with the RPC backend
 if [ "$PYTHON" = 1 ]; then
+  # the backends the installed one has besides the CPU and RPC (CUDA, Metal...): a rebuild without their
+  # flags would drop them
+  OTHER=$(python -c "from tandem.daemon.devices import backends; print(' '.join(b for b in backends() if b not in ('CPU', 'BLAS') and not b.startswith('RPC')))" 2>/dev/null || true)
   if python -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_rpc() else 1)" 2>/dev/null; then
     echo "llama-cpp-python $VERSION already has the RPC backend"
+  elif [ -n "$OTHER" ] && [ -z "${CMAKE_ARGS:-}" ]; then
+    echo "the installed llama-cpp-python has the $OTHER backend; rebuilding it with only -DGGML_RPC=on would drop" \
+      "it: run again with CMAKE_ARGS naming it (e.g. CMAKE_ARGS=\"-DGGML_CUDA=on\" bench/build_rpc.sh)" >&2
+    exit 1
   else
     CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=on" pip install --force-reinstall --no-deps --no-cache-dir "./$SDIST"
   fi

@@ -7,10 +7,12 @@
 set -eu
 cd "$(dirname "$0")/.."
 VERSION=$(python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))" 2>/dev/null || echo 0.3.36)
-if ! python -c "from tandem.daemon.devices import list_devices; import sys; sys.exit(0 if any(d.kind == 'gpu' for d in list_devices()) else 1)" 2>/dev/null; then
-  CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_CUDA=on" pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==$VERSION"
-fi
 pip install -e . >/dev/null
+if ! python -c "from tandem.daemon.devices import list_devices; import sys; sys.exit(0 if any(d.kind in ('gpu', 'igpu') for d in list_devices()) else 1)" 2>/dev/null; then
+  # native: only the installed GPU's architecture, which keeps the CUDA build to minutes
+  CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native" \
+    pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==$VERSION"
+fi
 python -m tandem.client.cli models pull qwen2.5-coder-1.5b
 python -m tandem.client.cli models pull qwen2.5-coder-0.5b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true

@@ -498,10 +498,11 @@ def parse_value(option: Option, raw: Any, source: str) -> Any:
         servers = []
         for entry in raw.split(","):
             host, sep, port = entry.strip().rpartition(":")
-            host = host.strip("[]")
+            if host.startswith("[") or ":" in host:
+                raise bad(f"{entry.strip()!r}: llama.cpp's RPC speaks IPv4 only; use 127.0.0.1:PORT")
             if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
                 raise bad(f"{entry.strip()!r} is not HOST:PORT")
-            servers.append(f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}")
+            servers.append(f"{host}:{int(port)}")
         return ",".join(servers)
     if kind == "path":
         if isinstance(raw, os.PathLike):
@@ -677,30 +678,37 @@ def rpc_servers(value: str) -> list[str]:
 
 
 def check_rpc(settings: Settings) -> None:
-    """Every rpc-server address names this machine, unless the user said the traffic may leave it."""
+    """Every rpc-server address names this machine, unless the user said the
+    traffic may leave it. A name is resolved here, once, and replaced by the
+    IPv4 address that was checked: the workers and llama.cpp connect to that, so
+    a name that resolves elsewhere later cannot move the traffic off the machine."""
     servers = rpc_servers(settings.values["rpc"])
-    if not servers or settings.values["rpc_leaves_machine"]:
+    if not servers:
         return
     import socket
 
+    source = f"rpc = {settings.values['rpc']!r} (from {settings.sources['rpc']})"
+    resolved = []
     for server in servers:
         host, _, port = server.rpartition(":")
-        host = host.strip("[]")
         try:
-            addresses = {info[4][0] for info in socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)}
+            addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, int(port), socket.AF_INET)})
         except OSError as exc:
             raise ConfigError(
-                f"rpc = {settings.values['rpc']!r} (from {settings.sources['rpc']}): cannot resolve {host!r} "
-                f"({exc.strerror or exc})"
+                f"{source}: cannot resolve {host!r} ({exc.strerror or exc}); give the server's IPv4 address"
             ) from None
-        remote = sorted(a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
-        if remote:
+        remote = [a for a in addresses if not ipaddress.ip_address(a).is_loopback]
+        if remote and not settings.values["rpc_leaves_machine"]:
             raise ConfigError(
-                f"rpc = {settings.values['rpc']!r} (from {settings.sources['rpc']}): {server} is not this machine "
-                f"({', '.join(remote)}); the target's weights and every request's activations would cross the "
-                "network, unencrypted. Use 127.0.0.1:PORT, or set rpc_leaves_machine = true "
-                "(--rpc-leaves-machine on) if you mean it"
+                f"{source}: {server} is not this machine ({', '.join(remote)}); the target's weights and every "
+                "request's activations would cross the network, unencrypted. Use 127.0.0.1:PORT, or set "
+                "rpc_leaves_machine = true (--rpc-leaves-machine on) if you mean it"
             )
+        address = f"{addresses[0]}:{int(port)}"
+        if address in resolved:
+            raise ConfigError(f"{source}: {server} names the same server twice (an rpc-server takes one client)")
+        resolved.append(address)
+    settings.values["rpc"] = ",".join(resolved)
 
 
 def show_value(option: Option, value: Any) -> str:

@@ -49,12 +49,11 @@ class DeviceError(Exception):
 
 
 class _Libs:
-    """ggml's registry functions, from the copies of libggml libllama links against."""
+    """ggml's registry functions, looked up through libllama's own handle (it links
+    libggml and libggml-base, whatever they are called on this system)."""
 
     def __init__(self) -> None:
-        libdir = Path(getattr(llama.llama_cpp, "_base_path", Path(llama.__file__).parent / "lib"))
-        self.ggml = ctypes.CDLL(str(libdir / "libggml.so.0"))
-        self.base = ctypes.CDLL(str(libdir / "libggml-base.so.0"))
+        self.ggml = self.base = ctypes.CDLL(None, handle=llama.llama_cpp._lib._handle)
         p, s, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
         for lib, name, res, args in (
             (self.ggml, "ggml_backend_dev_count", i, []),
@@ -81,10 +80,14 @@ _LIBS: Optional[_Libs] = None
 
 
 def libs() -> _Libs:
+    """DeviceError where this llama-cpp-python does not expose ggml's registry."""
     global _LIBS
     if _LIBS is None:
         llama.llama_backend_init()
-        _LIBS = _Libs()
+        try:
+            _LIBS = _Libs()
+        except (AttributeError, OSError) as exc:
+            raise DeviceError(f"cannot read llama.cpp's device registry: {exc}") from None
     return _LIBS
 
 
@@ -98,7 +101,8 @@ def rpc_backend() -> bool:
 
 
 def backends() -> list[str]:
-    """The backends compiled into this llama.cpp: "CPU", and "CUDA", "Metal", "RPC"..."""
+    """The backends registered in this process: "CPU", and "CUDA", "Metal", "RPC",
+    "RPC[HOST:PORT]" per server added..."""
     lib = libs()
     regs = (lib.ggml.ggml_backend_reg_get(i) for i in range(lib.ggml.ggml_backend_reg_count()))
     return [(lib.base.ggml_backend_reg_name(r) or b"?").decode(errors="replace") for r in regs]
@@ -108,7 +112,7 @@ def gpu_note(devices: list[DeviceInfo]) -> str:
     """ "" where llama.cpp has a GPU; otherwise what to do to get one (RPC devices are not GPUs here)."""
     if any(d.kind in ("gpu", "igpu") for d in devices):
         return ""
-    gpu_backends = [b for b in backends() if b not in ("CPU", "RPC", "BLAS")]
+    gpu_backends = [b for b in backends() if b not in ("CPU", "BLAS") and not b.startswith("RPC")]
     if gpu_backends:
         return f"llama.cpp has the {', '.join(gpu_backends)} backend but found no device for it (is the driver loaded?)"
     return GPU_INSTALL_HINT
@@ -131,9 +135,25 @@ def _describe(dev: int) -> DeviceInfo:
 
 
 def list_devices() -> list[DeviceInfo]:
-    """Every device llama.cpp has in this process (the CPU first)."""
-    lib = libs()
+    """Every device llama.cpp has in this process, in its order (a GPU backend's
+    devices before the CPU; RPC servers' as they were added); [] where the
+    registry cannot be read. Asks each device its free memory (an RPC device
+    asks its server)."""
+    try:
+        lib = libs()
+    except DeviceError:
+        return []
     return [_describe(lib.ggml.ggml_backend_dev_get(i)) for i in range(lib.ggml.ggml_backend_dev_count())]
+
+
+def device_names() -> list[str]:
+    """The devices' names only: asks no server anything."""
+    lib = libs()
+    names = (
+        lib.base.ggml_backend_dev_name(lib.ggml.ggml_backend_dev_get(i))
+        for i in range(lib.ggml.ggml_backend_dev_count())
+    )
+    return [(n or b"?").decode(errors="replace") for n in names]
 
 
 def select_devices(names: list[str]):
@@ -143,6 +163,11 @@ def select_devices(names: list[str]):
     found = []
     for name in names:
         dev = lib.ggml.ggml_backend_dev_by_name(name.encode())
+        if dev and lib.base.ggml_backend_dev_type(dev) == 0:  # GGML_BACKEND_DEVICE_TYPE_CPU
+            raise DeviceError(
+                f"{name} is not a device to offload to: every layer not offloaded runs there; use --device none "
+                "to keep them all on it"
+            )
         if not dev:
             devices = list_devices()
             there = ", ".join(d.name for d in devices)
@@ -153,10 +178,12 @@ def select_devices(names: list[str]):
     return (ctypes.c_void_p * (len(found) + 1))(*found, None)
 
 
-def add_rpc_servers(endpoints: list[str]) -> list[DeviceInfo]:
+def add_rpc_servers(endpoints: list[str], other_users: bool = False) -> list[str]:
     """Register llama.cpp rpc-server processes (HOST:PORT each) as devices of
-    this process; returns the devices they brought. DeviceError when this
-    llama.cpp has no RPC backend or a server does not answer."""
+    this process; returns the names of the devices they brought. DeviceError
+    when this llama.cpp has no RPC backend, or a server does not answer, is
+    busy, speaks another protocol version or (unless ``other_users``) runs as
+    another user: every server is checked before any is registered."""
     if not endpoints:
         return []
     lib = libs()
@@ -167,9 +194,10 @@ def add_rpc_servers(endpoints: list[str]) -> list[DeviceInfo]:
     if not addr:
         raise DeviceError("this llama.cpp's RPC backend has no ggml_backend_rpc_add_server")
     add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(addr)
-    before = {d.name for d in list_devices()}
     for endpoint in endpoints:
-        _reachable(endpoint)
+        _reachable(endpoint, other_users=other_users)
+    before = set(device_names())
+    for endpoint in endpoints:
         server = add_server(endpoint.encode())
         if not server:
             raise DeviceError(
@@ -177,7 +205,7 @@ def add_rpc_servers(endpoints: list[str]) -> list[DeviceInfo]:
                 f"llama.cpp as {LLAMA_CPP_PYTHON}? bench/build_rpc.sh builds one)"
             )
         lib.ggml.ggml_backend_register(server)
-    return [d for d in list_devices() if d.name not in before]
+    return [name for name in device_names() if name not in before]
 
 
 def rpc_server_binary() -> Optional[Path]:
@@ -202,19 +230,30 @@ RPC_CMD_HELLO = 14
 RPC_CONN_CAPS_SIZE = 24
 
 
-def _reachable(endpoint: str, timeout: float = 5.0) -> None:
+def _reachable(endpoint: str, timeout: float = 5.0, other_users: bool = False) -> None:
     """Say HELLO to an rpc-server before llama.cpp does: its client aborts the
     process when a server fails, and waits forever on one that serves another
     client (an rpc-server serves one at a time). A server that is not there,
-    is busy or speaks another protocol version gets a message naming the fix."""
+    is busy, speaks another protocol version or (on loopback, unless
+    ``other_users``) runs as another user gets a message naming the fix."""
     import socket
     import struct
 
     host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    start = f"start it there first: rpc-server -H {host} -p {port} (built by bench/build_rpc.sh)"
+    start = f"start it there first: rpc-server -H 127.0.0.1 -p {port} (built by bench/build_rpc.sh)"
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    except TimeoutError:
+        raise DeviceError(
+            f"cannot reach the rpc-server at {endpoint}: no answer to the connection within {timeout:.0f} s (is the "
+            "host up, and the port open in its firewall?)"
+        ) from None
+    except OSError as exc:
+        raise DeviceError(f"cannot reach the rpc-server at {endpoint} ({exc.strerror or exc}); {start}") from None
+    with sock:
+        if not other_users:
+            _same_user(endpoint, sock)
+        try:
             sock.sendall(struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS_SIZE) + bytes(RPC_CONN_CAPS_SIZE))
             want = 8 + 4 + RPC_CONN_CAPS_SIZE
             reply = b""
@@ -223,13 +262,14 @@ def _reachable(endpoint: str, timeout: float = 5.0) -> None:
                 if not part:
                     break
                 reply += part
-    except TimeoutError:
-        raise DeviceError(
-            f"the rpc-server at {endpoint} does not answer within {timeout:.0f} s: an rpc-server serves one client "
-            "at a time; is another tandem daemon or llama.cpp program using it? Give each its own rpc-server"
-        ) from None
-    except OSError as exc:
-        raise DeviceError(f"cannot reach the rpc-server at {endpoint} ({exc.strerror or exc}); {start}") from None
+        except TimeoutError:
+            raise DeviceError(
+                f"the rpc-server at {endpoint} does not answer within {timeout:.0f} s: an rpc-server serves one "
+                "client at a time; is another tandem daemon or llama.cpp program using it? Give each its own "
+                "rpc-server"
+            ) from None
+        except OSError as exc:
+            raise DeviceError(f"the rpc-server at {endpoint} closed the connection ({exc.strerror or exc})") from None
     size = struct.unpack("<Q", reply[:8])[0] if len(reply) >= 8 else 0
     if len(reply) < want or size != 4 + RPC_CONN_CAPS_SIZE:
         raise DeviceError(
@@ -243,6 +283,29 @@ def _reachable(endpoint: str, timeout: float = 5.0) -> None:
             f"({LLAMA_CPP_PYTHON}) {RPC_PROTO_MAJOR}.{RPC_PROTO_MINOR}: build the server from the same sources "
             "(bench/build_rpc.sh)"
         )
+
+
+def _same_user(endpoint: str, sock) -> None:
+    """On loopback, the process listening at ``endpoint`` must run as us: a
+    loopback port is open to every user, and another's server would get the
+    prompts' activations (the owner is looked up in /proc/net/tcp; where that
+    cannot be read, not Linux, nothing is checked)."""
+    import ipaddress
+    import os
+
+    from .tcp_owner import NOT_FOUND, owner_uid
+
+    peer, local = sock.getpeername(), sock.getsockname()
+    if not ipaddress.ip_address(peer[0]).is_loopback:
+        return
+    uid = owner_uid(peer, local)
+    if uid is None or uid == os.getuid():
+        return
+    who = "a process of an unknown user" if uid == NOT_FOUND else f"a process of uid {uid}"
+    raise DeviceError(
+        f"the rpc-server at {endpoint} is {who}, not yours (uid {os.getuid()}): it would get your prompts' "
+        "activations. Start your own on a free port, or set rpc_leaves_machine = true if you trust it"
+    )
 
 
 # --------------------------------------------------------------------------- where the layers went
@@ -262,6 +325,13 @@ class Placement:
     offloaded: int = 0
     n_layers: int = 0  # repeating layers + the output layer
     errors: list[str] = field(default_factory=list)  # llama.cpp's error lines during the load
+
+    def key(self) -> str:
+        """ "" with every layer on the CPU, else where they are: what measured
+        speeds and the batch-invariance verdict depend on beside the model."""
+        if set(self.layers) <= {"CPU"}:
+            return ""
+        return "layers=" + ",".join(f"{d}:{n}" for d, n in sorted(self.layers.items()))
 
 
 class LoadLog:
@@ -298,5 +368,11 @@ class LoadLog:
                 out.offloaded, out.n_layers = int(m.group(1)), int(m.group(2))
         if not out.n_layers:
             out.n_layers = sum(out.layers.values())
-        out.errors = [t.strip() for level, t in self.lines if level == 3 and t.strip()]
+        out.errors = []
+        last = 0
+        for level, t in self.lines:  # GGML_LOG_LEVEL_ERROR = 4; CONT (5) goes on the line before
+            level = last if level == 5 else level
+            if level == 4 and t.strip():
+                out.errors.append(t.strip())
+            last = level
         return out

@@ -36,6 +36,8 @@ def probe_key(model, config: WorkerConfig) -> str:
         model.n_threads,
         *model.runtime(),
     )
+    if model.placement.key():  # offloaded: the verdict is the devices' (a CPU one says nothing of a GPU)
+        parts += (model.placement.key(),)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 

@@ -89,18 +89,12 @@ def _install_kernel_hook() -> None:
     CPU backend it creates gets the reference kernels while they are on, and is
     listed in ``_REFERENCE_KERNELS["created"]`` while a context is being created,
     so that its model can switch them per pass (``LlamaModel.prefill``)."""
-    libdir = Path(getattr(llama.llama_cpp, "_base_path", Path(llama.__file__).parent / "lib"))
-    # the copies libllama links against (the wheel ships them under two names each)
-    ggml = ctypes.CDLL(str(libdir / "libggml.so.0"))
-    base = ctypes.CDLL(str(libdir / "libggml-base.so.0"))
-    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    base.ggml_backend_dev_name.restype = ctypes.c_char_p
-    base.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-    base.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
-    base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
-    base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
-    base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    from .devices import DeviceError, libs
+
+    try:
+        ggml = base = libs().ggml
+    except DeviceError as exc:
+        raise ModelLoadError(str(exc)) from None
     dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
     if not dev or base.ggml_backend_dev_name(dev) != b"CPU":
         raise ModelLoadError("llama.cpp has no CPU device to set reference kernels on")

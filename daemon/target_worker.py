@@ -92,8 +92,9 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     if c.governed:
         from .governor import GovernorBank
 
+        placed = model.placement.key()  # speeds measured with the layers elsewhere are not the CPU's
         governors = GovernorBank(
-            c.governor_identity,
+            f"{c.governor_identity} {placed}" if placed else c.governor_identity,
             Path(c.governor_state) if c.governor_state else None,
             per_task=c["governor_per_task"],
             costs=pass_costs(model, c, min_batch),

@@ -101,15 +101,17 @@ def load_model(config: WorkerConfig):
     from .llama_model import LlamaModel
 
     if config.role == "target" and config["rpc"]:
-        servers = rpc_servers(config["rpc"])
+        servers = rpc_servers(config["rpc"])  # IPv4 addresses (config.check_rpc resolved any names)
         remote = [s for s in servers if not is_loopback(s)]
-        if remote:  # allowed by rpc_leaves_machine (config.check_rpc refuses it otherwise)
+        if remote and config["rpc_leaves_machine"]:  # (config.check_rpc refuses them otherwise)
             log.warning(
                 "rpc: %s not on this machine: the target's weights and every request's activations cross the "
                 "network, unencrypted (rpc_leaves_machine is on)",
                 ", ".join(remote),
             )
-        _add_rpc_servers(servers, wait=RPC_RESTART_WAIT if config.life > 1 else 0.0)
+        _add_rpc_servers(
+            servers, wait=RPC_RESTART_WAIT if config.life > 1 else 0.0, other_users=config["rpc_leaves_machine"]
+        )
     gpu_layers, devices = placement_settings(config)
     kernels = config["kernels"]
     model = LlamaModel(
@@ -134,7 +136,7 @@ def load_model(config: WorkerConfig):
 RPC_RESTART_WAIT = 300.0  # seconds a restarted target waits for its rpc-servers to come back
 
 
-def _add_rpc_servers(servers: list[str], wait: float) -> None:
+def _add_rpc_servers(servers: list[str], wait: float, other_users: bool) -> None:
     """Register the rpc-servers; a restarted worker (the target died because a
     server went away) waits up to ``wait`` seconds for them to answer again, so
     a server restarted meanwhile brings the daemon back without a restart."""
@@ -147,7 +149,7 @@ def _add_rpc_servers(servers: list[str], wait: float) -> None:
     said = False
     while True:
         try:
-            add_rpc_servers(servers)
+            add_rpc_servers(servers, other_users=other_users)
             return
         except DeviceError as exc:
             if time.monotonic() >= deadline or "built without" in str(exc):
@@ -167,7 +169,8 @@ def _say_where(model, config: WorkerConfig) -> None:
     log.info("%s: %d layers: %s", model.path.name, p.n_layers, where)
     prefix = "drafter_" if config.role == "drafter" else ""
     asked = config[prefix + "gpu_layers"]
-    if asked not in (None, 0) and set(p.layers) <= {"CPU"}:
+    kept = config[prefix + "device"].strip().lower() == "none"  # on the CPU, as asked
+    if asked not in (None, 0) and not kept and set(p.layers) <= {"CPU"}:
         why = gpu_note(list_devices()) or "llama.cpp placed none elsewhere"
         log.warning("%sgpu_layers = %s, but every layer runs on the CPU: %s", prefix, asked, why)
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)
+PROTOCOL_VERSION: tuple[int, int] = (1, 4)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
@@ -703,7 +703,7 @@ class ModelInfo:
     devices: list[DeviceInfo] = field(default_factory=list)  # the devices llama.cpp has in this model's worker
     gpu_backend: bool = False  # llama.cpp can offload layers (a GPU backend or RPC is compiled in)
     gpu_note: str = ""  # without one: how to install a llama.cpp with a GPU backend
-    gpu_layers_asked: int = 0  # the setting: -1 all, N layers (0 with auto where nothing can take them)
+    gpu_layers_asked: int = 0  # the setting as llama.cpp's n_gpu_layers: -1 all (and auto), N layers
     n_layers: int = 0  # layers llama.cpp places: the repeating ones and the output layer
     layers: dict[str, int] = field(default_factory=dict)  # device name -> layers placed there
     weights: dict[str, int] = field(default_factory=dict)  # llama.cpp weight buffer ("CPU_Mapped", "CUDA0") -> bytes

@@ -98,12 +98,23 @@ def test_the_default_settings_are_batch_invariant(which, smollm2_path, coder_pat
         model.close()
 
 
+class StandInPlacement:
+    """Stands in for devices.Placement: where the layers are ("" = all on the CPU)."""
+
+    def __init__(self, key: str = ""):
+        self._key = key
+
+    def key(self) -> str:
+        return self._key
+
+
 class CountingModel:
     """Stands in for LlamaModel in the probe cache's pure logic: counts probes."""
 
     def __init__(self, path, verdict):
         self.path, self.verdict, self.probes = path, verdict, 0
         self.flash_attn, self.extra_buffers, self.n_batch, self.n_threads = True, False, 512, 2
+        self.placement = StandInPlacement()
 
     def batch_invariance(self):
         self.probes += 1
@@ -142,3 +153,8 @@ def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_p
     gguf.write_bytes(b"another, longer model file")  # a changed file: probed again
     assert probe_batch_invariance(model, config) == verdict and model.probes == 10
     assert probe_batch_invariance(model, config) == verdict and model.probes == 10
+    model.placement = StandInPlacement("layers=CUDA0:31")  # the layers on a GPU: the CPU's verdict says nothing
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 11
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 11
+    model.placement = StandInPlacement()  # back on the CPU: its verdict is still kept
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 11

@@ -123,17 +123,23 @@ def test_gpu_layers_take_a_count_all_or_auto_from_every_source(tmp_path):
 
 
 def test_rpc_servers_are_loopback_unless_the_user_says_the_traffic_leaves():
-    s = load({"rpc": " 127.0.0.1:50052, localhost:50053,[::1]:50054"}, None, environ={})
-    assert s.rpc == "127.0.0.1:50052,localhost:50053,[::1]:50054"
-    assert config.rpc_servers(s.rpc) == ["127.0.0.1:50052", "localhost:50053", "[::1]:50054"]
+    # names are resolved once, here: the workers and llama.cpp get the address that was checked
+    s = load({"rpc": " 127.0.0.1:50052, localhost:50053,127.0.0.2:50054"}, None, environ={})
+    assert s.rpc == "127.0.0.1:50052,127.0.0.1:50053,127.0.0.2:50054"
+    assert config.rpc_servers(s.rpc) == ["127.0.0.1:50052", "127.0.0.1:50053", "127.0.0.2:50054"]
+    with pytest.raises(ConfigError, match="the same server twice"):
+        load({"rpc": "127.0.0.1:50052,localhost:50052"}, None, environ={})
     assert load({"rpc": "off"}, None, environ={}).rpc == "" and load({}, None, environ={}).rpc == ""
-    for remote in ("192.168.1.20:50052", "127.0.0.1:50052,10.0.0.7:50052", "[2001:db8::1]:50052"):
+    for remote in ("192.168.1.20:50052", "127.0.0.1:50052,10.0.0.7:50052"):
         with pytest.raises(ConfigError, match="is not this machine.*unencrypted.*rpc_leaves_machine = true"):
             load({"rpc": remote}, None, environ={})
         assert load({"rpc": remote, "rpc_leaves_machine": "on"}, None, environ={}).rpc == remote.replace(" ", "")
     for bad in ("127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", ":50052", "127.0.0.1:port"):
         with pytest.raises(ConfigError, match="is not HOST:PORT"):
             load({"rpc": bad}, None, environ={})
+    for v6 in ("[::1]:50052", "[2001:db8::1]:50052"):  # llama.cpp's RPC client and server are IPv4 only
+        with pytest.raises(ConfigError, match="IPv4 only.*127.0.0.1:PORT"):
+            load({"rpc": v6, "rpc_leaves_machine": "on"}, None, environ={})
     with pytest.raises(ConfigError, match="cannot resolve 'no-such-host.invalid'"):
         load({"rpc": "no-such-host.invalid:50052"}, None, environ={})
 

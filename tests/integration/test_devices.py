@@ -36,7 +36,7 @@ def test_gpu_flags_place_the_layers_and_status_says_where(start_daemon, smollm2_
     # llama.cpp places the 30 repeating layers and the output layer
     assert target.n_layers == 31 and sum(target.layers.values()) == 31
     assert drafter.n_layers == 31 and sum(drafter.layers.values()) == 31
-    assert target.devices[0].name == "CPU" and target.devices[0].kind == "cpu"
+    assert "CPU" in [dev.name for dev in target.devices if dev.kind == "cpu"]  # (a GPU backend's devices come first)
     assert target.gpu_layers_asked == -1 and drafter.gpu_layers_asked == 4
     assert sum(target.weights.values()) > 50 * 2**20  # the 92 MiB of weights, in llama.cpp's buffers
     out = tandem_cli(d.socket, "status").stdout
@@ -52,7 +52,7 @@ def test_gpu_flags_place_the_layers_and_status_says_where(start_daemon, smollm2_
         assert target.layers.get("CPU", 0) == 0 and sum(target.layers[g] for g in gpus if g in target.layers) == 31
         assert sum(n for dev, n in drafter.layers.items() if dev != "CPU") == 4
         assert target.gpu_note == "" and "no GPU backend" not in out
-    assert "devices:   CPU (" in out
+    assert "devices:   " in out and "CPU (" in out
 
 
 def test_the_prefix_cache_restores_kv_exactly_wherever_the_layers_are(start_daemon, page_restore):
@@ -78,7 +78,7 @@ def test_an_unknown_device_stops_the_start_with_the_devices_there_are(daemon_pro
     try:
         assert d.proc.wait(60) == 1
         log = d.log()
-        assert "no device named 'NOPE0' (devices here: CPU" in log
+        assert "no device named 'NOPE0' (devices here: " in log and "CPU" in log.split("devices here: ")[1]
         if not GPUS:
             assert 'CMAKE_ARGS="-DGGML_CUDA=on"' in log
         assert not d.socket.exists()
@@ -118,10 +118,10 @@ def test_a_remote_rpc_server_is_refused_before_anything_starts(daemon_process, s
 def test_show_lists_the_devices_and_where_a_served_model_is(start_daemon, smollm2_path, tandem_cli):
     d = start_daemon("--ctx-size", "512")
     out = tandem_cli(d.socket, "show", str(smollm2_path)).stdout
-    assert "devices          CPU (" in out
+    assert "devices          " in out and "CPU (" in out
     assert ("layers           all 31 on CPU (as the daemon at" in out) == (not GPUS)
     other = tandem_cli(d.socket.with_name("none.sock"), "show", str(smollm2_path)).stdout
-    assert "devices          CPU (" in other and "not loaded (the daemon does not serve it)" in other
+    assert "CPU (" in other and "not loaded (the daemon does not serve it)" in other
 
 
 def test_the_rpc_server_is_the_one_named_else_the_one_built(tmp_path, monkeypatch):
@@ -142,3 +142,15 @@ def test_the_rpc_server_is_the_one_named_else_the_one_built(tmp_path, monkeypatc
     built.write_text("#!/bin/sh\n")
     built.chmod(0o755)
     assert rpc_server_binary() == built
+
+
+def test_the_cpu_is_not_an_offload_device(daemon_process, smollm2_path):
+    """llama.cpp offloads to GPUs and RPC servers; --device CPU would only move the
+    weights out of the CPU's repacked buffers. --device none is the way to say it."""
+    d = daemon_process(smollm2_path, "--ctx-size", "512", "--device", "CPU")
+    try:
+        assert d.proc.wait(60) == 1
+        assert "CPU is not a device to offload to: every layer not offloaded runs there; use --device none" in d.log()
+    finally:
+        d.stop()
+        d.cleanup()

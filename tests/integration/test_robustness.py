@@ -115,6 +115,7 @@ def test_a_file_that_is_not_a_model_fails_cleanly(daemon_process, tmp_path):
     try:
         assert d.proc.wait(60) == 1
         assert "could not load" in d.log()
+        assert "failed to load model" in d.log()  # llama.cpp's own reason, not a guess
         assert not d.socket.exists()
     finally:
         d.stop()

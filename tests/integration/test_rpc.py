@@ -98,8 +98,10 @@ def _replies_to(d, messages) -> str:
 def test_a_model_split_across_two_rpc_servers_answers_as_a_local_one(
     start_daemon, rpc_servers, tandem_cli, page_restore
 ):
-    local = start_daemon("--ctx-size", "512", "--threads", "1")
-    remote = start_daemon("--ctx-size", "512", "--threads", "1", "--rpc", ",".join(rpc_servers))
+    # (where there is a local GPU too, llama.cpp would split the layers between it and the servers)
+    local = start_daemon("--ctx-size", "512", "--threads", "1", "--device", "none")
+    servers = ",".join(rpc_servers)
+    remote = start_daemon("--ctx-size", "512", "--threads", "1", "--rpc", servers, "--device", "RPC0,RPC1")
     with remote.client() as c:
         m = c.status().model
     rpc = {d.name: d.description for d in m.devices if d.kind == "rpc"}
@@ -108,6 +110,7 @@ def test_a_model_split_across_two_rpc_servers_answers_as_a_local_one(
     assert set(m.layers) == set(rpc) and sum(m.layers.values()) == m.n_layers == 31
     assert all(n > 0 for n in m.layers.values())
     assert any(name.startswith("RPC") for name in m.weights)
+    assert "RPC" not in m.gpu_note  # RPC servers are not a GPU backend that lacks its device
     out = tandem_cli(remote.socket, "status").stdout
     assert f"({rpc_servers[0]}" in out and " on RPC" in out
 

@@ -621,7 +621,15 @@ def cmd_status(args) -> int:
                 f"({d.acceptance_rate:.0%}), {d.tokens_per_round:.2f} tokens per round"
             )
         print(line)
-    if st.governor:
+    if st.governor and st.governor.gate:  # prompt lookup: gated per round, no probes
+        g = st.governor
+        by_match = ", ".join(f"{m}: {a:.2f}" for m, a in g.gate.items())
+        print(
+            f"governor:  per round (free proposals: the predicted best number of drafts is verified, no probes); "
+            f"{g.plain_rounds:,} plain and {g.draft_rounds:,} drafting rounds; acceptance by match length "
+            f"{by_match} (task {g.task}, {g.tasks} task(s) known)"
+        )
+    elif st.governor:
         g = st.governor
         rate = lambda r: f"{r:.1f}" if r is not None else "-"  # noqa: E731
         state = g.phase

@@ -127,6 +127,12 @@ def evidence_bucket(match: int) -> int:
     return min(max(match, 1).bit_length(), GATE_BUCKETS)
 
 
+def bucket_label(bucket: int) -> str:
+    """The match lengths of an evidence bucket: "1", "2-3", ... "64+"."""
+    low = 1 << (bucket - 1)
+    return f"{low}+" if bucket >= GATE_BUCKETS else (str(low) if low == 1 else f"{low}-{2 * low - 1}")
+
+
 @dataclass
 class MovingRate:
     """tokens/s over rounds: the ratio of the moving averages of tokens and of
@@ -166,8 +172,6 @@ class PassCosts:
     drafter_prior: float  # seconds per drafted token before any was measured
     window: int = 16
     plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
-    # a drafter with nothing to catch up before it drafts (prompt lookup): a new task's first probe is due at once
-    drafts_cold: bool = False
     seen: dict[int, MovingRate] = field(default_factory=dict)  # by width: seconds per pass, as rounds ran
     drafter_seen: Optional[MovingRate] = None
 
@@ -522,13 +526,9 @@ class Governor:
 
     def start_plain(self) -> None:
         """A new task predicted not to gain from drafting: plain from its first
-        round, its first probe after the costed interval; with a drafter that
-        drafts cold (prompt lookup: no prompt to read first, no catch-up), at its
-        second round (one round of k drafts, then the costed interval as usual)."""
+        round, its first probe after the costed interval."""
         self.left = 0
         self._enter_plain()
-        if self.costs is not None and self.costs.drafts_cold:
-            self.countdown = 1
 
     # ---- reporting and persistence
 
@@ -550,6 +550,7 @@ class Governor:
             alpha=self.alpha if self.costs is not None else None,
             draft_length=self.draft_length(k_max) if self.costs is not None else None,
             predicted_speedup=self.predicted_speedup(k_max),
+            gate={bucket_label(b): round(self.gate_alpha(b), 3) for b in sorted(self.gate)},
         )
 
     def to_dict(self) -> dict:

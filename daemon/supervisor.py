@@ -101,7 +101,6 @@ class Supervisor:
             draft_endpoint=endpoint(socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else "",
             cache_shm=cache_shm,
             cache_bytes=cache_bytes,
-            spin_count=spin_count_for(kind),
         )
         target = WorkerConfig(
             role="target",
@@ -113,13 +112,20 @@ class Supervisor:
             probe_cache=str(c.state_dir / "batch-invariance.json") if c.state_dir is not None else "",
             drafter_bytes=_size(c.drafter_path),
             drafter_quantization=_quantization(c.drafter_path),
+            spin_count=spin_count_for(kind, "target"),
             **common,
         )
         policy = RestartPolicy(TARGET_MAX_DEATHS, DEATH_WINDOW_SECONDS, timeout, give_up=self._target_gave_up)
         self.target = WorkerHandle(self.zctx, target, socket_dir, policy)
         self.scheduler.on_request_done = policy.forgive  # deaths count only while no request finishes
         if kind == "model":
-            drafter = WorkerConfig(role="drafter", model_name=c.drafter_name, model_path=str(c.drafter_path), **common)
+            drafter = WorkerConfig(
+                role="drafter",
+                model_name=c.drafter_name,
+                model_path=str(c.drafter_path),
+                spin_count=spin_count_for(kind, "drafter"),
+                **common,
+            )
             policy = RestartPolicy(DRAFTER_MAX_DEATHS, DEATH_WINDOW_SECONDS, timeout, give_up=self._drafter_gave_up)
             self.drafter = WorkerHandle(self.zctx, drafter, socket_dir, policy)
             self.drafter.start()  # first: it binds the endpoint the target connects to

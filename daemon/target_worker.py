@@ -42,7 +42,7 @@ from .constraint import Grammars
 from .engine import Engine
 from .interfaces import Drafter, RequestError
 from .invariance import invariance_fix, probe_batch_invariance
-from .worker_config import LOOKUP_DRAFTERS, WorkerConfig, describe_model, load_model
+from .worker_config import WorkerConfig, describe_model, load_model
 
 log = logging.getLogger("tandem.worker")
 
@@ -142,7 +142,7 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
         drafter = load[1] * config.drafter_bytes / max(model.size_bytes, 1)
     else:
         drafter = LOOKUP_STEP_SECONDS
-    costs = PassCosts(load, drafter, plain_width=min_batch, drafts_cold=config.drafter in LOOKUP_DRAFTERS)
+    costs = PassCosts(load, drafter, plain_width=min_batch)
     log.info(
         "target pass costs (%.1f s to measure): %s; drafter step prior %.1f ms",
         time.perf_counter() - started,

@@ -178,15 +178,22 @@ def _say_where(model, config: WorkerConfig) -> None:
 TWO_PROCESS_SPIN = 10_000
 
 
-def spin_count_for(drafter_kind: str) -> Optional[int]:
-    """The OpenMP spin (GOMP_SPINCOUNT) of the workers of a daemon with this drafter.
+def spin_count_for(drafter_kind: str, role: str) -> Optional[int]:
+    """The OpenMP spin (GOMP_SPINCOUNT) of a worker of this role in a daemon with this drafter.
 
-    llama.cpp's threads spin after each graph. With a model drafter, two llama.cpp
-    processes take turns on the same cores and the idle one's spinning steals the
-    busy one's: a short spin (10,000) removes that (FACTS.md: +23% on a target step
-    right after drafter steps at the default, none at 10,000). With one llama.cpp
-    process (no drafter, or the n-gram drafter, which is Python) nothing competes,
-    and libgomp's default spin (300,000) decodes 2-5% faster than the short one
-    (measured against llama-server, bench/peer.py). The environment's own
-    GOMP_SPINCOUNT, where set, wins in both cases."""
-    return TWO_PROCESS_SPIN if drafter_kind == "model" else None
+    llama.cpp's threads spin after each graph, and ggml's barriers between a
+    graph's ops are OpenMP barriers that spin as long before they sleep. With a
+    model drafter, two llama.cpp processes take turns on the same cores, and the
+    idle one's spinning steals the busy one's: the drafter spins briefly
+    (10,000), so a target round right after drafter steps is not slowed (FACTS.md:
+    +23% at the default spin for both, none at 10,000 for both). The target keeps
+    libgomp's default (300,000) in every case: most rounds are the target's alone
+    (a governor drafts only where it pays), and a short spin costs each of them
+    its barriers' sleeps and wake-ups. Measured with the Qwen2.5-Coder 1.5B/0.5B
+    pair (two runs, 4 and 6 alternating runs of 2 prompts each, 2026-12-02):
+    governed / plain on story and JSON 0.96-1.04 (median of the four 1.01) with
+    the target at the default, 0.85-1.00 (median 0.98, mean 0.95) with both short;
+    forced drafting 0.46-0.82 against 0.48-0.83, within noise of each other.
+    With one llama.cpp process (no drafter, or a lookup drafter, which is
+    Python) nothing competes: the default. GOMP_SPINCOUNT in the environment wins."""
+    return TWO_PROCESS_SPIN if drafter_kind == "model" and role == "drafter" else None

@@ -567,6 +567,9 @@ class GovernorInfo:
     alpha: Optional[float] = None
     draft_length: Optional[int] = None
     predicted_speedup: Optional[float] = None
+    # a drafter whose proposals are free (prompt lookup): each round verifies the predicted best number
+    # of its drafts (never probes); the acceptance measured per match length ("1", "2-3" ... "64+")
+    gate: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

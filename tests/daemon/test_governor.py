@@ -510,17 +510,6 @@ def test_pass_costs_are_measured_on_the_model_and_leave_it_empty(clock, timed_mo
     assert set(costs) == {1, 3, 5} and model.n_past == 0
 
 
-def test_with_a_drafter_that_drafts_cold_a_new_task_probes_at_its_second_round(clock):
-    costs = PassCosts(TIMED_COSTS, drafter_prior=0.004, drafts_cold=True)  # prompt lookup: nothing to read first
-    g = GovernorBank("id", clock=clock, costs=costs, k_max=4).get("task")
-    assert g.phase == PLAIN and g.countdown == 1
-    rounds(g, clock, 1, plain_tps=100, draft_tps=100)
-    assert g.phase == PROBING
-    g.observe(4, 0, 0.0, 0.025)  # nothing held: plain again, for the costed interval (doubled)
-    rounds(g, clock, 1, plain_tps=100, draft_tps=100)
-    assert g.phase == PLAIN and g.countdown >= costs.probe_interval(1, 0.01, 4)
-
-
 # --------------------------------------------------------------------------- free proposals (prompt lookup)
 
 
@@ -569,7 +558,7 @@ def test_a_shadow_measures_what_verifying_a_proposal_would_have_accepted():
 
 
 def test_free_proposals_that_hold_are_drafted_from_the_first_request(clock, engine_run, free_drafter):
-    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0, drafts_cold=True)
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0)
     bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
     done, model = engine_run(clock, bank, free_drafter(SCRIPT, set()))
     assert done.text == SCRIPT[:200].decode()
@@ -579,7 +568,7 @@ def test_free_proposals_that_hold_are_drafted_from_the_first_request(clock, engi
 
 
 def test_free_proposals_that_fail_cost_one_round_and_the_output_is_unchanged(clock, engine_run, free_drafter):
-    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0, drafts_cold=True)
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0)
     bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
     done, model = engine_run(clock, bank, free_drafter(SCRIPT, set(range(1000))))
     assert done.text == SCRIPT[:200].decode()
@@ -592,7 +581,7 @@ def test_free_proposals_that_fail_cost_one_round_and_the_output_is_unchanged(clo
 
 def test_where_verifying_is_dear_lookup_drafts_wait_for_a_shadow_that_holds(clock, engine_run, free_drafter):
     dear = {w: 0.010 + 0.006 * (w - 1) for w in range(1, 6)}  # a 5-token pass costs 3.4 one-token ones
-    costs = PassCosts(dear, drafter_prior=0.0, drafts_cold=True)
+    costs = PassCosts(dear, drafter_prior=0.0)
     bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
     done, model = engine_run(clock, bank, free_drafter(SCRIPT, set()))
     assert done.text == SCRIPT[:200].decode()
@@ -619,7 +608,7 @@ def test_shadows_estimate_the_acceptance_without_bias(alpha):
 
 def test_evidence_buckets_are_learnt_apart_within_one_task(clock, engine_run, free_drafter):
     dear = {w: 0.010 + 0.006 * (w - 1) for w in range(1, 6)}
-    bank = GovernorBank("id", clock=clock, costs=PassCosts(dear, drafter_prior=0.0, drafts_cold=True), k_max=4)
+    bank = GovernorBank("id", clock=clock, costs=PassCosts(dear, drafter_prior=0.0), k_max=4)
     engine_run(clock, bank, free_drafter(SCRIPT, set(), match=8))  # long matches hold
     g = bank.get(bank.last_task)
     assert g.gate_alpha(evidence_bucket(8)) > 0.9
@@ -629,9 +618,21 @@ def test_evidence_buckets_are_learnt_apart_within_one_task(clock, engine_run, fr
 
 
 def test_the_engine_ends_a_shadow_with_its_request(clock, engine_run, free_drafter):
-    bank = GovernorBank("id", clock=clock, costs=PassCosts(TIMED_COSTS, drafter_prior=0.0, drafts_cold=True), k_max=4)
+    bank = GovernorBank("id", clock=clock, costs=PassCosts(TIMED_COSTS, drafter_prior=0.0), k_max=4)
     engine_run(clock, bank, free_drafter(SCRIPT, set()))
     g = bank.get(bank.last_task)
     g.shadow = [[7, 7, 7], evidence_bucket(64), 2]  # as a request that ended by its stop sequence leaves one
     engine_run(clock, bank, free_drafter(SCRIPT, set()))  # the same task
     assert g.gate[evidence_bucket(64)] == [2.0, 0.0]  # counted when the next request began, never followed into it
+
+
+def test_status_reports_the_gate_by_match_length_and_nothing_for_a_model_drafter(clock):
+    g = Governor(params=GovernorParams(alpha_window=10**9), costs=PassCosts(TIMED_COSTS, drafter_prior=0.0))
+    assert g.info().gate == {}  # a model drafter's governor probes: no gate
+    for _ in range(50):
+        g.gated_round([1, 1, 1, 1], match=5, drafted=4, accepted=4, tokens=[1, 1, 1, 1, 1], seconds=0.01)
+        g.gated_round([1, 1], match=1, drafted=2, accepted=0, tokens=[2], seconds=0.01)
+    gate = g.info().gate
+    assert list(gate) == ["1", "4-7"]
+    assert gate["4-7"] > 0.9 and gate["1"] < 0.1
+    assert gate["4-7"] == round(g.gate_alpha(evidence_bucket(5)), 3)

@@ -113,7 +113,7 @@ def test_governor_state_survives_a_restart_and_is_keyed_by_the_models(short_tmpd
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
-def test_a_lookup_drafter_drafts_a_copy_from_the_first_request_and_changes_nothing(start_daemon, drafter):
+def test_a_lookup_drafter_drafts_a_copy_from_the_first_request_and_changes_nothing(start_daemon, drafter, tandem_cli):
     """Prompt lookup proposes for free: the governor follows its proposals in what
     plain rounds decode (or verifies them where the prior already pays), without
     probing, and the output is plain decoding's."""
@@ -132,3 +132,8 @@ def test_a_lookup_drafter_drafts_a_copy_from_the_first_request_and_changes_nothi
         assert g.draft_rounds == (done.draft.rounds if done.draft is not None else 0)
         assert g.draft_rounds == 0 or done.draft.acceptance_rate > 0.5
         assert client.status().governor == g
+        # what it learnt: the acceptance per match length, from what it verified and what it followed
+        assert g.gate and set(g.gate) <= {"1", "2-3", "4-7", "8-15", "16-31", "32-63", "64+"}
+        assert all(0.0 < a < 1.0 for a in g.gate.values())
+    line = next(ln for ln in tandem_cli(d.socket, "status").stdout.splitlines() if ln.startswith("governor:"))
+    assert "no probes" in line and "acceptance by match length" in line and "probe in" not in line

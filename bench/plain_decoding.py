@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 
-# Short OpenMP spin for the in-process model too, as the worker has, so neither
+# Short OpenMP spin for the in-process model (as a model drafter's worker has), so neither
 # side's idle threads steal the other's cores (FACTS.md).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 

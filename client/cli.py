@@ -621,12 +621,12 @@ def cmd_status(args) -> int:
                 f"({d.acceptance_rate:.0%}), {d.tokens_per_round:.2f} tokens per round"
             )
         print(line)
-    if st.governor and st.governor.gate:  # prompt lookup: gated per round, no probes
+    if st.governor and st.drafter in ("ngram", "suffix"):  # prompt lookup: gated per round, no probes
         g = st.governor
-        by_match = ", ".join(f"{m}: {a:.2f}" for m, a in g.gate.items())
+        by_match = ", ".join(f"{m}: {a:.2f}" for m, a in g.gate.items()) or "none measured yet"
         print(
             f"governor:  per round (free proposals: the predicted best number of drafts is verified, no probes); "
-            f"{g.plain_rounds:,} plain and {g.draft_rounds:,} drafting rounds; acceptance by match length "
+            f"{g.plain_rounds:,} plain and {g.draft_rounds:,} drafting rounds; acceptance by match length: "
             f"{by_match} (task {g.task}, {g.tasks} task(s) known)"
         )
     elif st.governor:

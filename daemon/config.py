@@ -685,6 +685,12 @@ def check_rpc(settings: Settings) -> None:
     servers = rpc_servers(settings.values["rpc"])
     if not servers:
         return
+    if settings.values["rpc_leaves_machine"]:  # any host goes: nothing to check, nothing to resolve (offline too)
+        if len(set(servers)) < len(servers):
+            raise ConfigError(
+                f"rpc = {settings.values['rpc']!r}: a server named twice (an rpc-server takes one client)"
+            )
+        return
     import socket
 
     source = f"rpc = {settings.values['rpc']!r} (from {settings.sources['rpc']})"
@@ -698,7 +704,7 @@ def check_rpc(settings: Settings) -> None:
                 f"{source}: cannot resolve {host!r} ({exc.strerror or exc}); give the server's IPv4 address"
             ) from None
         remote = [a for a in addresses if not ipaddress.ip_address(a).is_loopback]
-        if remote and not settings.values["rpc_leaves_machine"]:
+        if remote:
             raise ConfigError(
                 f"{source}: {server} is not this machine ({', '.join(remote)}); the target's weights and every "
                 "request's activations would cross the network, unencrypted. Use 127.0.0.1:PORT, or set "

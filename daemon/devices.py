@@ -112,7 +112,10 @@ def gpu_note(devices: list[DeviceInfo]) -> str:
     """ "" where llama.cpp has a GPU; otherwise what to do to get one (RPC devices are not GPUs here)."""
     if any(d.kind in ("gpu", "igpu") for d in devices):
         return ""
-    gpu_backends = [b for b in backends() if b not in ("CPU", "BLAS") and not b.startswith("RPC")]
+    try:
+        gpu_backends = [b for b in backends() if b not in ("CPU", "BLAS") and not b.startswith("RPC")]
+    except DeviceError:
+        return "llama.cpp's device registry cannot be read here"
     if gpu_backends:
         return f"llama.cpp has the {', '.join(gpu_backends)} backend but found no device for it (is the driver loaded?)"
     return GPU_INSTALL_HINT
@@ -240,7 +243,8 @@ def _reachable(endpoint: str, timeout: float = 5.0, other_users: bool = False) -
     import struct
 
     host, _, port = endpoint.rpartition(":")
-    start = f"start it there first: rpc-server -H 127.0.0.1 -p {port} (built by bench/build_rpc.sh)"
+    bind = "127.0.0.1" if host.startswith("127.") or host == "localhost" else "ADDRESS"
+    start = f"start it there first: rpc-server -H {bind} -p {port} (built by bench/build_rpc.sh)"
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout)
     except TimeoutError:
@@ -285,7 +289,7 @@ def _reachable(endpoint: str, timeout: float = 5.0, other_users: bool = False) -
         )
 
 
-def _same_user(endpoint: str, sock) -> None:
+def _same_user(endpoint: str, sock, proc: Optional[Path] = None) -> None:
     """On loopback, the process listening at ``endpoint`` must run as us: a
     loopback port is open to every user, and another's server would get the
     prompts' activations (the owner is looked up in /proc/net/tcp; where that
@@ -298,7 +302,7 @@ def _same_user(endpoint: str, sock) -> None:
     peer, local = sock.getpeername(), sock.getsockname()
     if not ipaddress.ip_address(peer[0]).is_loopback:
         return
-    uid = owner_uid(peer, local)
+    uid = owner_uid(peer, local) if proc is None else owner_uid(peer, local, proc)
     if uid is None or uid == os.getuid():
         return
     who = "a process of an unknown user" if uid == NOT_FOUND else f"a process of uid {uid}"
@@ -368,11 +372,14 @@ class LoadLog:
                 out.offloaded, out.n_layers = int(m.group(1)), int(m.group(2))
         if not out.n_layers:
             out.n_layers = sum(out.layers.values())
-        out.errors = []
+        errors: list[str] = []
         last = 0
         for level, t in self.lines:  # GGML_LOG_LEVEL_ERROR = 4; CONT (5) goes on the line before
-            level = last if level == 5 else level
-            if level == 4 and t.strip():
-                out.errors.append(t.strip())
-            last = level
+            if level == 5 and last == 4 and errors:
+                errors[-1] += t
+                continue
+            last = last if level == 5 else level
+            if level == 4:
+                errors.append(t)
+        out.errors = [e.strip() for e in errors if e.strip()]
         return out

@@ -774,5 +774,6 @@ class GovernorBank:
 
 
 def state_file(state_dir: Path, identity: str) -> Path:
-    """One file per (target, drafter, draft length): switching models and back keeps both."""
+    """One file per identity (target, drafter, draft length, kernels, where the
+    layers are): switching models or devices and back keeps both."""
     return state_dir / f"governor-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"

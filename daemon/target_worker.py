@@ -92,10 +92,10 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     if c.governed:
         from .governor import GovernorBank
 
-        placed = model.placement.key()  # speeds measured with the layers elsewhere are not the CPU's
+        identity, path = governor_keys(c, model.placement.key())
         governors = GovernorBank(
-            f"{c.governor_identity} {placed}" if placed else c.governor_identity,
-            Path(c.governor_state) if c.governor_state else None,
+            identity,
+            path,
             per_task=c["governor_per_task"],
             costs=pass_costs(model, c, min_batch),
             k_max=c.draft_tokens,
@@ -220,6 +220,20 @@ def check_fast_prefill(model, info: ModelInfo) -> None:
     else:
         log.info("fast prefill: prompts read in %d-token chunks with fast kernels", model.prefill_chunk)
     info.prefill_chunk = model.prefill_chunk
+
+
+def governor_keys(config: WorkerConfig, placed: str) -> tuple[str, Optional[Path]]:
+    """The governor state's identity and file: the daemon's (models, draft length,
+    kernels), and where the target's layers are when not all on the CPU (``placed``,
+    devices.Placement.key): speeds measured on a GPU are not the CPU's, and each
+    placement keeps its own file."""
+    from .governor import state_file
+
+    path = Path(config.governor_state) if config.governor_state else None
+    if not placed:
+        return config.governor_identity, path
+    identity = f"{config.governor_identity} {placed}"
+    return identity, state_file(path.parent, identity) if path is not None else None
 
 
 def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = ""):

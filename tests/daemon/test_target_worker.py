@@ -176,3 +176,26 @@ def test_drafter_state_messages_reach_any_drafter_and_the_ngram_drafter_serves_o
     w.send(Generate(id="g", prompt="abc ", temperature=0.0, max_tokens=15))
     done = w.until_terminal()[-1]
     assert isinstance(done, Done) and done.text == "abc abc abc abc" and done.draft is not None
+
+
+def test_each_placement_of_the_layers_keeps_its_own_governor_state(tmp_path):
+    from tandem.daemon.governor import state_file
+
+    defaults = {o.key: o.default for o in settings.OPTIONS}
+    base = state_file(tmp_path, "target=t.gguf drafter=d.gguf k=4")
+    config = WorkerConfig(
+        role="target",
+        model_name="t",
+        model_path="/t.gguf",
+        settings=defaults,
+        governor_state=str(base),
+        governor_identity="target=t.gguf drafter=d.gguf k=4",
+    )
+    # every layer on the CPU: the daemon's identity and file, as before placement was known
+    assert target_worker.governor_keys(config, "") == (config.governor_identity, base)
+    gpu = target_worker.governor_keys(config, "layers=CUDA0:31")
+    rpc = target_worker.governor_keys(config, "layers=RPC0:16,RPC1:15")
+    assert gpu[0] == "target=t.gguf drafter=d.gguf k=4 layers=CUDA0:31"
+    assert len({base, gpu[1], rpc[1]}) == 3 and gpu[1].parent == rpc[1].parent == tmp_path
+    config.governor_state = ""  # no state directory: nothing kept anywhere
+    assert target_worker.governor_keys(config, "layers=CUDA0:31")[1] is None

@@ -11,7 +11,7 @@ import socket
 
 import llama_cpp
 
-from tandem.daemon.devices import list_devices, rpc_server_binary
+from tandem.daemon.devices import LoadLog, list_devices, rpc_server_binary
 
 RPC_BUILD = bool(llama_cpp.llama_supports_rpc())
 # the GPUs llama.cpp has in a process like the workers' (none on a build without a GPU backend)
@@ -154,3 +154,20 @@ def test_the_cpu_is_not_an_offload_device(daemon_process, smollm2_path):
     finally:
         d.stop()
         d.cleanup()
+
+
+def test_llama_cpps_error_lines_are_kept_whole_and_nothing_else():
+    log = LoadLog()
+    log.lines = [
+        (1, "load_tensors: layer   0 assigned to device CPU, is_swa = 0\n"),
+        (4, "llama_model_load: error loading model: "),
+        (5, "tensor 'blk.0.attn_q.weight' has a wrong shape\n"),  # CONT: the same message
+        (2, "a warning, not an error\n"),
+        (5, "its continuation\n"),
+        (4, "llama_model_load_from_file_impl: failed to load model\n"),
+    ]
+    assert log.placement().errors == [
+        "llama_model_load: error loading model: tensor 'blk.0.attn_q.weight' has a wrong shape",
+        "llama_model_load_from_file_impl: failed to load model",
+    ]
+    assert log.placement().layers == {"CPU": 1}

@@ -7,6 +7,7 @@ needs root to become."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import pytest
 
 from tandem.daemon.devices import DeviceError, _reachable
 
-pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="acting as another user (uid 65534) needs root")
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="acting as another user (uid 65534) needs root")
 
 
 def _serve_hello(port: int, ready_w: int) -> None:
@@ -66,6 +67,7 @@ def server_of():
         os.waitpid(pid, 0)
 
 
+@needs_root
 def test_another_users_rpc_server_is_refused(server_of):
     theirs = server_of(65534)
     with pytest.raises(DeviceError, match=r"is a process of uid 65534, not yours \(uid 0\).*rpc_leaves_machine"):
@@ -74,6 +76,7 @@ def test_another_users_rpc_server_is_refused(server_of):
     _reachable(server_of(os.getuid()))  # one's own is fine
 
 
+@needs_root
 def test_the_daemon_will_not_start_on_another_users_rpc_server(server_of, daemon_process, smollm2_path):
     theirs = server_of(65534)
     d = daemon_process(smollm2_path, "--ctx-size", "512", "--rpc", theirs)
@@ -86,3 +89,31 @@ def test_the_daemon_will_not_start_on_another_users_rpc_server(server_of, daemon
     finally:
         d.stop()
         d.cleanup()
+
+
+def test_the_owner_check_reads_the_kernels_table(tmp_path):
+    """Without root: the same check against a /proc/net/tcp that lists the
+    server's end of our connection as another uid's, then as ours."""
+    from tandem.daemon.devices import _same_user
+    from tandem.daemon.tcp_owner import _hex_address
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with socket.create_connection(listener.getsockname()) as sock:
+            peer, local = sock.getpeername(), sock.getsockname()
+            endpoint = f"{peer[0]}:{peer[1]}"
+
+            def table(uid: int) -> None:
+                ip = ipaddress.ip_address
+                row = f"0: {_hex_address(ip(peer[0]), peer[1])} {_hex_address(ip(local[0]), local[1])} 01 0 0 0 {uid}"
+                (tmp_path / "tcp").write_text("  sl  local_address rem_address   st ...\n" + row + "\n")
+
+            table(os.getuid() + 1)
+            with pytest.raises(DeviceError, match=f"is a process of uid {os.getuid() + 1}, not yours"):
+                _same_user(endpoint, sock, proc=tmp_path)
+            table(os.getuid())
+            _same_user(endpoint, sock, proc=tmp_path)
+            (tmp_path / "tcp").write_text("  sl  local_address rem_address   st ...\n")  # not listed: unknown
+            with pytest.raises(DeviceError, match="a process of an unknown user"):
+                _same_user(endpoint, sock, proc=tmp_path)

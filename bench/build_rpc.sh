@@ -28,20 +28,7 @@ OUT="$ROOT/$VERSION"
 mkdir -p "$ROOT/src"
 cd "$ROOT/src"
 SDIST="llama_cpp_python-$VERSION.tar.gz"
-if [ ! -f "$SDIST" ]; then
-  # pip keeps a downloaded sdist in -d even when its metadata step fails; newer pips delete it, so
-  # PyPI's simple index (sha256-checked) is the fallback, as in bench/build_llama_server.sh
-  pip download --no-deps --no-binary :all: --no-build-isolation "llama-cpp-python==$VERSION" -d . >/dev/null 2>&1 || true
-fi
-if [ ! -f "$SDIST" ]; then
-  link=$(curl -fsS https://pypi.org/simple/llama-cpp-python/ | grep -o "https://[^\"]*$SDIST#sha256=[0-9a-f]*" | head -1) || true
-  if [ -n "$link" ]; then
-    curl -fsSL -o "$SDIST.part" "${link%%#*}" &&
-      echo "${link##*sha256=}  $SDIST.part" | sha256sum -c - >/dev/null &&
-      mv "$SDIST.part" "$SDIST"
-  fi
-fi
-[ -f "$SDIST" ] || { echo "could not download llama-cpp-python==$VERSION from PyPI" >&2; exit 1; }
+"$HERE/fetch_sdist.sh" llama-cpp-python "$VERSION"
 
 # 1. rpc-server, rebuilt when the CPU differs (GGML_NATIVE: see bench/build_llama_server.sh)
 CPU=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -d' ' -f1)

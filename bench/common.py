@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,13 @@ def cpu_model() -> str:
 def fmt(values: list[float], digits: int = 2) -> str:
     """median (min–max)"""
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def temp_socket(prefix: str) -> Path:

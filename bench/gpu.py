@@ -31,24 +31,11 @@ import time
 from pathlib import Path
 
 from common import fmt, model_path, start_daemon, temp_socket
-from governor import load_all_kinds
+from governor import load_all_kinds, run_prompts
 
 from tandem.client import Client
 
 OFFLOAD = ("--gpu-layers", "all", "--drafter-gpu-layers", "all")
-
-
-def run(client: Client, prompts, tokens: int, **params) -> tuple[float, list[list[int]], int]:
-    """(decode tok/s, token ids per prompt, drafting rounds)."""
-    decode_tokens, seconds, ids, rounds = 0, 0.0, [], 0
-    for messages in prompts:
-        stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, **params)
-        ids.append([t for c in stream for t in c.token_ids])
-        done = stream.done
-        decode_tokens += max(done.usage.completion_tokens - 1, 0)
-        seconds += done.timings.generation_seconds
-        rounds += done.draft.rounds if done.draft else 0
-    return decode_tokens / seconds, ids, rounds
 
 
 def main() -> None:
@@ -104,11 +91,11 @@ def main() -> None:
             plain_runs = []
             per_k = {k: {"forced": [], "governed": [], "same_f": 0, "same_g": 0, "rounds": 0} for k in args.ks}
             for _ in range(args.runs):
-                base, base_ids, _ = run(clients["plain"], prompts, args.tokens)
+                base, _, _, base_ids = run_prompts(clients["plain"], prompts, args.tokens)
                 plain_runs.append(base)
                 for k in args.ks:
-                    f, f_ids, _ = run(clients[k], prompts, args.tokens, draft="on")
-                    g, g_ids, g_rounds = run(clients[k], prompts, args.tokens)
+                    f, _, _, f_ids = run_prompts(clients[k], prompts, args.tokens, draft="on")
+                    g, _, g_rounds, g_ids = run_prompts(clients[k], prompts, args.tokens)
                     row = per_k[k]
                     row["forced"].append(f / base)
                     row["governed"].append(g / base)

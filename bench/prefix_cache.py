@@ -37,7 +37,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
+from common import fmt, free_port, model_path, start_daemon, temp_socket  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
 from tandem.daemon.llama_model import cpu_has_amx  # noqa: E402
@@ -219,12 +218,6 @@ class Ideal:
     def forget(self) -> None:
         self.model.clear()
         self.tokens = []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServer:

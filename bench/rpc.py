@@ -19,46 +19,19 @@ Needs llama-cpp-python built with GGML_RPC (bench/build_rpc.sh).
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
-import subprocess
 import sys
-import time
 
 import llama_cpp
-from common import cpu_model, fmt, model_path, start_daemon, temp_socket
+from common import cpu_model, fmt, free_port, model_path, start_daemon, temp_socket
 
 from tandem.client import Client
-from tandem.daemon.devices import rpc_server_binary
+from tandem.daemon.devices import rpc_server_binary, start_rpc_server
 
 PROMPTS = [
     [{"role": "user", "content": "Write a Python function that parses an ISO date."}],
     [{"role": "user", "content": "Explain what a race condition is, with an example."}],
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(binary, threads: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"127.0.0.1:{port}"
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"rpc-server on port {port} did not listen") from None
-            time.sleep(0.1)
 
 
 def run(client: Client, tokens: int) -> tuple[float, float, list[str]]:
@@ -86,8 +59,9 @@ def main() -> None:
     if binary is None:
         sys.exit("no rpc-server: run bench/build_rpc.sh (or set TANDEM_RPC_SERVER)")
     model = model_path(args.model)
-    servers = [start_server(binary, args.threads) for _ in range(3)]
-    addrs = [a for _, a in servers]
+    ports = [free_port() for _ in range(3)]
+    servers = [start_rpc_server(binary, port, args.threads) for port in ports]
+    addrs = [f"127.0.0.1:{port}" for port in ports]
     common = ("--model", str(model), "--ctx-size", "1024", "--threads", str(args.threads), "--cache-bytes", "0")
     systems = {"local": (), "rpc x1": ("--rpc", addrs[0]), "rpc x2": ("--rpc", ",".join(addrs[1:]))}
     procs, clients = {}, {}
@@ -129,7 +103,7 @@ def main() -> None:
         for p in procs.values():
             p.terminate()
             p.wait(30)
-        for p, _ in servers:
+        for p in servers:
             p.terminate()
             p.wait(10)
 

@@ -225,6 +225,27 @@ def rpc_server_binary() -> Optional[Path]:
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
+def start_rpc_server(binary: Path, port: int, threads: int = 1, timeout: float = 30.0):
+    """``rpc-server -H 127.0.0.1 -p PORT -t THREADS`` (for tests and benchmarks), once
+    it accepts connections; its output is discarded."""
+    import socket
+    import subprocess
+    import time
+
+    argv = [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"rpc-server on port {port} did not listen") from None
+            time.sleep(0.1)
+
+
 # llama.cpp's RPC protocol as vendored in llama-cpp-python 0.3.36 (ggml/src/ggml-rpc): a request is
 # | command (1 byte) | size (u64) | data |, a reply | size (u64) | data |; HELLO (14) carries 24 bytes of
 # transport capabilities and is answered with major, minor, patch, padding and 24 bytes of them

@@ -80,13 +80,17 @@ def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
     )
 
 
+def _own(config: WorkerConfig, key: str) -> Any:
+    """A placement setting of this worker's model: the drafter has its own (drafter_<key>)."""
+    return config[f"drafter_{key}" if config.role == "drafter" else key]
+
+
 def placement_settings(config: WorkerConfig) -> tuple[int, list[str]]:
     """(n_gpu_layers, device names) for this worker's model from the settings
     (the drafter's own: drafter_gpu_layers, drafter_device). auto and "all" are
     llama.cpp's -1: every layer on the GPU and RPC devices there are, none on a
     build without them. Device "none" keeps every layer on the CPU."""
-    prefix = "drafter_" if config.role == "drafter" else ""
-    layers, device = config[prefix + "gpu_layers"], config[prefix + "device"].strip()
+    layers, device = _own(config, "gpu_layers"), _own(config, "device").strip()
     n = -1 if layers is None or layers == "all" else int(layers)
     if device.lower() == "none":
         return 0, []
@@ -167,12 +171,12 @@ def _say_where(model, config: WorkerConfig) -> None:
     p = model.placement
     where = ", ".join(f"{n} on {d}" for d, n in sorted(p.layers.items(), key=lambda kv: -kv[1])) or "unknown"
     log.info("%s: %d layers: %s", model.path.name, p.n_layers, where)
-    prefix = "drafter_" if config.role == "drafter" else ""
-    asked = config[prefix + "gpu_layers"]
-    kept = config[prefix + "device"].strip().lower() == "none"  # on the CPU, as asked
-    if asked not in (None, 0) and not kept and set(p.layers) <= {"CPU"}:
+    asked = _own(config, "gpu_layers")
+    # asked for layers (not auto, not 0, not --device none), yet none went anywhere but the CPU
+    if asked is not None and placement_settings(config)[0] != 0 and set(p.layers) <= {"CPU"}:
         why = gpu_note(list_devices()) or "llama.cpp placed none elsewhere"
-        log.warning("%sgpu_layers = %s, but every layer runs on the CPU: %s", prefix, asked, why)
+        key = "drafter_gpu_layers" if config.role == "drafter" else "gpu_layers"
+        log.warning("%s = %s, but every layer runs on the CPU: %s", key, asked, why)
 
 
 TWO_PROCESS_SPIN = 10_000

@@ -147,6 +147,21 @@ class DaemonProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(name="free_port", scope="session")
+def _free_port():
+    """``free_port()``: a TCP port on 127.0.0.1 that nothing listens on now."""
+    return free_port
+
+
 @pytest.fixture(name="short_tmpdir", scope="session")
 def _short_tmpdir():
     """``short_tmpdir(prefix)``: a new directory under /tmp, short enough for Unix socket paths."""

@@ -7,8 +7,6 @@ the layers asked for are on it."""
 
 from __future__ import annotations
 
-import socket
-
 import llama_cpp
 
 from tandem.daemon.devices import LoadLog, list_devices, rpc_server_binary
@@ -16,12 +14,6 @@ from tandem.daemon.devices import LoadLog, list_devices, rpc_server_binary
 RPC_BUILD = bool(llama_cpp.llama_supports_rpc())
 # the GPUs llama.cpp has in a process like the workers' (none on a build without a GPU backend)
 GPUS = [d.name for d in list_devices() if d.kind in ("gpu", "igpu")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_gpu_flags_place_the_layers_and_status_says_where(start_daemon, smollm2_path, tandem_cli):
@@ -87,8 +79,8 @@ def test_an_unknown_device_stops_the_start_with_the_devices_there_are(daemon_pro
         d.cleanup()
 
 
-def test_rpc_without_a_server_or_without_the_backend_says_what_to_do(daemon_process, smollm2_path):
-    port = _free_port()  # nothing listens there
+def test_rpc_without_a_server_or_without_the_backend_says_what_to_do(daemon_process, smollm2_path, free_port):
+    port = free_port()  # nothing listens there
     d = daemon_process(smollm2_path, "--ctx-size", "512", "--rpc", f"127.0.0.1:{port}")
     try:
         assert d.proc.wait(60) == 1

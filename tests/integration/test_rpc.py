@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import llama_cpp
 import pytest
 
 from tandem.client import RequestFailed
-from tandem.daemon.devices import rpc_server_binary
+from tandem.daemon.devices import rpc_server_binary, start_rpc_server
 from tandem.protocol import ErrorCode
 
 SYSTEM = "You are a terse assistant for a small software team. Answer in one or two sentences. " * 4
@@ -46,39 +45,14 @@ def _server_binary() -> Path:
     return binary
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def rpc_servers():
+def rpc_servers(free_port):
     """Two rpc-servers on 127.0.0.1, each with the CPU device and 1 thread."""
     binary = _server_binary()
-    procs, addrs = [], []
-    for _ in range(2):
-        port = _free_port()
-        procs.append(
-            subprocess.Popen(
-                [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-        addrs.append(f"127.0.0.1:{port}")
+    ports = [free_port() for _ in range(2)]
+    procs = [start_rpc_server(binary, port) for port in ports]
     try:
-        deadline = time.monotonic() + 30
-        for addr in addrs:
-            host, port = addr.split(":")
-            while True:
-                try:
-                    socket.create_connection((host, int(port)), timeout=1).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, f"rpc-server at {addr} did not listen"
-                    time.sleep(0.1)
-        yield addrs
+        yield [f"127.0.0.1:{port}" for port in ports]
     finally:
         for p in procs:
             p.terminate()
@@ -125,27 +99,14 @@ def test_a_model_split_across_two_rpc_servers_answers_as_a_local_one(
     assert "Traceback" not in remote.log()
 
 
-def _listening(port: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert time.monotonic() < deadline, f"nothing listens on {port}"
-            time.sleep(0.1)
-
-
-def test_a_server_that_goes_away_fails_the_request_and_the_daemon_comes_back_with_it(start_daemon):
+def test_a_server_that_goes_away_fails_the_request_and_the_daemon_comes_back_with_it(start_daemon, free_port):
     """llama.cpp's RPC client aborts its process when a server disconnects: the
     request gets an error, the daemon lives, and its restarted target waits for
     the server, so a server started again brings it back without a restart."""
-    port = _free_port()
+    port = free_port()
     binary = _server_binary()
-    argv = [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_rpc_server(binary, port)
     try:
-        _listening(port)
         d = start_daemon("--ctx-size", "512", "--rpc", f"127.0.0.1:{port}")
         with d.client() as c:
             want = c.complete(prompt="Hello", max_tokens=8, temperature=0.0, cache=False).text
@@ -159,8 +120,7 @@ def test_a_server_that_goes_away_fails_the_request_and_the_daemon_comes_back_wit
                 assert time.monotonic() < deadline, d.log()[-3000:]
                 time.sleep(0.2)
             assert "waiting up to 300 s" in d.log() and c.status().state == "loading"
-            server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            _listening(port)
+            server = start_rpc_server(binary, port)
             deadline = time.monotonic() + 60
             while c.status().state != "ready":
                 assert time.monotonic() < deadline, d.log()[-3000:]

@@ -36,15 +36,13 @@ def _serve_hello(port: int, ready_w: int) -> None:
 
 
 @pytest.fixture
-def server_of():
+def server_of(free_port):
     """``server_of(uid)``: a HELLO-answering server of that uid (its socket created
     as that uid, as /proc/net/tcp then says); returns its HOST:PORT."""
     pids = []
 
     def start(uid: int) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: become uid, then listen (a socket is its creator's)

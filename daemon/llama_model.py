@@ -58,6 +58,13 @@ def default_extra_buffers(reference_kernels: bool = True) -> bool:
 # ggml's flash attention tiles (its fastest path), and a longer chunk only adds
 # to what a request whose prompt extends a cached one reads again.
 PREFILL_CHUNK = 64
+# ... and reads up to this many tokens of whole chunks in one llama_decode: where
+# ggml's kernels compute rows apart, a position's KV is the same whether its chunk
+# was read alone or with the chunks after it (``prefill_grouping_is_exact`` checks
+# that at load), and one pass over 256 tokens reads a prompt faster than four of
+# 64 (measured on the 2-core EPYC: Qwen2.5-Coder-1.5B 1.27x, SmolLM2 1.06-1.11x).
+# A cancel waits for the pass it arrives in.
+PREFILL_GROUP = 256
 
 _REFERENCE_KERNELS = {"on": False, "hook": None, "set": None, "created": None}
 
@@ -160,6 +167,7 @@ class LlamaModel:
         use_reference_kernels(self.reference_kernels)
         # fast prefill: prompts read with fast kernels, in chunks of this many tokens from position 0 (0: off)
         self.prefill_chunk = max(int(prefill_chunk), 1) if fast_prefill else 0
+        self.prefill_group = self.prefill_chunk  # tokens of whole chunks one pass reads (set_prefill_group)
         self.fixed_upto = 0  # KV positions [0, fixed_upto) were read in whole chunks by ``prefill``
         # the state before ``settle`` (blob, n_past, history, fixed_upto, prefilled), until the next request
         self._before_settle: Optional[tuple] = None
@@ -167,6 +175,7 @@ class LlamaModel:
         self._cpu_backends: list[int] = []
         self._create_context(flash_attn)
         self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
+        self.set_prefill_group(PREFILL_GROUP)
         self._pieces: dict[int, bytes] = {}
         self.n_past = 0  # tokens in the KV cache of sequence 0
         # the tokens at those positions (-1: unknown), so a next request can keep the prefix it shares
@@ -370,6 +379,40 @@ class LlamaModel:
         finally:
             self.clear()
 
+    def set_prefill_group(self, tokens: int) -> None:
+        """Read up to ``tokens`` of whole prefill chunks per llama_decode (rounded
+        down to whole chunks, at most ``n_batch``; at least one chunk)."""
+        chunk = self.prefill_chunk
+        if chunk:
+            self.prefill_group = max(min(int(tokens), self.n_batch) // chunk, 1) * chunk
+
+    def prefill_grouping_is_exact(self) -> Optional[bool]:
+        """Does a whole chunk's KV stay the same when one llama_decode reads it with
+        the chunks after it (``prefill_group``)? A cached request groups a prompt's
+        chunks from another start than an uncached one. Compares the logits after
+        two chunks and 8 tokens read chunk by chunk with those read in one pass of
+        two chunks (the 8 in a pass of their own either way). None when the context is too small
+        or grouping is off. Leaves the cache empty; keeps ``prefill_group``."""
+        chunk, group = self.prefill_chunk, self.prefill_group
+        if not chunk or group < 2 * chunk or self.n_ctx < 2 * chunk + 8:
+            return None
+        text = 'def parse(line):\n    """Split a CSV line."""\n    return [part.strip() for part in line.split(",")]\n'
+        tokens = self.tokenize(text, add_special=True)
+        while len(tokens) < 2 * chunk + 8:
+            tokens = tokens + tokens[1:]
+        tokens = tokens[: 2 * chunk + 8]
+        try:
+            self.prefill_group = chunk
+            self.clear()
+            alone = self.prefill(tokens).copy()
+            self.prefill_group = 2 * chunk
+            self.clear()
+            grouped = self.prefill(tokens)
+            return bool(np.array_equal(alone, grouped))
+        finally:
+            self.prefill_group = group
+            self.clear()
+
     def fim_tokens(self) -> Optional[tuple[int, int, int]]:
         """The (prefix, suffix, middle) fill-in-the-middle tokens, or None when the
         vocabulary lacks one. llama.cpp finds them at load, from the GGUF's
@@ -441,10 +484,11 @@ class LlamaModel:
         """Read a prompt's ``tokens`` at ``n_past``; the logits after the last.
 
         With fast prefill, with ggml's fast (shape-specialised) kernels, in chunks
-        of ``prefill_chunk`` tokens at positions aligned to 0, each its own
-        llama_decode. A position's KV and logits then depend on the tokens up to
-        its chunk's end, never on what was cached: an uncached request reads the
-        same chunks in the same shapes. ``n_past`` must be a multiple of the
+        of ``prefill_chunk`` tokens at positions aligned to 0: whole chunks up to
+        ``prefill_group`` tokens per llama_decode, the last, partial chunk in a
+        llama_decode of its own. A position's KV and logits then depend on the
+        tokens up to its chunk's end, never on what was cached: an uncached
+        request reads the same chunks, the partial one in the same shape. ``n_past`` must be a multiple of the
         chunk (the caller keeps or restores only whole chunks: ``kv_reusable``).
         Decoding steps (``decode``) keep the reference kernels."""
         chunk = self.prefill_chunk
@@ -459,13 +503,16 @@ class LlamaModel:
         self._prefilled = None
         self._use_reference(False)
         try:
-            for start in range(0, len(tokens), chunk):
+            start = 0
+            while start < len(tokens):
                 if start and abort is not None and abort():
                     raise DecodeAborted()
-                part = tokens[start : start + chunk]
+                whole_chunks = (len(tokens) - start) // chunk * chunk
+                part = tokens[start : start + (min(self.prefill_group, whole_chunks) or chunk)]
                 logits = self.decode(part)[0]
-                if whole and len(part) == chunk:
+                if whole and len(part) % chunk == 0:
                     self.fixed_upto = self.n_past
+                start += len(part)
         finally:
             self._use_reference(True)
         self._prefilled = (self.n_past, logits.copy())

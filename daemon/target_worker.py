@@ -218,8 +218,30 @@ def check_fast_prefill(model, info: ModelInfo) -> None:
         model.prefill_chunk = 0
         info.kernels = "reference"
     else:
-        log.info("fast prefill: prompts read in %d-token chunks with fast kernels", model.prefill_chunk)
+        check_prefill_grouping(model)
+        log.info(
+            "fast prefill: prompts read in %d-token chunks with fast kernels, up to %d tokens per pass",
+            model.prefill_chunk,
+            model.prefill_group,
+        )
     info.prefill_chunk = model.prefill_chunk
+
+
+def check_prefill_grouping(model) -> None:
+    """Several whole chunks per pass only where a chunk's KV measures the same
+    read alone or with the chunks after it; else one chunk per pass, with a note."""
+    try:
+        grouped = model.prefill_grouping_is_exact()
+    except Exception as exc:  # one chunk per pass is always exact
+        log.warning("the prefill-grouping check failed (%s: %s)", type(exc).__name__, exc)
+        grouped = False
+    if grouped is False:
+        log.info(
+            "prompts are read one %d-token chunk per pass: here a chunk read with the next one gave other "
+            "logits than read alone (prefill is slower, output is as exact)",
+            model.prefill_chunk,
+        )
+        model.set_prefill_group(model.prefill_chunk)
 
 
 def governor_keys(config: WorkerConfig, placed: str) -> tuple[str, Optional[Path]]:

@@ -19,9 +19,11 @@ TEXT = (
 def model(smollm2_path):
     from tandem.daemon.llama_model import PREFILL_CHUNK as chunk
     from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.target_worker import check_prefill_grouping
 
     assert chunk == PREFILL_CHUNK
     m = LlamaModel(smollm2_path, n_ctx=1024, fast_prefill=True, settle=True)
+    check_prefill_grouping(m)  # as the worker does at load: whole chunks grouped only where that is exact
     yield m
     m.close()
 
@@ -36,6 +38,31 @@ def tokens(model):
 def test_the_check_the_worker_runs_at_load_passes(model):
     assert model.prefill_chunk == PREFILL_CHUNK
     assert model.fast_prefill_is_exact() is True
+
+
+def test_whole_chunks_are_read_several_per_pass_only_where_that_measures_exact(model, tokens):
+    from tandem.daemon.llama_model import PREFILL_GROUP
+
+    c, group = PREFILL_CHUNK, model.prefill_group
+    model.prefill_group = c
+    try:
+        model.clear()
+        alone = model.prefill(tokens).copy()  # 3 chunks and 20 tokens, one chunk per pass
+        model.prefill_group = 3 * c
+        model.clear()
+        three = model.prefill(tokens).copy()
+        model.clear()
+        model.prefill(tokens[:c])  # a first chunk kept: the next two read in one pass from there
+        model.prefill_group = 2 * c
+        two_after = model.prefill(tokens[c:]).copy()
+    finally:
+        model.prefill_group = group
+        model.clear()
+    measured = np.array_equal(alone, three) and np.array_equal(alone, two_after)
+    assert model.prefill_grouping_is_exact() is measured  # the load check agrees with this longer one
+    # the product's choice on this CPU: several chunks per pass where exact, else one
+    assert model.prefill_group == (PREFILL_GROUP if measured else c)
+    assert model.prefill_group % c == 0
 
 
 def test_logits_do_not_depend_on_what_was_kept_restored_or_read_before(model, tokens):

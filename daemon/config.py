@@ -302,10 +302,11 @@ OPTIONS: tuple[Option, ...] = (
         "extra_buffers",
         "choice",
         "auto",
-        "llama.cpp weight repacking/AMX buffers; auto = off with mixed and reference kernels (repacked weights "
-        "round one row differently from several, so a one-token step, a verify pass and a jump-forward pass would "
-        "disagree) and on CPUs with AMX (they crash there), on with fast kernels elsewhere. on: Q4_K decoding "
-        "10-35%% faster, prompts read a third slower, and the load probe reports the model not batch-invariant",
+        "llama.cpp weight repacking/AMX buffers; auto = on with mixed and fast kernels, off with reference "
+        "kernels and on CPUs with AMX (it crashes there). Repacked weights (Q4_0, Q4_K, Q8_0) multiply 4 rows "
+        "at a time, which rounds differently from one row, so with mixed kernels the daemon runs decoding steps "
+        "in passes of at most 3 rows (verify and jump-forward passes too): exact, Q4_K decoding about a third "
+        "faster here, prompts read a third slower (as llama-server, which repacks)",
         choices=("auto", "on", "off"),
     ),
     Option(

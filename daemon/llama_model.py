@@ -43,15 +43,28 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def default_extra_buffers(reference_kernels: bool = True) -> bool:
+def default_extra_buffers(reference_kernels: bool = True, fast_prefill: bool = False) -> bool:
     """llama.cpp's extra weight buffers (repacking, and AMX on Intel CPUs that
-    have it). Off with reference kernels: repacked Q4_0/Q4_K/Q8_0 weights use a
-    4-row gemm and a one-row gemv that round differently (measured on an AVX2
-    build: Qwen2.5-Coder 0.5B and 1.5B not batch-invariant with them, invariant
-    without). With fast kernels: off where AMX is present (the AMX matmul kernel
-    segfaults on the first decode on an AMX-capable Xeon VM, llama-cpp-python
-    0.3.36, Q4_1), on elsewhere (repacking speeds up Q4_0/Q4_K)."""
-    return not reference_kernels and not cpu_has_amx()
+    have it): on where steps stay exact with them, off where AMX is present
+    (the AMX matmul kernel segfaults on the first decode on an AMX-capable Xeon
+    VM, llama-cpp-python 0.3.36, Q4_1).
+
+    Repacked Q4_0/Q4_K/Q8_0 weights multiply 4 rows at a time (gemm) and a
+    leftover row alone (gemv), which round differently; a pass of at most 3
+    rows is all gemv, each row as a one-token step computes it. So: on with
+    fast kernels (nothing is exact there anyway); on with ``--kernels mixed``
+    (``fast_prefill``), whose steps run in passes of at most ``REPACK_STEP_ROWS``
+    rows (``decode``); off with the reference kernels everywhere, where a prompt
+    would be read 3 tokens per pass. Repacking decodes Q4_K a third faster on
+    this machine's AVX-512 EPYC (Qwen2.5-Coder-1.5B: 26.8 against 36.7 ms a step)
+    and reads prompts slower (148 against 246 tok/s), as llama-server does."""
+    return (not reference_kernels or fast_prefill) and not cpu_has_amx()
+
+
+# With extra buffers, steps (the reference kernels) run in passes of at most this many
+# rows: repack.cpp's gemv, one row at a time, the kernel of a one-token step (from 4
+# rows it multiplies 4 at a time, which rounds differently).
+REPACK_STEP_ROWS = 3
 
 
 # Fast prefill reads prompts in chunks of this many tokens: from 64 query rows
@@ -155,8 +168,9 @@ class LlamaModel:
         self.can_settle = settle and fast_prefill  # see ``settle``
         llama_logger.set_verbose(False)
         llama.llama_backend_init()
-        stepwise_reference = reference_kernels or fast_prefill  # decoding steps use the reference kernels
-        self.extra_buffers = default_extra_buffers(stepwise_reference) if extra_buffers is None else extra_buffers
+        if extra_buffers is None:
+            extra_buffers = default_extra_buffers(reference_kernels, fast_prefill)
+        self.extra_buffers = extra_buffers
         self._load_model()
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self.model))
         self.n_ctx = int(n_ctx) if n_ctx else min(self.n_ctx_train, max_ctx)
@@ -164,6 +178,12 @@ class LlamaModel:
         self.n_threads = n_threads or default_threads()
         self.flash_attn = flash_attn
         self.reference_kernels = reference_kernels or fast_prefill
+        # rows per llama_decode of a step: repacked weights (llama.cpp's CPU_REPACK buffer, which it
+        # fills only for the types it repacks: Q4_0, Q4_K, Q8_0, ...) compute at most REPACK_STEP_ROWS
+        # rows as a one-row step does (0: no limit but n_batch)
+        repacked = any("REPACK" in name for name in self.placement.weights)
+        self.step_rows = REPACK_STEP_ROWS if repacked and self.reference_kernels else 0
+        self._fast = False  # a prefill's fast kernels are on (``_use_reference``)
         use_reference_kernels(self.reference_kernels)
         # fast prefill: prompts read with fast kernels, in chunks of this many tokens from position 0 (0: off)
         self.prefill_chunk = max(int(prefill_chunk), 1) if fast_prefill else 0
@@ -519,6 +539,7 @@ class LlamaModel:
         return logits
 
     def _use_reference(self, on: bool) -> None:
+        self._fast = not on
         set_ref = _REFERENCE_KERNELS["set"]
         for backend in self._cpu_backends:
             set_ref(backend, on)
@@ -661,9 +682,10 @@ class LlamaModel:
     ) -> np.ndarray:
         """Append ``tokens`` at position ``n_past``; return a (len(logits_for), n_vocab)
         float32 copy of the logits at those indices into ``tokens`` (negative
-        indices count from the end). Processes ``n_batch`` tokens per llama_decode;
-        between batches, ``abort()`` returning True raises DecodeAborted (the
-        tokens decoded so far stay in the cache)."""
+        indices count from the end). Processes ``n_batch`` tokens per llama_decode
+        (a step with repacked weights: ``step_rows``); between batches, ``abort()``
+        returning True raises DecodeAborted (the tokens decoded so far stay in the
+        cache)."""
         n = len(tokens)
         if n == 0:
             raise DecodeError("nothing to decode")
@@ -672,10 +694,11 @@ class LlamaModel:
         wanted = {i % n for i in logits_for}
         out = np.empty((len(logits_for), self.n_vocab), dtype=np.float32)
         batch = self._batch
-        for start in range(0, n, self.n_batch):
+        per_pass = self.step_rows if self.step_rows and not self._fast else self.n_batch
+        for start in range(0, n, per_pass):
             if start and abort is not None and abort():
                 raise DecodeAborted()
-            chunk = tokens[start : start + self.n_batch]
+            chunk = tokens[start : start + per_pass]
             batch.n_tokens = len(chunk)
             for j, tok in enumerate(chunk):
                 batch.token[j] = tok

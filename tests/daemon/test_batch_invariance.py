@@ -158,3 +158,25 @@ def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_p
     assert probe_batch_invariance(model, config) == verdict and model.probes == 11
     model.placement = StandInPlacement()  # back on the CPU: its verdict is still kept
     assert probe_batch_invariance(model, config) == verdict and model.probes == 11
+
+
+def test_repacked_weights_keep_steps_exact_in_passes_of_up_to_three_rows(coder_path):
+    """--kernels mixed with its default extra buffers (repacking, except on CPUs
+    with AMX): a Q4_K model's steps run in passes of at most 3 rows, all through
+    repack's one-row gemv, so a verify pass, a restore and one-token steps agree
+    bit for bit. Without the limit, the probe's verdict still agrees with the long
+    check, whatever this CPU's 4-row gemm gives."""
+    from tandem.daemon.llama_model import REPACK_STEP_ROWS, LlamaModel, cpu_has_amx
+
+    model = LlamaModel(coder_path, n_ctx=1024, fast_prefill=True)
+    try:
+        assert model.extra_buffers is not cpu_has_amx()
+        repacked = "CPU_REPACK" in model.placement.weights  # (the Q4_K/Q8_0 tensors llama.cpp repacks)
+        assert repacked is model.extra_buffers
+        assert model.step_rows == (REPACK_STEP_ROWS if repacked else 0)
+        assert model.batch_invariance() == {"restore": True, "verify": True, "one_token": True, "small_batches": True}
+        assert really_invariant(model)
+        model.step_rows = 0  # every pass in one llama_decode: repack's gemm for 4 rows and more
+        assert all(model.batch_invariance().values()) == really_invariant(model)
+    finally:
+        model.close()

@@ -32,6 +32,7 @@ def probe_key(model, config: WorkerConfig) -> str:
         config["kernels"],
         model.flash_attn,
         model.extra_buffers,
+        model.step_rows,  # (with repacked weights, steps in passes of this many rows: exact from 3 down)
         model.n_batch,
         model.n_threads,
         *model.runtime(),

@@ -114,6 +114,7 @@ class CountingModel:
     def __init__(self, path, verdict):
         self.path, self.verdict, self.probes = path, verdict, 0
         self.flash_attn, self.extra_buffers, self.n_batch, self.n_threads = True, False, 512, 2
+        self.step_rows = 0
         self.placement = StandInPlacement()
 
     def batch_invariance(self):
@@ -158,6 +159,10 @@ def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_p
     assert probe_batch_invariance(model, config) == verdict and model.probes == 11
     model.placement = StandInPlacement()  # back on the CPU: its verdict is still kept
     assert probe_batch_invariance(model, config) == verdict and model.probes == 11
+    model.extra_buffers, model.step_rows = True, 3  # repacked, steps in passes of 3 rows: probed again
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 12
+    model.step_rows = 0  # the same buffers with unsplit steps: another verdict
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 13
 
 
 def test_repacked_weights_keep_steps_exact_in_passes_of_up_to_three_rows(coder_path):

@@ -54,8 +54,8 @@ def default_extra_buffers(reference_kernels: bool = True, fast_prefill: bool = F
     rows is all gemv, each row as a one-token step computes it. So: on with
     fast kernels (nothing is exact there anyway); on with ``--kernels mixed``
     (``fast_prefill``), whose steps run in passes of at most ``REPACK_STEP_ROWS``
-    rows (``decode``); off with the reference kernels everywhere, where a prompt
-    would be read 3 tokens per pass. Repacking decodes Q4_K a third faster on
+    rows (``decode``); off with the reference kernels everywhere (a drafter's,
+    and ``--kernels reference``, whose prompts are read by steps). Repacking decodes Q4_K a third faster on
     this machine's AVX-512 EPYC (Qwen2.5-Coder-1.5B: 26.8 against 36.7 ms a step)
     and reads prompts slower (148 against 246 tok/s), as llama-server does."""
     return (not reference_kernels or fast_prefill) and not cpu_has_amx()
@@ -178,11 +178,12 @@ class LlamaModel:
         self.n_threads = n_threads or default_threads()
         self.flash_attn = flash_attn
         self.reference_kernels = reference_kernels or fast_prefill
-        # rows per llama_decode of a step: repacked weights (llama.cpp's CPU_REPACK buffer, which it
-        # fills only for the types it repacks: Q4_0, Q4_K, Q8_0, ...) compute at most REPACK_STEP_ROWS
-        # rows as a one-row step does (0: no limit but n_batch)
+        # rows per llama_decode of a step, with fast prefill (the target with --kernels mixed, whose
+        # steps must agree): repacked weights (llama.cpp's CPU_REPACK buffer, which it fills only for
+        # the types it repacks: Q4_0, Q4_K, Q8_0, ...) compute at most REPACK_STEP_ROWS rows as a
+        # one-row step does (0: no limit but n_batch; a drafter's steps need not agree)
         repacked = any("REPACK" in name for name in self.placement.weights)
-        self.step_rows = REPACK_STEP_ROWS if repacked and self.reference_kernels else 0
+        self.step_rows = REPACK_STEP_ROWS if repacked and fast_prefill else 0
         self._fast = False  # a prefill's fast kernels are on (``_use_reference``)
         use_reference_kernels(self.reference_kernels)
         # fast prefill: prompts read with fast kernels, in chunks of this many tokens from position 0 (0: off)

@@ -176,7 +176,12 @@ def test_only_this_users_arenas_that_nobody_holds_are_swept(shm):
 
 
 def arena_of(pid: int) -> Path:
-    (path,) = [Path(f.path) for f in psutil.Process(pid).open_files() if Path(f.path).name.startswith("tandem-kv-")]
+    """The arena the process holds (not its index, nor the index's temporary file while it is written)."""
+    (path,) = [
+        Path(f.path)
+        for f in psutil.Process(pid).open_files()
+        if Path(f.path).name.startswith("tandem-kv-") and "." not in Path(f.path).name
+    ]
     return path
 
 

@@ -53,7 +53,7 @@ def main() -> int:
     corpus = {kind: prompts[: args.prompts] for kind, prompts in load_all_kinds().items()}
     print(f"target {target.name}; drafters " + ", ".join(f"{q} {p.name}" for q, p in drafters.items()), flush=True)
 
-    step_ms = {q: pass_costs_ms(p, [1])[1] for q, p in drafters.items()}
+    step_ms = {q: pass_costs_ms(p, [1], role="drafter")[1] for q, p in drafters.items()}
     target_ms = pass_costs_ms(target, [1])[1]
     procs, clients = [], {}
     try:

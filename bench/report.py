@@ -281,7 +281,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
     # one pass over 1 and k+1 tokens; one drafter step (the lab's cost model)
     widths = sorted({1, *[k + 1 for k in ks]})
     target_ms = pass_costs_ms(target, widths)
-    draft_ms = pass_costs_ms(drafter, [1])[1]
+    draft_ms = pass_costs_ms(drafter, [1], role="drafter")[1]
     results["pass_ms"] = {"target": target_ms, "drafter_step": draft_ms}
     say(
         "pass costs: "

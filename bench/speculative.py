@@ -32,13 +32,16 @@ from tandem.client import Client
 KS = [1, 2, 4, 6]
 
 
-def pass_costs_ms(path: Path, widths: list[int], n: int = 12) -> dict[int, float]:
+def pass_costs_ms(path: Path, widths: list[int], n: int = 12, role: str = "target") -> dict[int, float]:
     """Median time (ms) of one decode pass over w tokens, after a 64-token prefix:
-    the daemon's own measurement (governor.measure_pass_costs) on a fresh model."""
+    the daemon's own measurement (governor.measure_pass_costs) on a fresh model
+    with the daemon's settings for ``role`` (a target with --kernels mixed: fast
+    prefill, repacked weights where the CPU allows them, steps of up to 3 rows
+    over them; a drafter: the reference kernels, no repacking)."""
     from tandem.daemon.governor import measure_pass_costs
     from tandem.daemon.llama_model import LlamaModel
 
-    m = LlamaModel(path, n_ctx=512)
+    m = LlamaModel(path, n_ctx=512, fast_prefill=role == "target")
     try:
         return {w: seconds * 1000 for w, seconds in measure_pass_costs(m, widths, reps=n, prefix=64).items()}
     finally:
@@ -80,7 +83,7 @@ def main() -> None:
     ks = args.ks
     widths = sorted({1, 2, *[k + 1 for k in ks]})
     target_ms = pass_costs_ms(target, widths)
-    draft_ms = pass_costs_ms(drafter, [1])[1] if drafter else 0.0
+    draft_ms = pass_costs_ms(drafter, [1], role="drafter")[1] if drafter else 0.0
     c = draft_ms / target_ms[1]
     print(
         f"target {target.name}; drafter {drafter.name if drafter else 'ngram'}; exact {args.exact}; "

@@ -259,6 +259,11 @@ def measure_pass_costs(model, widths, reps: int = 3, prefix: int = 32) -> dict[i
     try:
         model.clear()
         model.decode(tokens[:prefix])
+        # one pass of each width first, untimed: right after a load the first passes run slower (measured:
+        # a one-token pass 34 ms, then 25.5), and an inflated one-token cost makes drafting look cheap
+        for w in widths:
+            model.decode(tokens[prefix : prefix + w], logits_for=range(w))
+            model.truncate(prefix)
         for w in widths:
             times = []
             for _ in range(reps):

@@ -88,3 +88,35 @@ def test_seeded_sampling_does_not_depend_on_the_cache(exact_daemon):
     assert warm.usage.cached_tokens > 0
     assert cold.text == warm.text == reference
     assert other_seed != reference  # the seed is what fixes the draws
+
+
+@pytest.fixture(scope="module")
+def repacked_daemon(daemon_process, coder_path):
+    """Qwen2.5-Coder-0.5B (some of its weights are of a type llama.cpp repacks) with
+    the default extra buffers: repacked where the CPU allows (not on AMX ones)."""
+    d = daemon_process(coder_path, "--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M")
+    d.wait_ready(180)
+    yield d
+    d.stop()
+    d.cleanup()
+
+
+@pytest.mark.parametrize("kind", ["code", "json"])
+def test_repacked_weights_give_the_same_greedy_text_cached_drafted_or_not(repacked_daemon, kind):
+    """Steps over repacked weights run in passes of at most 3 rows, so a verify pass
+    of 5 tokens (n-gram drafts, k = 4) and a restore from pages give the tokens plain
+    decoding gives; the load probe finds the target invariant."""
+    from tandem.daemon.llama_model import cpu_has_amx
+
+    messages = with_house_style(CORPUS[kind][0])
+    with repacked_daemon.client() as client:
+        m = client.status().model
+        assert m.extra_buffers is not cpu_has_amx() and m.batch_invariant is True and not m.exact_steps
+        reference = greedy(client, messages, cache=False, draft="off")
+        client.cache_clear()
+        assert greedy(client, messages, draft="off") == reference  # cold
+        assert greedy(client, messages, draft="off") == reference  # warm: restored from pages
+        drafted = client.generate(messages=messages, max_tokens=TOKENS, temperature=0.0, cache=False, draft="on")
+        assert [t for chunk in drafted for t in chunk.token_ids] == reference
+        assert drafted.done.draft is not None and drafted.done.draft.drafted > 0  # it did verify drafts
+    assert "tokens per pass" in repacked_daemon.log()

@@ -83,3 +83,34 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180) -> subpro
         time.sleep(0.1)
     proc.kill()
     raise SystemExit("the daemon did not become ready")
+
+
+def wait_quiet(pids: list[int], limit: float = 60.0, busy: float = 0.1) -> float:
+    """Wait until the process trees of ``pids`` use under ``busy`` of a core (over
+    0.2 s), at most ``limit`` seconds; returns the seconds waited. Between two
+    measured requests: work a system does after a reply (tandem settles the turn
+    and writes cache pages between requests) must not slow the next system down."""
+    import psutil
+
+    def sample() -> dict[int, float]:
+        out = {}
+        for pid in pids:
+            try:
+                root = psutil.Process(pid)
+                for p in [root, *root.children(recursive=True)]:
+                    t = p.cpu_times()
+                    out[p.pid] = t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return out
+
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        before = sample()
+        time.sleep(0.2)
+        after = sample()
+        used = sum(after[pid] - before[pid] for pid in after.keys() & before.keys())
+        if used < busy * 0.2:
+            return time.monotonic() - started
+    print(f"  (still busy after {limit:.0f} s: measuring anyway)", flush=True)
+    return time.monotonic() - started

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import fmt, model_path, start_daemon, temp_socket
+from common import fmt, model_path, start_daemon, temp_socket, wait_quiet
 from fidelity import load_corpus
 
 from tandem.client import Client
@@ -54,23 +54,29 @@ def load_all_kinds(agent: bool = False) -> dict[str, list]:
     return corpus
 
 
-def run_prompts(client: Client, prompts, tokens: int, **params):
-    """Returns (decode tok/s, end-to-end tok/s, drafting rounds, all rounds, token ids per prompt)."""
-    t0 = time.perf_counter()
+def run_prompts(client: Client, prompts, tokens: int, quiet=(), **params):
+    """Returns (decode tok/s, end-to-end tok/s, drafting rounds, token ids per prompt).
+    Each request starts once the process trees of ``quiet`` (pids) are idle: a
+    daemon settles a turn after its reply, which must not run beside another
+    system's request."""
+    wall = 0.0  # the requests' own time, not the waits between them
     generated = decode_tokens = 0
     decode_seconds = 0.0
     draft_rounds = 0
     ids = []
     for messages in prompts:
+        if quiet:
+            wait_quiet(list(quiet))
+        t0 = time.perf_counter()
         stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, **params)
         ids.append([t for c in stream for t in c.token_ids])
+        wall += time.perf_counter() - t0
         done = stream.done
         generated += done.usage.completion_tokens
         decode_tokens += max(done.usage.completion_tokens - 1, 0)
         decode_seconds += done.timings.generation_seconds
         if done.draft:
             draft_rounds += done.draft.rounds
-    wall = time.perf_counter() - t0
     return decode_tokens / decode_seconds, generated / wall, draft_rounds, ids
 
 
@@ -133,12 +139,17 @@ def main() -> None:
                 e2e = {s: [] for s in systems}
                 identical = 0
                 drafting_rounds = 0
-                first = {s: run_prompts(systems[s][0], prompts, args.tokens, **systems[s][1]) for s in systems}
+                quiet = [proc.pid for proc in procs.values()]
+                first = {
+                    s: run_prompts(systems[s][0], prompts, args.tokens, quiet=quiet, **systems[s][1]) for s in systems
+                }
                 first_ratio = first["governed"][0] / first["plain"][0]
                 for r in range(args.runs):
                     order = list(systems)
                     order = order[r % len(order) :] + order[: r % len(order)]
-                    res = {s: run_prompts(systems[s][0], prompts, args.tokens, **systems[s][1]) for s in order}
+                    res = {
+                        s: run_prompts(systems[s][0], prompts, args.tokens, quiet=quiet, **systems[s][1]) for s in order
+                    }
                     for s, (d, e, _, _) in res.items():
                         dec[s].append(d)
                         e2e[s].append(e)

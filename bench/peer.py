@@ -45,7 +45,7 @@ from typing import Callable, Optional
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from common import cpu_model, model_path, start_daemon, temp_socket  # noqa: E402
+from common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet  # noqa: E402
 from prefix_cache import LlamaServer  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
@@ -195,37 +195,6 @@ def server_system_info(log_path: str) -> str:
 
 
 # --------------------------------------------------------------------------- one model
-
-
-def wait_quiet(pids: list[int], limit: float = 60.0, busy: float = 0.1) -> float:
-    """Wait until the process trees of ``pids`` use under ``busy`` of a core (over
-    0.2 s), at most ``limit`` seconds; returns the seconds waited. Between two
-    measured requests: work a system does after a reply (tandem settles the turn
-    and writes cache pages between requests) must not slow the next system down."""
-    import psutil
-
-    def sample() -> dict[int, float]:
-        out = {}
-        for pid in pids:
-            try:
-                root = psutil.Process(pid)
-                for p in [root, *root.children(recursive=True)]:
-                    t = p.cpu_times()
-                    out[p.pid] = t.user + t.system
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return out
-
-    started = time.monotonic()
-    while time.monotonic() - started < limit:
-        before = sample()
-        time.sleep(0.2)
-        after = sample()
-        used = sum(after[pid] - before[pid] for pid in after.keys() & before.keys())
-        if used < busy * 0.2:
-            return time.monotonic() - started
-    say(f"  (still busy after {limit:.0f} s: measuring anyway)")
-    return time.monotonic() - started
 
 
 def bench_model(

@@ -36,7 +36,7 @@ sys.path.insert(0, str(BENCH))
 
 import peer  # noqa: E402
 import psutil  # noqa: E402
-from common import cpu_model, model_path, start_daemon, temp_socket  # noqa: E402
+from common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
 from prefix_cache import Ideal, LlamaServer, agent_loop, interleaved  # noqa: E402
 from speculative import pass_costs_ms  # noqa: E402
@@ -360,12 +360,20 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             fn([{"role": "user", "content": "Say hi."}], 4)
 
         decoding: dict = {kind: {name: [] for name in systems} for kind in corpus}
+        # every request starts once every system is idle: the plain daemon settles a turn after its reply
+        # (reads it again into cache pages), which must not run beside the next system's request
+        quiet = [proc.pid for proc in procs] + [s.proc.pid for s in servers]
+
+        def measured(name, messages):
+            wait_quiet(quiet)
+            return systems[name](messages, p["tokens"])
+
         for r in range(p["runs"]):
             for t, (kind, prompts) in enumerate(corpus.items()):
                 names = list(systems)
                 shift = (r + t) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    samples = [systems[name](messages, p["tokens"]) for messages in prompts]
+                    samples = [measured(name, messages) for messages in prompts]
                     decoding[kind][name].append([s.__dict__ for s in samples])
             say(f"decoding run {r + 1}/{p['runs']} done")
         results["decoding"] = decoding

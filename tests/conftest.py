@@ -336,6 +336,25 @@ def _restart_target():
     return restart_target
 
 
+def arena_of(pid: int) -> Path:
+    """The prefix-cache arena a living daemon holds: not its index, nor the
+    index's temporary file while it is written (their names have a dot). A set:
+    one file may be open on two descriptors (CI saw the arena twice)."""
+    import psutil
+
+    files = psutil.Process(pid).open_files()
+    names = {Path(f.path) for f in files}
+    arenas = {p for p in names if p.name.startswith("tandem-kv-") and "." not in p.name}
+    assert len(arenas) == 1, f"the daemon holds {len(arenas)} arenas: {[(f.fd, f.path) for f in files]}"
+    return arenas.pop()
+
+
+@pytest.fixture(name="arena_of", scope="session")
+def _arena_of():
+    """``arena_of(pid)``: the prefix-cache arena the daemon ``pid`` holds."""
+    return arena_of
+
+
 def page_restore(client, messages: list, other: list, max_tokens: int = 32) -> tuple[str, str, int]:
     """(text uncached, text of the same prompt restored from the prefix cache's
     pages, tokens restored from pages): the prompt is sent, then ``other`` (so

@@ -227,7 +227,7 @@ class NotifyListener:
         self.sock.close()
 
 
-def test_notify_ready_watchdog_reload_and_stop(daemon_process, short_tmpdir, smollm2_path):
+def test_notify_ready_watchdog_reload_and_stop(daemon_process, short_tmpdir, smollm2_path, arena_of):
     work = short_tmpdir()
     listener = NotifyListener(work)
     cfg = work / "config.toml"
@@ -290,11 +290,7 @@ def test_notify_ready_watchdog_reload_and_stop(daemon_process, short_tmpdir, smo
         assert "is not UTF-8" in d.log()
 
         # SIGTERM: STOPPING=1, exit 0, socket and shared memory gone, no worker left
-        (shm,) = [  # the arena, not its index or the index's temporary file while it is written
-            Path(f.path)
-            for f in psutil.Process(pid).open_files()
-            if Path(f.path).name.startswith("tandem-kv-") and "." not in Path(f.path).name
-        ]
+        shm = arena_of(pid)
         assert shm.exists()
         assert d.stop() == 0, d.log()
         assert listener.count("STOPPING") == 1

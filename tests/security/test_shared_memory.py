@@ -22,7 +22,6 @@ import zlib
 from pathlib import Path
 
 import msgpack
-import psutil
 import pytest
 
 from tandem.daemon.arena import UntrustedFile, create_arena, destroy_arena, index_path, remove_stale_arenas
@@ -175,21 +174,11 @@ def test_only_this_users_arenas_that_nobody_holds_are_swept(shm):
 # --------------------------------------------------------------------------- through the daemon
 
 
-def arena_of(pid: int) -> Path:
-    """The arena the process holds (not its index, nor the index's temporary file while it is written)."""
-    (path,) = [
-        Path(f.path)
-        for f in psutil.Process(pid).open_files()
-        if Path(f.path).name.startswith("tandem-kv-") and "." not in Path(f.path).name
-    ]
-    return path
-
-
 PROMPT = "A prefix the cache keeps between turns. " * 8
 
 
 @root_only
-def test_an_index_another_user_planted_is_not_trusted(start_daemon, restart_target):
+def test_an_index_another_user_planted_is_not_trusted(start_daemon, restart_target, arena_of):
     # the disk tier off: its own (genuine) copies of the pages would legitimately restore them
     d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M", "--disk-cache-bytes", "0")
     with d.client() as c:
@@ -203,7 +192,7 @@ def test_an_index_another_user_planted_is_not_trusted(start_daemon, restart_targ
     assert "ignoring the prefix-cache index" in d.log() and "owned by uid 65534" in d.log()
 
 
-def test_pages_that_do_not_restore_are_dropped_and_the_request_still_succeeds(start_daemon, restart_target):
+def test_pages_that_do_not_restore_are_dropped_and_the_request_still_succeeds(start_daemon, restart_target, arena_of):
     """An index whose pages point at zeroed bytes with the zero page's checksum
     (what a planted index did before owners were checked) passes the integrity
     check; restoring it must not fail the request (it was INTERNAL). The disk
@@ -234,7 +223,7 @@ def test_pages_that_do_not_restore_are_dropped_and_the_request_still_succeeds(st
 
 
 @root_only
-def test_a_full_shared_memory_never_kills_a_worker(start_daemon, tmp_path):
+def test_a_full_shared_memory_never_kills_a_worker(start_daemon, tmp_path, arena_of):
     """The arena's space is reserved at start: when something fills shared memory
     afterwards, the cache keeps writing pages (a sparse arena took SIGBUS here,
     and the worker with it)."""

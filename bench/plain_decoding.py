@@ -61,7 +61,7 @@ def run_llama(llm: llama_cpp.Llama, prompt: str, tokens: int) -> tuple[float, st
 def run_bare(model: LlamaModel, prompt: str, tokens: int) -> float:
     t0 = time.perf_counter()
     model.clear()
-    logits = model.decode(model.tokenize(prompt, add_special=True))[0]
+    logits = model.prefill(model.tokenize(prompt, add_special=True))
     for _ in range(tokens):
         logits = model.decode([int(np.argmax(logits))])[0]
     return tokens / (time.perf_counter() - t0)
@@ -87,7 +87,8 @@ def main() -> None:
     socket = temp_socket("tdm-bench-")
     daemon = start_daemon(socket, "--model", str(path), "--ctx-size", str(n_ctx), "--threads", str(args.threads))
     llm = reference_llama(path, n_ctx, args.threads)
-    bare = LlamaModel(path, n_ctx=n_ctx, n_threads=args.threads)
+    # the daemon's target: mixed kernels (fast prefill), extra buffers as its default
+    bare = LlamaModel(path, n_ctx=n_ctx, n_threads=args.threads, fast_prefill=True)
     ratios_llama, ratios_bare, tps = [], [], {"daemon": [], "llama-cpp": [], "bare": []}
     identical = 0
     try:

@@ -163,7 +163,7 @@ class InProcess:
     def __init__(self, path: Path, n_ctx: int):
         from tandem.daemon.llama_model import reference_llama
 
-        # the worker's threads and extra-buffer setting: llama.cpp's AMX repacking crashes on AMX CPUs
+        # the worker's threads, with --kernels reference's settings (reference kernels, no extra buffers)
         self.llm = reference_llama(path, n_ctx)
 
     def request(self, messages, tokens: int) -> Sample:
@@ -325,8 +325,8 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
         inproc = InProcess(target, int(ctx))
         systems["llama-cpp-python"] = inproc.request
         commands["llama-cpp-python"] = (
-            f"llama_cpp.Llama({target.name!r}, n_ctx={ctx}, n_threads=<all cores>, use_extra_bufts=<off on AMX>)"
-            ".create_chat_completion(stream=True)"
+            f"llama_cpp.Llama({target.name!r}, n_ctx={ctx}, n_threads=<all cores>, use_extra_bufts=False, "
+            "reference kernels).create_chat_completion(stream=True)"
         )
         if llama_server is not None:
             threads = os.cpu_count() or 2

@@ -128,7 +128,16 @@ OPTIONS: tuple[Option, ...] = (
         auto=True,
         metavar="N",
     ),
-    Option("batch_size", "int", 512, "prompt tokens per llama_decode call", minimum=1, maximum=65536, metavar="N"),
+    Option(
+        "batch_size",
+        "int",
+        512,
+        "prompt tokens per llama_decode call (at most; with mixed kernels a prompt pass reads up to 256 tokens "
+        "of whole 64-token chunks, and a step over repacked weights at most 3 rows)",
+        minimum=1,
+        maximum=65536,
+        metavar="N",
+    ),
     Option(
         "max_queue",
         "int",
@@ -302,11 +311,13 @@ OPTIONS: tuple[Option, ...] = (
         "extra_buffers",
         "choice",
         "auto",
-        "llama.cpp weight repacking/AMX buffers; auto = on with mixed and fast kernels, off with reference "
-        "kernels and on CPUs with AMX (it crashes there). Repacked weights (Q4_0, Q4_K, Q8_0) multiply 4 rows "
-        "at a time, which rounds differently from one row, so with mixed kernels the daemon runs decoding steps "
-        "in passes of at most 3 rows (verify and jump-forward passes too): exact, Q4_K decoding about a third "
-        "faster here, prompts read a third slower (as llama-server, which repacks)",
+        "llama.cpp weight repacking/AMX buffers; auto = on for the target with mixed and fast kernels (for a "
+        "drafter with fast kernels only), off with reference kernels and on CPUs with AMX (it crashes there). "
+        "Repacked weights (Q4_0, Q4_K, Q8_0) multiply 4 rows at a time, which rounds differently from one row, "
+        "so with mixed kernels the daemon runs decoding steps in passes of at most 3 rows (verify and "
+        "jump-forward passes too): exact, Q4_K decoding about a third faster here, prompts read a third slower "
+        "(as llama-server, which repacks); a verify pass of k+1 tokens then costs about k+1 steps, so a model "
+        "drafter pays less (off: cheaper verify passes, slower steps)",
         choices=("auto", "on", "off"),
     ),
     Option(

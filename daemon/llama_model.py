@@ -380,6 +380,7 @@ class LlamaModel:
         other = self.tokenize(" A different ending, read with it before, about the harbour at night.", False)
         other = (other * (chunk // max(len(other), 1) + 1))[:chunk]
         half = chunk // 2
+        group, self.prefill_group = self.prefill_group, chunk  # chunk by chunk: grouping is checked apart
         try:
             self.clear()
             whole = self.prefill(tokens[: chunk + 8]).copy()
@@ -398,6 +399,7 @@ class LlamaModel:
                     self._use_reference(True)
             return bool(np.array_equal(kept, whole) and np.array_equal(rows[0], rows[1]))
         finally:
+            self.prefill_group = group
             self.clear()
 
     def set_prefill_group(self, tokens: int) -> None:
@@ -409,27 +411,38 @@ class LlamaModel:
 
     def prefill_grouping_is_exact(self) -> Optional[bool]:
         """Does a whole chunk's KV stay the same when one llama_decode reads it with
-        the chunks after it (``prefill_group``)? A cached request groups a prompt's
+        the chunks around it (``prefill_group``)? A cached request groups a prompt's
         chunks from another start than an uncached one. Compares the logits after
-        two chunks and 8 tokens read chunk by chunk with those read in one pass of
-        two chunks (the 8 in a pass of their own either way). None when the context is too small
-        or grouping is off. Leaves the cache empty; keeps ``prefill_group``."""
-        chunk, group = self.prefill_chunk, self.prefill_group
-        if not chunk or group < 2 * chunk or self.n_ctx < 2 * chunk + 8:
+        a group, one chunk and 8 tokens read chunk by chunk with those read in
+        groups from position 0 and from the second chunk (the first kept, as a
+        cached request does); the 8 in a pass of their own every time. Where the
+        context cannot hold that, the group shrinks to what it can check. None
+        when not even two chunks can be checked, or grouping is off. Leaves the
+        cache empty; ``prefill_group`` the size checked."""
+        chunk = self.prefill_chunk
+        if not chunk:
+            return None
+        group = min(self.prefill_group, (self.n_ctx - chunk - 8) // chunk * chunk)
+        if group < 2 * chunk:
             return None
         text = 'def parse(line):\n    """Split a CSV line."""\n    return [part.strip() for part in line.split(",")]\n'
         tokens = self.tokenize(text, add_special=True)
-        while len(tokens) < 2 * chunk + 8:
+        while len(tokens) < group + chunk + 8:
             tokens = tokens + tokens[1:]
-        tokens = tokens[: 2 * chunk + 8]
+        tokens = tokens[: group + chunk + 8]
         try:
             self.prefill_group = chunk
             self.clear()
             alone = self.prefill(tokens).copy()
-            self.prefill_group = 2 * chunk
+            self.prefill_group = group
             self.clear()
-            grouped = self.prefill(tokens)
-            return bool(np.array_equal(alone, grouped))
+            from_zero = self.prefill(tokens).copy()
+            self.clear()
+            self.prefill_group = chunk
+            self.prefill(tokens[:chunk])
+            self.prefill_group = group
+            shifted = self.prefill(tokens[chunk:])
+            return bool(np.array_equal(alone, from_zero) and np.array_equal(alone, shifted))
         finally:
             self.prefill_group = group
             self.clear()
@@ -695,7 +708,7 @@ class LlamaModel:
         wanted = {i % n for i in logits_for}
         out = np.empty((len(logits_for), self.n_vocab), dtype=np.float32)
         batch = self._batch
-        per_pass = self.step_rows if self.step_rows and not self._fast else self.n_batch
+        per_pass = min(self.step_rows, self.n_batch) if self.step_rows and not self._fast else self.n_batch
         for start in range(0, n, per_pass):
             if start and abort is not None and abort():
                 raise DecodeAborted()

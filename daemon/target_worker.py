@@ -92,7 +92,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     if c.governed:
         from .governor import GovernorBank
 
-        identity, path = governor_keys(c, model.placement.key())
+        identity, path = governor_keys(c, model.placement.key(), model.step_rows)
         governors = GovernorBank(
             identity,
             path,
@@ -196,6 +196,7 @@ def check_fast_prefill(model, info: ModelInfo) -> None:
     if not model.prefill_chunk:
         if info.kernels == "mixed":  # (the context had no CPU backend whose kernels can be switched)
             info.kernels = "reference"
+        slow_prompts(model)
         return
     try:
         exact = model.fast_prefill_is_exact()
@@ -225,6 +226,17 @@ def check_fast_prefill(model, info: ModelInfo) -> None:
             model.prefill_group,
         )
     info.prefill_chunk = model.prefill_chunk
+    slow_prompts(model)
+
+
+def slow_prompts(model) -> None:
+    """Without fast prefill, prompts are read by steps: over repacked weights, 3 rows a pass."""
+    if not model.prefill_chunk and model.step_rows:
+        log.warning(
+            "prompts are read %d tokens per pass (steps over repacked weights, without fast prefill): "
+            "--extra-buffers off reads them many times faster here",
+            model.step_rows,
+        )
 
 
 def check_prefill_grouping(model) -> None:
@@ -241,20 +253,23 @@ def check_prefill_grouping(model) -> None:
             "logits than read alone (prefill is slower, output is as exact)",
             model.prefill_chunk,
         )
+    if not grouped:  # (None: the context is too small to check a group in)
         model.set_prefill_group(model.prefill_chunk)
 
 
-def governor_keys(config: WorkerConfig, placed: str) -> tuple[str, Optional[Path]]:
+def governor_keys(config: WorkerConfig, placed: str, step_rows: int = 0) -> tuple[str, Optional[Path]]:
     """The governor state's identity and file: the daemon's (models, draft length,
-    kernels), and where the target's layers are when not all on the CPU (``placed``,
-    devices.Placement.key): speeds measured on a GPU are not the CPU's, and each
-    placement keeps its own file."""
+    kernels), where the target's layers are when not all on the CPU (``placed``,
+    devices.Placement.key: speeds measured on a GPU are not the CPU's), and the
+    rows per pass of a step over repacked weights (``step_rows``: a verify pass
+    then costs about a step per row). Each of those keeps its own file."""
     from .governor import state_file
 
     path = Path(config.governor_state) if config.governor_state else None
-    if not placed:
+    extra = " ".join(part for part in (placed, f"step_rows={step_rows}" if step_rows else "") if part)
+    if not extra:
         return config.governor_identity, path
-    identity = f"{config.governor_identity} {placed}"
+    identity = f"{config.governor_identity} {extra}"
     return identity, state_file(path.parent, identity) if path is not None else None
 
 
@@ -274,7 +289,7 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
     store = PageStore(PageTree(config["page_tokens"], ExtentAllocator(config.cache_bytes)), memoryview(arena), model)
     store.probe_layout()
     # pages hold KV as these kernels computed it: valid for the same model file and kernels only
-    computed = f"kernels={config['kernels']} prefill_chunk={model.prefill_chunk}"
+    computed = f"kernels={config['kernels']} prefill_chunk={model.prefill_chunk} step_rows={model.step_rows}"
     store.model_identity = f"{identity} {computed}"
     kept, dropped = store.load_index(index_path(config.cache_shm))
     if kept or dropped:

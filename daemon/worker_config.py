@@ -123,7 +123,7 @@ def load_model(config: WorkerConfig):
         n_ctx=config["ctx_size"],
         n_threads=config["threads"],
         n_batch=config["batch_size"],
-        extra_buffers=EXTRA_BUFFERS[config["extra_buffers"]],  # auto: LlamaModel's (off but with fast kernels)
+        extra_buffers=EXTRA_BUFFERS[config["extra_buffers"]],  # auto: default_extra_buffers
         flash_attn=config["flash_attn"],
         reference_kernels=kernels != "fast",
         # the drafter's KV need not be exact (the target verifies what it drafts): it reads as before

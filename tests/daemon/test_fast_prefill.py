@@ -40,29 +40,76 @@ def test_the_check_the_worker_runs_at_load_passes(model):
     assert model.fast_prefill_is_exact() is True
 
 
-def test_whole_chunks_are_read_several_per_pass_only_where_that_measures_exact(model, tokens):
+def test_whole_chunks_are_read_several_per_pass_only_where_that_measures_exact(model):
     from tandem.daemon.llama_model import PREFILL_GROUP
 
-    c, group = PREFILL_CHUNK, model.prefill_group
-    model.prefill_group = c
-    try:
+    c, g, chosen = PREFILL_CHUNK, PREFILL_GROUP, model.prefill_group
+    tokens = model.tokenize(TEXT * 2, add_special=True)[: g + c + 20]
+    assert len(tokens) == g + c + 20
+
+    def read(group: int, kept: int = 0) -> np.ndarray:
+        """The logits after ``tokens``: ``kept`` of them read first chunk by chunk
+        (what a cached request keeps), the rest up to ``group`` tokens per pass."""
         model.clear()
-        alone = model.prefill(tokens).copy()  # 3 chunks and 20 tokens, one chunk per pass
-        model.prefill_group = 3 * c
-        model.clear()
-        three = model.prefill(tokens).copy()
-        model.clear()
-        model.prefill(tokens[:c])  # a first chunk kept: the next two read in one pass from there
-        model.prefill_group = 2 * c
-        two_after = model.prefill(tokens[c:]).copy()
-    finally:
+        model.prefill_group = c
+        if kept:
+            model.prefill(tokens[:kept])
         model.prefill_group = group
+        return model.prefill(tokens[kept:]).copy()
+
+    try:
+        alone = read(c)
+        grouped = [read(g), read(g, kept=c), read(3 * c, kept=2 * c), read(2 * c, kept=c)]
+        measured = all(np.array_equal(alone, other) for other in grouped)
+        model.prefill_group = g  # the load check, asked about the group the worker would use
+        assert model.prefill_grouping_is_exact() is measured  # it agrees with these longer reads
+    finally:
+        model.prefill_group = chosen
         model.clear()
-    measured = np.array_equal(alone, three) and np.array_equal(alone, two_after)
-    assert model.prefill_grouping_is_exact() is measured  # the load check agrees with this longer one
-    # the product's choice on this CPU: several chunks per pass where exact, else one
-    assert model.prefill_group == (PREFILL_GROUP if measured else c)
-    assert model.prefill_group % c == 0
+    # the product's choice on this CPU (the fixture ran the worker's check): a group where exact, else one chunk
+    assert chosen == (g if measured else c)
+
+
+def test_the_checks_read_chunk_by_chunk_and_keep_the_group(model):
+    """The fast-prefill check compares a chunk read alone with a chunk read
+    before others: with grouping on, that would be the grouping check, and an
+    inexact group would turn fast prefill off instead of grouping."""
+    group = model.prefill_group
+    seen = []
+    real = model.decode
+
+    def spy(tokens, *args, **kwargs):
+        if model._fast:
+            seen.append(len(tokens))
+        return real(tokens, *args, **kwargs)
+
+    model.decode = spy
+    try:
+        assert model.fast_prefill_is_exact() is True
+    finally:
+        del model.decode
+    assert seen and max(seen) <= PREFILL_CHUNK
+    assert model.prefill_group == group
+
+
+def test_a_context_too_small_for_the_group_checks_and_uses_a_smaller_one(smollm2_path):
+    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.target_worker import check_prefill_grouping
+
+    c = PREFILL_CHUNK
+    m = LlamaModel(smollm2_path, n_ctx=4 * c, fast_prefill=True)
+    try:
+        check_prefill_grouping(m)
+        # 256 tokens hold a group of 2 chunks, one more chunk and 8 tokens, not of 4: at most 2 (where exact)
+        assert m.prefill_group in (c, 2 * c)
+    finally:
+        m.close()
+    m = LlamaModel(smollm2_path, n_ctx=2 * c + 40, fast_prefill=True)
+    try:
+        check_prefill_grouping(m)
+        assert m.prefill_group == c  # nothing to check a group in: one chunk per pass
+    finally:
+        m.close()
 
 
 def test_logits_do_not_depend_on_what_was_kept_restored_or_read_before(model, tokens):

@@ -197,5 +197,11 @@ def test_each_placement_of_the_layers_keeps_its_own_governor_state(tmp_path):
     rpc = target_worker.governor_keys(config, "layers=RPC0:16,RPC1:15")
     assert gpu[0] == "target=t.gguf drafter=d.gguf k=4 layers=CUDA0:31"
     assert len({base, gpu[1], rpc[1]}) == 3 and gpu[1].parent == rpc[1].parent == tmp_path
+    # steps over repacked weights in 3-row passes: verify costs another price than before repacking
+    repacked = target_worker.governor_keys(config, "", 3)
+    both = target_worker.governor_keys(config, "layers=CUDA0:31", 3)
+    assert repacked[0] == "target=t.gguf drafter=d.gguf k=4 step_rows=3"
+    assert both[0] == "target=t.gguf drafter=d.gguf k=4 layers=CUDA0:31 step_rows=3"
+    assert len({base, gpu[1], repacked[1], both[1]}) == 4
     config.governor_state = ""  # no state directory: nothing kept anywhere
     assert target_worker.governor_keys(config, "layers=CUDA0:31")[1] is None

@@ -1,0 +1,69 @@
+"""What repacked weights do to a verify pass: the target's pass costs over 1..k+1
+tokens with extra buffers on (steps split into passes of at most 3 rows, as the
+daemon runs them) and off, side by side in one process, alternating rounds.
+
+With repacking a one-token step is faster (Q4_K's repacked one-row kernel), but
+every row of a verify pass goes through that one-row kernel, so a pass over
+k+1 tokens costs about k+1 steps and drafting pays less. This prints both
+settings' median (min-max) per width and what a round of ``w`` tokens that are
+all accepted would give per token, against the same setting's one-token step.
+
+    python bench/verify_cost.py [--model qwen2.5-coder-1.5b] [--rounds 3] [--widths 1,2,3,5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import fmt, model_path  # noqa: E402
+
+from tandem.daemon.governor import measure_pass_costs  # noqa: E402
+from tandem.daemon.llama_model import LlamaModel, cpu_has_amx  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="preset or .gguf path (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
+    ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 2, 3, 5])
+    args = ap.parse_args()
+    if cpu_has_amx():
+        print("this CPU has AMX: extra buffers stay off there (llama.cpp's AMX buffers crash); nothing to compare")
+        return 0
+    path = model_path(args.model)
+    models = {
+        "repacked (3-row passes)": LlamaModel(path, n_ctx=512, fast_prefill=True, extra_buffers=True),
+        "not repacked": LlamaModel(path, n_ctx=512, fast_prefill=True, extra_buffers=False),
+    }
+    costs: dict[str, dict[int, list[float]]] = {name: {w: [] for w in args.widths} for name in models}
+    try:
+        for r in range(args.rounds):
+            order = list(models) if r % 2 == 0 else list(reversed(models))
+            for name in order:
+                for w, seconds in measure_pass_costs(models[name], args.widths, reps=8, prefix=64).items():
+                    costs[name][w].append(seconds * 1000)
+    finally:
+        for m in models.values():
+            m.close()
+    print(f"{path.name}; {args.rounds} alternating rounds; ms per pass, median (min-max)\n")
+    print("| setting | " + " | ".join(f"{w} token(s)" for w in args.widths) + " | step ratio |")
+    print("|---|" + "---|" * (len(args.widths) + 1))
+    one = {name: statistics.median(costs[name][1]) for name in models}
+    for name in models:
+        cells = [fmt(costs[name][w], 1) for w in args.widths]
+        print(f"| {name} | " + " | ".join(cells) + f" | {one[name] / one['not repacked']:.2f} |")
+    print("\nms per token when a pass's tokens are all accepted (w tokens per pass of width w):\n")
+    print("| setting | " + " | ".join(f"w={w}" for w in args.widths) + " |")
+    print("|---|" + "---|" * len(args.widths))
+    for name in models:
+        per = [statistics.median(costs[name][w]) / w for w in args.widths]
+        print(f"| {name} | " + " | ".join(f"{p:.1f}" for p in per) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
     ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 2, 3, 5])
     args = ap.parse_args()
+    args.widths = sorted({1, *args.widths})  # (one token: what the others are compared with)
     if cpu_has_amx():
         print("this CPU has AMX: extra buffers stay off there (llama.cpp's AMX buffers crash); nothing to compare")
         return 0

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable, Optional
 
 from .worker_config import WorkerConfig
 
@@ -42,40 +43,65 @@ def probe_key(model, config: WorkerConfig) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
+def _read_kept(path: Optional[Path]) -> dict:
+    """The verdicts kept in ``path``: a missing, corrupt or foreign file is none."""
+    if path is None:
+        return {}
+    try:
+        if path.is_file() and path.stat().st_size < 1 << 20:  # never a FIFO or a huge file
+            known = json.loads(path.read_text())
+            return known if isinstance(known, dict) else {}
+    except Exception:  # unreadable, not JSON, nested too deep: measure again
+        pass
+    return {}
+
+
+def _keep(path: Optional[Path], key: str, verdict: dict) -> None:
+    """Add ``verdict`` under ``key`` to the file (its newest 32 entries kept)."""
+    if path is None:
+        return
+    known = {k: v for k, v in _read_kept(path).items() if isinstance(v, dict)}
+    known.pop(key, None)
+    known[key] = verdict
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(dict(list(known.items())[-32:])))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        log.warning("could not keep a load check's verdict in %s: %s", path, exc)
+
+
 def probe_batch_invariance(model, config: WorkerConfig) -> dict[str, bool]:
     """``model.batch_invariance()``, kept in ``config.probe_cache`` (a few seconds
     for a 1.5B model on 2 cores, so not at every start). A missing, corrupt or
     foreign file only means probing again."""
     path = Path(config.probe_cache) if config.probe_cache else None
     key = probe_key(model, config)
-    known: dict = {}
-    if path is not None:
-        try:
-            if path.is_file() and path.stat().st_size < 1 << 20:  # never a FIFO or a huge file
-                known = json.loads(path.read_text())
-            known = known if isinstance(known, dict) else {}
-        except Exception:  # unreadable, not JSON, nested too deep: probe again
-            known = {}
-        cached = known.get(key)
-        if (
-            isinstance(cached, dict)
-            and set(cached) == PROBE_PATHS
-            and all(isinstance(v, bool) for v in cached.values())
-        ):
-            return cached
+    cached = _read_kept(path).get(key)
+    if isinstance(cached, dict) and set(cached) == PROBE_PATHS and all(isinstance(v, bool) for v in cached.values()):
+        return cached
     paths = model.batch_invariance()
-    if path is not None and paths:
-        known = {k: v for k, v in known.items() if isinstance(v, dict)}
-        known[key] = paths
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(dict(list(known.items())[-32:])))
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            log.warning("could not keep the batch-invariance probe's verdict in %s: %s", path, exc)
+    if paths:
+        _keep(path, key, paths)
     return paths
+
+
+def kept_check(model, config: Optional[WorkerConfig], name: str, check: Callable[[], Optional[bool]]) -> Optional[bool]:
+    """A load check's verdict (``check()``: True, False, or None when it could not
+    run), kept beside the probe's under the probe's key and ``name`` (which says
+    what else it depends on), so that a restart does not read its prompts again
+    (several hundred tokens: seconds for a 1.5B model on 2 cores). None is never kept."""
+    path = Path(config.probe_cache) if config is not None and config.probe_cache else None
+    key = f"{probe_key(model, config)} {name}" if path is not None else ""
+    cached = _read_kept(path).get(key) if path is not None else None
+    if isinstance(cached, dict) and set(cached) == {"exact"} and isinstance(cached["exact"], bool):
+        return cached["exact"]
+    verdict = check()
+    if verdict is not None:
+        _keep(path, key, {"exact": bool(verdict)})
+    return verdict
 
 
 def invariance_fix(config: WorkerConfig, model) -> str:

@@ -409,21 +409,28 @@ class LlamaModel:
         if chunk:
             self.prefill_group = max(min(int(tokens), self.n_batch) // chunk, 1) * chunk
 
+    def checkable_group(self) -> int:
+        """The largest group up to ``prefill_group`` that ``prefill_grouping_is_exact``
+        can check in this context (0: not even two chunks, or grouping is off)."""
+        chunk = self.prefill_chunk
+        if not chunk:
+            return 0
+        group = min(self.prefill_group, (self.n_ctx - chunk - 8) // chunk * chunk)
+        return group if group >= 2 * chunk else 0
+
     def prefill_grouping_is_exact(self) -> Optional[bool]:
         """Does a whole chunk's KV stay the same when one llama_decode reads it with
         the chunks around it (``prefill_group``)? A cached request groups a prompt's
         chunks from another start than an uncached one. Compares the logits after
         a group, one chunk and 8 tokens read chunk by chunk with those read in
-        groups from position 0 and from the second chunk (the first kept, as a
-        cached request does); the 8 in a pass of their own every time. Where the
+        groups from position 0, from the second chunk and from the third (what
+        is before kept, as a cached request does: a full group, then one a chunk
+        shorter); the 8 in a pass of their own every time. Where the
         context cannot hold that, the group shrinks to what it can check. None
         when not even two chunks can be checked, or grouping is off. Leaves the
         cache empty; ``prefill_group`` the size checked."""
-        chunk = self.prefill_chunk
-        if not chunk:
-            return None
-        group = min(self.prefill_group, (self.n_ctx - chunk - 8) // chunk * chunk)
-        if group < 2 * chunk:
+        chunk, group = self.prefill_chunk, self.checkable_group()
+        if not group:
             return None
         text = 'def parse(line):\n    """Split a CSV line."""\n    return [part.strip() for part in line.split(",")]\n'
         tokens = self.tokenize(text, add_special=True)
@@ -437,12 +444,14 @@ class LlamaModel:
             self.prefill_group = group
             self.clear()
             from_zero = self.prefill(tokens).copy()
-            self.clear()
-            self.prefill_group = chunk
-            self.prefill(tokens[:chunk])
-            self.prefill_group = group
-            shifted = self.prefill(tokens[chunk:])
-            return bool(np.array_equal(alone, from_zero) and np.array_equal(alone, shifted))
+            shifted = []
+            for kept in (chunk, 2 * chunk):  # a full group from the second chunk; a shorter one from the third
+                self.clear()
+                self.prefill_group = chunk
+                self.prefill(tokens[:kept])
+                self.prefill_group = group
+                shifted.append(self.prefill(tokens[kept:]).copy())
+            return bool(np.array_equal(alone, from_zero) and all(np.array_equal(alone, s) for s in shifted))
         finally:
             self.prefill_group = group
             self.clear()

@@ -41,7 +41,7 @@ from tandem.protocol.internal import WORKER_REQUESTS, CacheState, DrafterHung, D
 from .constraint import Grammars
 from .engine import Engine
 from .interfaces import Drafter, RequestError
-from .invariance import invariance_fix, probe_batch_invariance
+from .invariance import invariance_fix, kept_check, probe_batch_invariance
 from .worker_config import WorkerConfig, describe_model, load_model
 
 log = logging.getLogger("tandem.worker")
@@ -82,7 +82,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         flash_attn=c["flash_attn"],
         extra_buffers=model.extra_buffers,
     )
-    check_fast_prefill(model, info)
+    check_fast_prefill(model, info, c)
     probe(model, c, info)
     min_batch = 1
     if c.drafter != "none" and (c["exact"] == "on" or (c["exact"] == "auto" and info.batch_invariant is not True)):
@@ -190,16 +190,17 @@ def probe(model, config: WorkerConfig, info: ModelInfo) -> None:
         )
 
 
-def check_fast_prefill(model, info: ModelInfo) -> None:
+def check_fast_prefill(model, info: ModelInfo, config: Optional[WorkerConfig] = None) -> None:
     """Fast prefill (--kernels mixed) only where it measures exact here; else the
-    reference kernels read prompts too, with a warning."""
+    reference kernels read prompts too, with a warning. The verdicts are kept
+    beside the batch-invariance probe's (``config.probe_cache``)."""
     if not model.prefill_chunk:
         if info.kernels == "mixed":  # (the context had no CPU backend whose kernels can be switched)
             info.kernels = "reference"
         slow_prompts(model)
         return
     try:
-        exact = model.fast_prefill_is_exact()
+        exact = kept_check(model, config, f"fast_prefill chunk={model.prefill_chunk}", model.fast_prefill_is_exact)
     except Exception as exc:  # never a reason not to serve: read prompts the slow, exact way
         log.warning("the fast-prefill check failed (%s: %s)", type(exc).__name__, exc)
         exact = False
@@ -219,7 +220,7 @@ def check_fast_prefill(model, info: ModelInfo) -> None:
         model.prefill_chunk = 0
         info.kernels = "reference"
     else:
-        check_prefill_grouping(model)
+        check_prefill_grouping(model, config)
         log.info(
             "fast prefill: prompts read in %d-token chunks with fast kernels, up to %d tokens per pass",
             model.prefill_chunk,
@@ -239,11 +240,16 @@ def slow_prompts(model) -> None:
         )
 
 
-def check_prefill_grouping(model) -> None:
+def check_prefill_grouping(model, config: Optional[WorkerConfig] = None) -> None:
     """Several whole chunks per pass only where a chunk's KV measures the same
-    read alone or with the chunks after it; else one chunk per pass, with a note."""
+    read alone or with the chunks around it (at the largest group the context
+    can check); else one chunk per pass, with a note."""
+    group = model.checkable_group()
     try:
-        grouped = model.prefill_grouping_is_exact()
+        if group:
+            model.prefill_group = group
+        name = f"grouping chunk={model.prefill_chunk} group={group}"
+        grouped = kept_check(model, config, name, model.prefill_grouping_is_exact) if group else None
     except Exception as exc:  # one chunk per pass is always exact
         log.warning("the prefill-grouping check failed (%s: %s)", type(exc).__name__, exc)
         grouped = False
@@ -289,7 +295,10 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
     store = PageStore(PageTree(config["page_tokens"], ExtentAllocator(config.cache_bytes)), memoryview(arena), model)
     store.probe_layout()
     # pages hold KV as these kernels computed it: valid for the same model file and kernels only
-    computed = f"kernels={config['kernels']} prefill_chunk={model.prefill_chunk} step_rows={model.step_rows}"
+    computed = (
+        f"kernels={config['kernels']} prefill_chunk={model.prefill_chunk} step_rows={model.step_rows} "
+        f"extra_buffers={'on' if model.extra_buffers else 'off'}"
+    )
     store.model_identity = f"{identity} {computed}"
     kept, dropped = store.load_index(index_path(config.cache_shm))
     if kept or dropped:

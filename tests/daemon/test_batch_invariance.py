@@ -185,3 +185,44 @@ def test_repacked_weights_keep_steps_exact_in_passes_of_up_to_three_rows(coder_p
         assert all(model.batch_invariance().values()) == really_invariant(model)
     finally:
         model.close()
+
+
+def test_the_load_checks_verdicts_are_kept_beside_the_probes(tmp_path):
+    """The fast-prefill and grouping checks read several hundred tokens at every
+    start unless their verdict is kept: kept per check name and probe key, never
+    a None (a check that could not run), and the probe's own verdict survives them."""
+    from tandem.daemon import config as settings
+    from tandem.daemon.invariance import kept_check, probe_batch_invariance
+    from tandem.daemon.worker_config import WorkerConfig
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"not really a model")
+    state = tmp_path / "state" / "batch-invariance.json"
+    defaults = {o.key: o.default for o in settings.OPTIONS}
+    config = WorkerConfig(
+        role="target", model_name="m", model_path=str(gguf), settings=defaults, probe_cache=str(state)
+    )
+    verdict = {"restore": True, "verify": True, "one_token": True, "small_batches": True}
+    model = CountingModel(gguf, verdict)
+    runs = []
+
+    def check(result):
+        def run():
+            runs.append(result)
+            return result
+
+        return run
+
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 1
+    assert kept_check(model, config, "grouping group=256", check(True)) is True
+    assert kept_check(model, config, "grouping group=256", check(False)) is True  # kept: not run again
+    assert kept_check(model, config, "grouping group=128", check(False)) is False  # another name: run
+    assert kept_check(model, config, "fast_prefill", check(None)) is None
+    assert kept_check(model, config, "fast_prefill", check(None)) is None  # None is not kept: run again
+    assert runs == [True, False, None, None]
+    assert probe_batch_invariance(model, config) == verdict and model.probes == 1  # still kept beside them
+    config.settings["kernels"] = "reference"  # another setting: every check runs again
+    assert kept_check(model, config, "grouping group=256", check(False)) is False and len(runs) == 5
+    state.write_text("{not json")  # a corrupt file only means checking again
+    assert kept_check(model, config, "grouping group=256", check(True)) is True and len(runs) == 6
+    assert kept_check(model, None, "grouping group=256", check(True)) is True and len(runs) == 7  # no config: no file

@@ -83,25 +83,30 @@ def test_the_checks_read_chunk_by_chunk_and_keep_the_group(model):
             seen.append(len(tokens))
         return real(tokens, *args, **kwargs)
 
+    from tandem.daemon.llama_model import PREFILL_GROUP
+
     model.decode = spy
+    model.prefill_group = PREFILL_GROUP  # (whatever this CPU's grouping check chose: the group a check must not use)
     try:
         assert model.fast_prefill_is_exact() is True
+        assert model.prefill_group == PREFILL_GROUP
     finally:
         del model.decode
+        model.prefill_group = group
     assert seen and max(seen) <= PREFILL_CHUNK
-    assert model.prefill_group == group
 
 
-def test_a_context_too_small_for_the_group_checks_and_uses_a_smaller_one(smollm2_path):
-    from tandem.daemon.llama_model import LlamaModel
+def test_a_context_too_small_for_the_group_checks_and_uses_a_smaller_one(model, smollm2_path):
+    from tandem.daemon.llama_model import PREFILL_GROUP, LlamaModel
     from tandem.daemon.target_worker import check_prefill_grouping
 
     c = PREFILL_CHUNK
+    grouping = model.prefill_group == PREFILL_GROUP  # this CPU's verdict on grouping, at the full group
     m = LlamaModel(smollm2_path, n_ctx=4 * c, fast_prefill=True)
     try:
         check_prefill_grouping(m)
-        # 256 tokens hold a group of 2 chunks, one more chunk and 8 tokens, not of 4: at most 2 (where exact)
-        assert m.prefill_group in (c, 2 * c)
+        # 256 tokens hold a group of 2 chunks, one more chunk and 8 tokens, not of 4: 2 where grouping is exact
+        assert m.prefill_group == (2 * c if grouping else c)
     finally:
         m.close()
     m = LlamaModel(smollm2_path, n_ctx=2 * c + 40, fast_prefill=True)

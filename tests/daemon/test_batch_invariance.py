@@ -126,9 +126,9 @@ class CountingModel:
         return "0.3.36", "CPU : AVX2 = 1 | (a stand-in)"
 
 
-def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_path):
+def stand_in_config(tmp_path):
+    """(a stand-in model file, the probe's state file, a target's WorkerConfig keeping verdicts there)"""
     from tandem.daemon import config as settings
-    from tandem.daemon.invariance import probe_batch_invariance
     from tandem.daemon.worker_config import WorkerConfig
 
     gguf = tmp_path / "m.gguf"
@@ -138,6 +138,13 @@ def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_p
     config = WorkerConfig(
         role="target", model_name="m", model_path=str(gguf), settings=defaults, probe_cache=str(state)
     )
+    return gguf, state, config
+
+
+def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_path):
+    from tandem.daemon.invariance import probe_batch_invariance
+
+    gguf, state, config = stand_in_config(tmp_path)
     verdict = {"restore": True, "verify": False, "one_token": True, "small_batches": True}
     model = CountingModel(gguf, verdict)
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1
@@ -191,17 +198,9 @@ def test_the_load_checks_verdicts_are_kept_beside_the_probes(tmp_path):
     """The fast-prefill and grouping checks read several hundred tokens at every
     start unless their verdict is kept: kept per check name and probe key, never
     a None (a check that could not run), and the probe's own verdict survives them."""
-    from tandem.daemon import config as settings
     from tandem.daemon.invariance import kept_check, probe_batch_invariance
-    from tandem.daemon.worker_config import WorkerConfig
 
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"not really a model")
-    state = tmp_path / "state" / "batch-invariance.json"
-    defaults = {o.key: o.default for o in settings.OPTIONS}
-    config = WorkerConfig(
-        role="target", model_name="m", model_path=str(gguf), settings=defaults, probe_cache=str(state)
-    )
+    gguf, state, config = stand_in_config(tmp_path)
     verdict = {"restore": True, "verify": True, "one_token": True, "small_batches": True}
     model = CountingModel(gguf, verdict)
     runs = []

@@ -312,7 +312,9 @@ class LlamaServer:
 # ---------------------------------------------------------------------------- workloads
 
 
-def agent_loop(run, args, client, ideal, server, rows):
+def agent_loop(run, args, client, ideal, server, rows, quiet=lambda: None):
+    """``quiet``: called before each measured request (the full report waits there until every
+    system's processes are idle, so what one does after a reply does not slow the next one down)."""
     conv = Conversation(
         seed=1000 + run, salt=f"{run}-agent", system_chars=args.system_chars, tool_chars=args.tool_chars
     )
@@ -320,10 +322,14 @@ def agent_loop(run, args, client, ideal, server, rows):
     for turn in range(1, args.turns + 1):
         prompt = conv.next_prompt()
         row = {"run": run, "turn": turn}
+        quiet()
         row["tandem"], row["prompt_tokens"], row["cached_tokens"] = ttft_tandem(client, prompt, cache=True)
+        quiet()
         row["no_cache"], _, _ = ttft_tandem(client, prompt, cache=False)
+        quiet()
         row["ideal"], row["new_tokens"] = ideal.ttft(prompt)
         if server is not None:
+            quiet()
             row["llama_server"], row["server_prefilled"] = server.ttft(prompt)
         rows.append(row)
         print(
@@ -331,7 +337,7 @@ def agent_loop(run, args, client, ideal, server, rows):
         )
 
 
-def interleaved(run, args, client, server, rows):
+def interleaved(run, args, client, server, rows, quiet=lambda: None):
     convs = [
         Conversation(
             seed=2000 + 10 * run + s, salt=f"{run}-s{s}", system_chars=args.system_chars, tool_chars=args.tool_chars
@@ -342,8 +348,10 @@ def interleaved(run, args, client, server, rows):
         for s, conv in enumerate(convs):
             prompt = conv.next_prompt()
             row = {"run": run, "turn": turn, "session": s}
+            quiet()
             row["tandem"], row["prompt_tokens"], row["cached_tokens"] = ttft_tandem(client, prompt, cache=True)
             if server is not None:
+                quiet()
                 row["llama_server"], row["server_prefilled"] = server.ttft(prompt)
             rows.append(row)
             print(

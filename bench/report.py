@@ -20,6 +20,7 @@ import datetime
 import hashlib
 import http.client
 import json
+import math
 import os
 import platform
 import socket as socketlib
@@ -53,6 +54,7 @@ PRESETS = {
         ks=[1, 4],
         turns=3,
         sessions=2,
+        brackets=2,
         system_chars=1500,
         tool_chars=500,
         ctx=4096,
@@ -66,6 +68,7 @@ PRESETS = {
         ks=[1, 2, 4, 6],
         turns=4,
         sessions=3,
+        brackets=6,
         system_chars=8000,
         tool_chars=2500,
         ctx=16384,
@@ -296,9 +299,14 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
         sockets = {name: temp_socket(f"tdm-b{name}-") for name in ("plain", "model", *LOOKUP)}
         base = ("--model", str(target), "--ctx-size", ctx)
         procs.append(start_daemon(sockets["plain"], *base))
-        procs.append(start_daemon(sockets["model"], *base, "--drafter", str(drafter), "--cache-bytes", "0"))
+        # the drafters' daemons learn from nothing (a fresh state directory): the governed comparison's first
+        # request per task is a cold governor's, not one that learnt from an earlier benchmark run
+        fresh = {name: ("--state-dir", str(sockets[name].parent / "state")) for name in ("model", *LOOKUP)}
+        procs.append(
+            start_daemon(sockets["model"], *base, "--drafter", str(drafter), "--cache-bytes", "0", *fresh["model"])
+        )
         for name in LOOKUP:
-            procs.append(start_daemon(sockets[name], *base, "--drafter", name, "--cache-bytes", "0"))
+            procs.append(start_daemon(sockets[name], *base, "--drafter", name, "--cache-bytes", "0", *fresh[name]))
         clients = {name: Client(s) for name, s in sockets.items()}
         for name, c in clients.items():
             st = c.status()
@@ -356,13 +364,26 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             systems["llama-server spec"] = ServerChat(spec).request
             rss.pids["llama-server"] = plain_server.proc.pid
 
-        for fn in systems.values():  # warm up every system once
-            fn([{"role": "user", "content": "Say hi."}], 4)
-
-        decoding: dict = {kind: {name: [] for name in systems} for kind in corpus}
         # every request starts once every system is idle: the plain daemon settles a turn after its reply
         # (reads it again into cache pages), which must not run beside the next system's request
         quiet = [proc.pid for proc in procs] + [s.proc.pid for s in servers]
+
+        # governed against plain first, while the governors know nothing: bracketed, many prompts per task
+        hello = [{"role": "user", "content": "Say hi."}]
+        for c in clients.values():  # warm up without teaching a governor anything
+            tandem_request(c, hello, 4, draft="off")
+        governed = {
+            f"{name} governed": (lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto"))
+            for name in ("model", *LOOKUP)
+        }
+        results["bracketed"] = bracketed(
+            load_all_kinds(), systems["plain"], governed, p["brackets"], p["tokens"], lambda: wait_quiet(quiet)
+        )
+
+        for fn in systems.values():  # warm up every system once
+            fn(hello, 4)
+
+        decoding: dict = {kind: {name: [] for name in systems} for kind in corpus}
 
         def measured(name, messages):
             wait_quiet(quiet)
@@ -383,10 +404,14 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             turns=p["turns"], sessions=p["sessions"], system_chars=p["system_chars"], tool_chars=p["tool_chars"]
         )
         ideal = Ideal(target, int(ctx), flash_attn=False)
+
+        def settled():  # as an agent running a tool between turns: what tandem does after a reply finishes
+            wait_quiet(quiet)
+
         agent_rows, inter_rows = [], []
         for r in range(p["runs"]):
-            agent_loop(r, args, clients["plain"], ideal, servers[0] if servers else None, agent_rows)
-            interleaved(r, args, clients["plain"], servers[0] if servers else None, inter_rows)
+            agent_loop(r, args, clients["plain"], ideal, servers[0] if servers else None, agent_rows, settled)
+            interleaved(r, args, clients["plain"], servers[0] if servers else None, inter_rows, settled)
         results["prefix_cache"] = {"agent": agent_rows, "interleaved": inter_rows}
         st = clients["plain"].status()
         results["cache"] = (
@@ -410,6 +435,45 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, out_dir)
     return out_dir / "REPORT.md"
+
+
+def bracketed(kinds: dict, plain, governed: dict, reps: int, tokens: int, quiet) -> dict:
+    """Governed / plain, each governed request measured between two plain ones.
+
+    Per task kind, ``reps`` brackets, each on the next prompt of the kind (at most as
+    many brackets as the kind has prompts, so no daemon sees a prompt twice: the
+    suffix drafter would copy its own earlier answer). A bracket is plain, the
+    governed systems (in reverse order every other bracket), plain again, all on
+    the bracket's prompt. Each governed request's ratio is its decode rate over
+    the mean of the two plain requests around it, which takes out this shared
+    machine's drift (its speed moves by 10-25% from one minute to the next). The
+    first bracket of each kind is a cold governor's if the daemons started with
+    no learnt state."""
+    out: dict = {}
+    names = list(governed)
+    for kind, prompts in kinds.items():
+        rows = []
+        for i, messages in enumerate(prompts[: max(1, reps)]):
+            quiet()
+            before = plain(messages, tokens)
+            samples = {}
+            for name in names if i % 2 == 0 else names[::-1]:
+                quiet()
+                samples[name] = governed[name](messages, tokens)
+            quiet()
+            after = plain(messages, tokens)
+            ref = (decode_rate([before.__dict__]) + decode_rate([after.__dict__])) / 2
+            rows.append(
+                {
+                    "prompt": i,
+                    "plain": [before.__dict__, after.__dict__],
+                    "governed": {name: s.__dict__ for name, s in samples.items()},
+                    "ratio": {name: decode_rate([s.__dict__]) / ref for name, s in samples.items()},
+                }
+            )
+        out[kind] = rows
+        say(f"governed vs plain, bracketed: {kind} done ({len(rows)} prompts)")
+    return out
 
 
 def say(line: str) -> None:
@@ -467,6 +531,55 @@ def summarize(results: dict) -> dict:
     return out
 
 
+def geometric_interval(ratios: list[float]) -> str:
+    """The geometric mean of ratios and ±2 standard errors of its logarithm: whether
+    the samples resolve a difference of a few percent."""
+    if len(ratios) < 2:
+        return "–"
+    logs = [math.log(r) for r in ratios]
+    mean, se = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
+    return f"{math.exp(mean):.3f} ({math.exp(mean - 2 * se):.3f}–{math.exp(mean + 2 * se):.3f})"
+
+
+def bracketed_section(data: dict, p: dict) -> list[str]:
+    names = list(next(iter(data.values()))[0]["governed"])
+    lines = [
+        "",
+        "## Governed against plain, bracketed",
+        "",
+        f"Before the table above, on daemons whose governors had learnt nothing: per task, up to {p['brackets']} "
+        f"prompts (each once), {p['tokens']} greedy tokens; for each prompt plain, then every governed system, then "
+        "plain again. A governed request's ratio is its decode tok/s over the mean of the two plain requests around "
+        "it. Median (min–max) over the task's prompts; cold: the task's first prompt, the first time that daemon's "
+        "governor saw the task (the governor keys a task by the prompt's first 16 tokens: story and code, with no "
+        "system prompt, begin with the chat template's default one and share a state, so code's first prompt is "
+        "not cold); drafting: the governed requests' drafting rounds, of all their rounds.",
+        "",
+        "| task | prompts | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    every = {name: [] for name in names}
+    for kind, rows in data.items():
+        cells = []
+        for name in names:
+            ratios = [row["ratio"][name] for row in rows]
+            every[name] += ratios
+            drafting = sum(row["governed"][name]["rounds"] for row in rows)
+            steps = sum(row["governed"][name]["tokens"] - 1 - row["governed"][name]["accepted"] for row in rows)
+            cells.append(f"{med(ratios)}; cold {ratios[0]:.2f}; drafting {drafting}/{steps}")
+        lines.append(f"| {kind} | {len(rows)} | " + " | ".join(cells) + " |")
+    count = sum(map(len, data.values()))
+    lines.append(f"| every task | {count} | " + " | ".join(med(every[n]) for n in names) + " |")
+    gm = " | ".join(geometric_interval(every[n]) for n in names)
+    lines.append("| every task, geometric mean ±2 SE | | " + gm + " |")
+    identical = sum(
+        row["governed"][n]["text"] == row["plain"][0]["text"] for rows in data.values() for row in rows for n in names
+    )
+    total = count * len(names)
+    lines += ["", f"Governed outputs identical to plain's: {identical}/{total}."]
+    return lines
+
+
 def write_report(results: dict, out_dir: Path) -> None:
     import matplotlib
 
@@ -521,6 +634,8 @@ def write_report(results: dict, out_dir: Path) -> None:
                 f"| {kind} | {name} | {med(r['tok_s'])} | {med(r['speedup'])} | {alpha} | {tpr} | "
                 f"{r['identical']}/{r['outputs']} | {pred} |"
             )
+    if results.get("bracketed"):
+        lines += bracketed_section(results["bracketed"], p)
     # latency
     lines += [
         "",
@@ -547,7 +662,9 @@ def write_report(results: dict, out_dir: Path) -> None:
         "## Prefix cache",
         "",
         f"Agent loop: a {p['system_chars']:,}-character system prompt, then {p['turns']} turns each "
-        f"adding a {p['tool_chars']:,}-character tool output; TTFT per turn (s), median (min–max) over runs.",
+        f"adding a {p['tool_chars']:,}-character tool output; TTFT per turn (s), median (min–max) over runs. "
+        "Each request starts once every system is idle, as after an agent's tool call: tandem has settled the "
+        "turn before (read its tail into cache pages) by then.",
         "",
         "| turn | prompt tokens | " + " | ".join(cols) + " | no cache / tandem | tandem / ideal |",
         "|---|---|" + "---|" * (len(cols) + 2),

@@ -24,6 +24,7 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     for heading in (
         "## Machine and versions",
         "## Decoding",
+        "## Governed against plain, bracketed",
         "## Latency as a streaming client sees it",
         "## Prefix cache",
         "## Memory",
@@ -51,6 +52,12 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     for kind in results["decoding"].values():
         for name, runs in kind.items():
             assert all(s["tokens"] > 0 for run in runs for s in run), name
+    # the bracketed comparison: every task, a governed request of each drafter between two plain ones
+    assert set(results["bracketed"]) == {"json", "support", "story", "code", "edit"}
+    for rows in results["bracketed"].values():
+        assert rows and all(len(row["plain"]) == 2 for row in rows)
+        assert all(set(row["ratio"]) == {"model governed", "ngram governed", "suffix governed"} for row in rows)
+        assert all(ratio > 0 for row in rows for ratio in row["ratio"].values())
     agent = results["prefix_cache"]["agent"]
     assert [row["turn"] for row in agent] == [1, 2, 3] and agent[-1]["cached_tokens"] > 0
     assert results["peak_rss"]["plain daemon"] > 0 and results["cache"]["pages"] > 0

@@ -88,18 +88,21 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     if c.drafter != "none" and (c["exact"] == "on" or (c["exact"] == "auto" and info.batch_invariant is not True)):
         min_batch = 2
         info.exact_steps = True
-    governors = None
+    governors, costs = None, None
     if c.governed:
         from .governor import GovernorBank
 
         identity, path = governor_keys(c, model.placement.key(), model.step_rows)
+        costs = pass_costs(model, c, min_batch)
         governors = GovernorBank(
             identity,
             path,
             per_task=c["governor_per_task"],
-            costs=pass_costs(model, c, min_batch),
+            costs=costs,
             k_max=c.draft_tokens,
         )
+    if min_batch > 1:
+        say_exact_steps(c, costs.load if costs is not None else {})
     engine = Engine(
         model,
         template,
@@ -114,6 +117,24 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     )
     engine.batch_invariant = info.batch_invariant
     return engine, info
+
+
+def say_exact_steps(config: WorkerConfig, load: dict[int, float]) -> None:
+    """Exact steps' price, said at start: every step without drafts reads two positions."""
+    price = ""
+    if 1 in load and 2 in load:
+        price = (
+            f" (here {load[2] * 1000:.1f} ms a step against {load[1] * 1000:.1f} ms for one token: decoding runs at "
+            f"about {load[1] / load[2]:.2f}x a daemon without a drafter, drafting or not)"
+        )
+    log.warning(
+        "exact steps on: %s is not batch-invariant here, so with a drafter every step reads two positions%s. "
+        "A quantized target (Q4_K, Q4_1, Q8_0) is usually batch-invariant and decodes one token a step; "
+        "--exact off gives one-token steps back, and with them greedy output that can change with drafting at "
+        "near-ties",
+        config.model_name,
+        price,
+    )
 
 
 LOOKUP_STEP_SECONDS = 2e-5  # a prompt-lookup or suffix draft: a few dict lookups in Python

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -33,6 +34,11 @@ def test_governed_requests_report_the_governor_and_forced_ones_bypass_it(tandem_
         # batch-invariant (the F16 test target: llamafile's F16 rows differ from its one-row kernel)
         assert st.model.batch_invariant is not None
         assert st.model.exact_steps == (not st.model.batch_invariant)
+        # and the log says what exact steps cost, from the pass costs measured at load, and what avoids them
+        said = re.search(r"exact steps on: .* ([0-9.]+) ms a step against ([0-9.]+) ms for one token", d.log())
+        assert (said is not None) == st.model.exact_steps, d.log()[-3000:]
+        if said:
+            assert "--exact off" in d.log() and float(said[1]) > 0 and float(said[2]) > 0
 
         done = greedy(client)
         g = done.governor

@@ -61,6 +61,19 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     agent = results["prefix_cache"]["agent"]
     assert [row["turn"] for row in agent] == [1, 2, 3] and agent[-1]["cached_tokens"] > 0
     assert results["peak_rss"]["plain daemon"] > 0 and results["cache"]["pages"] > 0
+    # --rewrite writes the same report again from results.json, measuring nothing
+    (out / "REPORT.md").unlink()
+    (out / "token_latency.png").unlink()
+    again = subprocess.run(
+        [sys.executable, "-m", "bench", "--rewrite", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (out / "REPORT.md").read_text() == report
+    assert (out / "token_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = subprocess.run(
+        [sys.executable, "-m", "bench", "--rewrite", str(tmp_path / "none")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert missing.returncode != 0 and "results.json" in missing.stderr
 
 
 def test_the_structured_output_benchmark_runs_and_every_constrained_output_validates(smollm2_path):

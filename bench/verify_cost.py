@@ -1,6 +1,8 @@
 """What repacked weights do to a verify pass: the target's pass costs over 1..k+1
 tokens with extra buffers on (steps split into passes of at most 3 rows, as the
-daemon runs them) and off, side by side in one process, alternating rounds.
+daemon runs them), off, and on with a pass's rows in one llama_decode (as
+``--kernels fast`` runs them, not exact), side by side in one process,
+alternating rounds.
 
 With repacking a one-token step is faster (Q4_K's repacked one-row kernel), but
 every row of a verify pass goes through that one-row kernel, so a pass over
@@ -8,7 +10,7 @@ k+1 tokens costs about k+1 steps and drafting pays less. This prints both
 settings' median (min-max) per width and what a round of ``w`` tokens that are
 all accepted would give per token, against the same setting's one-token step.
 
-    python bench/verify_cost.py [--model qwen2.5-coder-1.5b] [--rounds 3] [--widths 1,2,3,5]
+    python bench/verify_cost.py [--model qwen2.5-coder-1.5b] [--rounds 3] [--widths 1,2,3,5,8]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="preset or .gguf path (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
-    ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 2, 3, 5])
+    ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 2, 3, 5, 8])
     args = ap.parse_args()
     args.widths = sorted({1, *args.widths})  # (one token: what the others are compared with)
     if cpu_has_amx():
@@ -39,6 +41,8 @@ def main() -> int:
     models = {
         "repacked (3-row passes)": LlamaModel(path, n_ctx=512, fast_prefill=True, extra_buffers=True),
         "not repacked": LlamaModel(path, n_ctx=512, fast_prefill=True, extra_buffers=False),
+        # --kernels fast: repacked, a pass's rows in one llama_decode (4-row tiles: not exact, see Exact output)
+        "repacked, one pass (--kernels fast)": LlamaModel(path, n_ctx=512, reference_kernels=False, extra_buffers=True),
     }
     costs: dict[str, dict[int, list[float]]] = {name: {w: [] for w in args.widths} for name in models}
     try:
@@ -63,6 +67,13 @@ def main() -> int:
     for name in models:
         per = [statistics.median(costs[name][w]) / w for w in args.widths]
         print(f"| {name} | " + " | ".join(f"{p:.1f}" for p in per) + " |")
+    default = next(iter(models))
+    print(f"\nthe same as a speedup over {default}'s one-token step (what plain decoding costs by default):\n")
+    print("| setting | " + " | ".join(f"w={w}" for w in args.widths) + " |")
+    print("|---|" + "---|" * len(args.widths))
+    for name in models:
+        per = [one[default] * w / statistics.median(costs[name][w]) for w in args.widths]
+        print(f"| {name} | " + " | ".join(f"{p:.2f}" for p in per) + " |")
     return 0
 
 

@@ -32,29 +32,42 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="preset or .gguf path (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default %(default)s)")
     ap.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 2, 3, 5, 8])
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=64,
+        help="tokens already read before each pass (default %(default)s; the edit task's prompts are ~2,500: "
+        "attention over them is shared by a pass's rows)",
+    )
     args = ap.parse_args()
     args.widths = sorted({1, *args.widths})  # (one token: what the others are compared with)
     if cpu_has_amx():
         print("this CPU has AMX: extra buffers stay off there (llama.cpp's AMX buffers crash); nothing to compare")
         return 0
     path = model_path(args.model)
+    n_ctx = max(512, args.context + max(args.widths) + 64)
     models = {
-        "repacked (3-row passes)": LlamaModel(path, n_ctx=512, fast_prefill=True, extra_buffers=True),
-        "not repacked": LlamaModel(path, n_ctx=512, fast_prefill=True, extra_buffers=False),
+        "repacked (3-row passes)": LlamaModel(path, n_ctx=n_ctx, fast_prefill=True, extra_buffers=True),
+        "not repacked": LlamaModel(path, n_ctx=n_ctx, fast_prefill=True, extra_buffers=False),
         # --kernels fast: repacked, a pass's rows in one llama_decode (4-row tiles: not exact, see Exact output)
-        "repacked, one pass (--kernels fast)": LlamaModel(path, n_ctx=512, reference_kernels=False, extra_buffers=True),
+        "repacked, one pass (--kernels fast)": LlamaModel(
+            path, n_ctx=n_ctx, reference_kernels=False, extra_buffers=True
+        ),
     }
     costs: dict[str, dict[int, list[float]]] = {name: {w: [] for w in args.widths} for name in models}
     try:
         for r in range(args.rounds):
             order = list(models) if r % 2 == 0 else list(reversed(models))
             for name in order:
-                for w, seconds in measure_pass_costs(models[name], args.widths, reps=8, prefix=64).items():
+                for w, seconds in measure_pass_costs(models[name], args.widths, reps=8, prefix=args.context).items():
                     costs[name][w].append(seconds * 1000)
     finally:
         for m in models.values():
             m.close()
-    print(f"{path.name}; {args.rounds} alternating rounds; ms per pass, median (min-max)\n")
+    print(
+        f"{path.name}; {args.context} tokens read before each pass; {args.rounds} alternating rounds; "
+        "ms per pass, median (min-max)\n"
+    )
     print("| setting | " + " | ".join(f"{w} token(s)" for w in args.widths) + " | step ratio |")
     print("|---|" + "---|" * (len(args.widths) + 1))
     one = {name: statistics.median(costs[name][1]) for name in models}

@@ -120,3 +120,28 @@ def test_the_verify_cost_benchmark_compares_three_settings_or_says_why_not(smoll
     assert [line.split(" | ")[0][2:] for line in tables] == settings * 3, run.stdout
     for line in tables:
         assert all(float(cell.split()[0]) > 0 for cell in line.strip("| ").split(" | ")[1:3]), line
+
+
+def test_the_cold_governor_benchmark_makes_every_request_a_new_task(smollm2_path):
+    run = bench(
+        "cold_governor.py",
+        *("--target", str(smollm2_path), "--drafter", str(smollm2_path)),
+        *"--prompts 2 --tokens 8 --ctx-size 2048".split(),
+    )
+    rows = [
+        line.split(" | ")
+        for line in run.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| task |")
+    ]
+    names = [r[0][2:] for r in rows]
+    assert names == ["json", "support", "the daemon's first task", "every request, geometric mean ±2 SE"], run.stdout
+    assert all(len(r) == 5 and float(r[2].split()[0]) > 0 for r in rows), run.stdout
+    identical = run.stdout.split("governed outputs identical to plain's: ")[1].split()[0]
+    assert identical == "6/6", run.stdout  # the governor never changes the output
+
+
+def test_the_prompt_overhead_benchmark_compares_the_daemon_with_in_process_prefill(smollm2_path):
+    run = bench("prompt_overhead.py", "--model", str(smollm2_path), "--prompts", "2", "--words", "20")
+    rows = [line.strip("| ").split(" | ") for line in run.stdout.splitlines() if line[:3].strip("| ").isdigit()]
+    assert len(rows) == 2 and all(int(r[0]) > 20 and float(r[3]) > 0 for r in rows), run.stdout
+    assert "daemon / in-process: median " in run.stdout, run.stdout

@@ -1,0 +1,140 @@
+"""A cold governor against plain decoding: every request a task its governor has never seen.
+
+The governor keys a task by the prompt's first 16 tokens, so a prompt whose
+system message starts with a new session number is a new task: its governor
+starts from nothing (what it knows is the acceptance pooled over the tasks the
+daemon saw before, and the machine's pass costs). Each such request runs
+bracketed, as in `python -m bench --full`: plain, then the model, n-gram and
+suffix drafters' daemons governed (in reverse order every other prompt), then
+plain again, each once every system is idle; its ratio is its decode tok/s over
+the mean of the two plain requests around it. The governed daemons start with
+an empty state directory, so the first prompt is the daemon's first task too.
+
+One request is too noisy to resolve 2% on a shared machine (two requests
+seconds apart differ by more): the figure is the geometric mean over all
+prompts with ±2 standard errors.
+
+    python bench/cold_governor.py [--target qwen2.5-coder-1.5b] [--drafter qwen2.5-coder-0.5b]
+                                  [--prompts 20] [--tokens 48] [--out results/cold.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import start_daemon, temp_socket, wait_quiet  # noqa: E402
+from governor import load_all_kinds  # noqa: E402
+from report import LOOKUP, bracketed, geometric_interval, resolve_model, tandem_request  # noqa: E402
+
+from tandem.client import Client  # noqa: E402
+
+
+def new_tasks(count: int) -> dict[str, list]:
+    """``count`` prompts taken in turn from each task kind, each made a task of its
+    own: a system message that begins with a session number no other prompt has."""
+    kinds = load_all_kinds()
+    out: dict[str, list] = {kind: [] for kind in kinds}
+    taken = 0
+    while taken < count:
+        added = False
+        for kind, prompts in kinds.items():
+            i = len(out[kind])
+            if taken >= count or i >= len(prompts):
+                continue
+            messages = [dict(m) for m in prompts[i]]
+            tag = f"Session {taken + 1}."
+            if messages[0]["role"] == "system":
+                messages[0]["content"] = f"{tag} {messages[0]['content']}"
+            else:
+                messages.insert(0, {"role": "system", "content": f"{tag} You are a helpful assistant."})
+            out[kind].append(messages)
+            taken, added = taken + 1, True
+        if not added:
+            break
+    return {kind: prompts for kind, prompts in out.items() if prompts}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b", help="preset or .gguf path (default %(default)s)")
+    ap.add_argument("--drafter", default="qwen2.5-coder-0.5b", help="preset or .gguf path (default %(default)s)")
+    ap.add_argument("--prompts", type=int, default=20, help="new tasks, one request each (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per request (default %(default)s)")
+    ap.add_argument("--ctx-size", default="16384")
+    ap.add_argument("--out", type=Path, default=None, help="also write every request's numbers here (JSON)")
+    args = ap.parse_args()
+    if args.prompts < 2:
+        ap.error("--prompts: at least 2 (a geometric mean ±2 SE needs two)")
+    target, drafter = resolve_model(args.target), resolve_model(args.drafter)
+    kinds = new_tasks(args.prompts)
+    base = ("--model", str(target), "--ctx-size", args.ctx_size)
+    procs, clients = [], {}
+    try:
+        for name in ("plain", "model", *LOOKUP):
+            sock = temp_socket(f"tdm-cold-{name}-")
+            extra = [] if name == "plain" else ["--drafter", str(drafter) if name == "model" else name]
+            fresh = [] if name == "plain" else ["--cache-bytes", "0", "--state-dir", str(sock.parent / "state")]
+            procs.append(start_daemon(sock, *base, *extra, *fresh))
+            clients[name] = Client(sock)
+        quiet = [p.pid for p in procs]
+        hello = [{"role": "user", "content": "Say hi."}]
+        for c in clients.values():  # warm up without teaching a governor anything
+            tandem_request(c, hello, 4, draft="off")
+        governed = {
+            f"{name} governed": (lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto"))
+            for name in ("model", *LOOKUP)
+        }
+        reps = max(map(len, kinds.values()))
+        data = bracketed(
+            kinds,
+            lambda m, n: tandem_request(clients["plain"], m, n),
+            governed,
+            reps,
+            args.tokens,
+            lambda: wait_quiet(quiet),
+        )
+    finally:
+        for c in clients.values():
+            c.close()
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+    names = list(governed)
+    rows = [row for kind_rows in data.values() for row in kind_rows]
+    print(
+        f"{target.name} (target), {drafter.name} (drafter); {len(rows)} requests, each a new task; "
+        f"{args.tokens} greedy tokens; governed decode tok/s over the mean of the two plain requests around it\n"
+    )
+    print("| task | prompts | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for kind, kind_rows in data.items():
+        cells = []
+        for n in names:
+            ratios = [r["ratio"][n] for r in kind_rows]
+            drafting = sum(r["governed"][n]["rounds"] for r in kind_rows)
+            cells.append(
+                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}); drafting rounds {drafting}"
+            )
+        print(f"| {kind} | {len(kind_rows)} | " + " | ".join(cells) + " |")
+    first = next(iter(data.values()))[0]
+    print("| the daemon's first task | 1 | " + " | ".join(f"{first['ratio'][n]:.2f}" for n in names) + " |")
+    print(
+        f"| every request, geometric mean ±2 SE | {len(rows)} | "
+        + " | ".join(geometric_interval([r["ratio"][n] for r in rows]) for n in names)
+        + " |"
+    )
+    identical = sum(r["governed"][n]["text"] == r["plain"][0]["text"] for r in rows for n in names)
+    print(f"\ngoverned outputs identical to plain's: {identical}/{len(rows) * len(names)}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

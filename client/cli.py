@@ -604,6 +604,8 @@ def cmd_status(args) -> int:
         settings = f"{kernels or (m.kernels or '?') + ' kernels'}, flash attention {'on' if m.flash_attn else 'off'}"
         if m.extra_buffers:
             settings += ", repacked weights"
+        if m.prompt_reader:
+            settings += " (prompts read over the weights not repacked)"
         if m.batch_invariant:
             print(f"exact:     yes, batch-invariant ({settings}): output does not depend on the cache or drafting")
         else:

@@ -321,6 +321,18 @@ OPTIONS: tuple[Option, ...] = (
         choices=("auto", "on", "off"),
     ),
     Option(
+        "prompt_reader",
+        "choice",
+        "auto",
+        "with repacked weights and mixed kernels, read prompts in a second llama.cpp context over the weights as "
+        "the file has them (not repacked; both map the same file) and copy its KV state over, steps staying on "
+        "the repacked ones: llama.cpp's repacked Q4_K reads prompts slower than its plain kernels on some CPUs "
+        "(Qwen2.5-Coder-1.5B in 0.63-0.82x the time on a 2-core AVX-512 EPYC). It costs a second KV cache of "
+        "--ctx-size. auto = where a prompt pass measures at least a tenth faster that way at load (kept beside the "
+        "load probe's verdict); output is as exact either way",
+        choices=("auto", "on", "off"),
+    ),
+    Option(
         "gpu_layers",
         "layers",
         AUTO,

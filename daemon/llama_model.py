@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -57,7 +58,8 @@ def default_extra_buffers(reference_kernels: bool = True, fast_prefill: bool = F
     rows (``decode``); off with the reference kernels everywhere (a drafter's,
     and ``--kernels reference``, whose prompts are read by steps). Repacking decodes Q4_K a third faster on
     this machine's AVX-512 EPYC (Qwen2.5-Coder-1.5B: 26.8 against 36.7 ms a step)
-    and reads prompts slower (148 against 246 tok/s), as llama-server does."""
+    and reads prompts slower (148 against 246 tok/s), as llama-server does; the
+    prompt reader (``add_prompt_reader``) gives the faster prompts back."""
     return (not reference_kernels or fast_prefill) and not cpu_has_amx()
 
 
@@ -161,6 +163,7 @@ class LlamaModel:
         settle: bool = False,
         gpu_layers: int = 0,
         devices: Optional[Sequence[str]] = None,
+        prompt_reader: bool = False,
     ):
         self.path = Path(path)
         self.gpu_layers = int(gpu_layers)  # llama.cpp's n_gpu_layers: -1 all, N, 0 none
@@ -196,11 +199,17 @@ class LlamaModel:
         self._cpu_backends: list[int] = []
         self._create_context(flash_attn)
         self._batch = llama.llama_batch_init(self.n_batch, 0, 1)
-        self.set_prefill_group(PREFILL_GROUP)
         self._pieces: dict[int, bytes] = {}
         self.n_past = 0  # tokens in the KV cache of sequence 0
         # the tokens at those positions (-1: unknown), so a next request can keep the prefix it shares
         self.history: list[int] = []
+        # prompts read by a second context over the weights as the file has them (see ``add_prompt_reader``)
+        self.reader: Optional["LlamaModel"] = None
+        self._reader_same = 0  # KV positions from 0 the reader holds as this context does
+        self._state_buf: Optional[np.ndarray] = None  # reused to copy KV state between the two contexts
+        self.set_prefill_group(PREFILL_GROUP)
+        if prompt_reader:
+            self.add_prompt_reader()
 
     # ------------------------------------------------------------------ setup
 
@@ -255,7 +264,116 @@ class LlamaModel:
             )
         self.memory = llama.llama_get_memory(self.ctx)
 
+    def add_prompt_reader(self) -> bool:
+        """Read prompts (``prefill``) with a second context over this file's weights
+        as they are, not repacked, and copy its KV state into this one; steps stay
+        here, on the repacked weights. Only with fast prefill over repacked weights
+        (``step_rows``): llama.cpp's repacked Q4_K multiplies many rows slower than
+        its plain kernels on some CPUs (the 2-core EPYC: Qwen2.5-Coder-1.5B reads a
+        prompt in 0.63-0.82x the time), and one row faster. Both contexts map the
+        same file, so the second costs its KV cache and compute buffers, not the
+        weights again. Every prompt position's KV is then the reader's, in the same
+        chunks, wherever it was read: what exact output rests on holds (the load
+        checks measure it through ``prefill``). Returns whether there is one."""
+        if self.reader is not None:
+            return True
+        if not (self.step_rows and self.prefill_chunk):
+            return False
+        self.reader = LlamaModel(
+            self.path,
+            n_ctx=self.n_ctx,
+            n_threads=self.n_threads,
+            n_batch=self.n_batch,
+            flash_attn=self.flash_attn,
+            extra_buffers=False,
+            fast_prefill=True,
+            prefill_chunk=self.prefill_chunk,
+        )
+        if not self.reader.prefill_chunk:  # (its context had no CPU backend whose kernels can be switched)
+            self.drop_prompt_reader()
+            return False
+        self._reader_same = 0
+        return True
+
+    def prompt_reader_pays(self, margin: float = 1.1) -> Optional[bool]:
+        """Does the reader read a prompt at least ``margin`` times faster than this
+        context? A pass of up to 128 tokens each way, twice, alternating (the
+        faster of each). None without a reader or room to measure. Leaves the
+        caches empty."""
+        reader = self.reader
+        n = min(self.prefill_group, 128) // self.prefill_chunk * self.prefill_chunk if reader is not None else 0
+        if not n or self.n_ctx <= n:
+            return None
+        tokens = self.tokenize("The lighthouse keeper climbed the stairs every evening. " * 40, add_special=True)[:n]
+        times: dict[bool, list[float]] = {False: [], True: []}
+        try:
+            for _ in range(2):
+                for use in (False, True):
+                    self.reader = reader if use else None
+                    self.clear()
+                    started = time.perf_counter()
+                    self.prefill(tokens)
+                    times[use].append(time.perf_counter() - started)
+        finally:
+            self.reader = reader
+            self.clear()
+            reader.clear()
+        log.info(
+            "a %d-token prompt pass: %.0f ms over the repacked weights, %.0f ms by the reader",
+            n,
+            min(times[False]) * 1000,
+            min(times[True]) * 1000,
+        )
+        return min(times[False]) > margin * min(times[True])
+
+    def drop_prompt_reader(self) -> None:
+        """Back to reading prompts in this context."""
+        reader, self.reader, self._reader_same, self._state_buf = self.reader, None, 0, None
+        if reader is not None:
+            reader.close()
+
+    def _copy_state(self, source: "LlamaModel", target: "LlamaModel") -> None:
+        """``target``'s sequence 0 replaced by ``source``'s KV (its positions,
+        history and what of it was read in whole chunks), through a reused buffer."""
+        size = llama.llama_state_seq_get_size(source.ctx, 0)
+        if self._state_buf is None or len(self._state_buf) < size:
+            self._state_buf = np.empty(max(size, 1 << 20), dtype=np.uint8)
+        ptr = self._state_buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        written = llama.llama_state_seq_get_data(source.ctx, ptr, size, 0)
+        if written != size:
+            raise DecodeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        llama.llama_memory_clear(target.memory, True)  # (not ``clear``: a settled state's copy stays)
+        read = llama.llama_state_seq_set_data(target.ctx, ptr, size, 0)
+        if read != size:
+            target.clear()
+            raise DecodeError(f"llama_state_seq_set_data read {read} of {size} bytes")
+        target.n_past, target.history, target.fixed_upto = source.n_past, list(source.history), source.fixed_upto
+
+    def _prefill_by_reader(self, tokens: Sequence[int], abort: Optional[Callable[[], bool]]) -> np.ndarray:
+        """``prefill`` in the reader (``add_prompt_reader``): it first holds what
+        this context holds (kept from its last prompt, or copied), reads
+        ``tokens`` and the result is copied back, also where it stopped early."""
+        reader, start_at = self.reader, self.n_past
+        if self._reader_same >= start_at and reader.n_past >= start_at:
+            reader.truncate(start_at)
+            llama.llama_memory_seq_rm(reader.memory, 0, start_at, -1)  # (cells an aborted pass may have left)
+            reader.history, reader.fixed_upto = list(self.history), self.fixed_upto
+        else:
+            self._copy_state(self, reader)
+        reader._prefilled = None
+        reader.prefill_group = self.prefill_group
+        self._prefilled = None
+        try:
+            logits = reader.prefill(tokens, abort)
+        finally:
+            self._reader_same = 0
+            self._copy_state(reader, self)
+            self._reader_same = self.n_past
+        self._prefilled = (self.n_past, logits.copy())
+        return logits
+
     def close(self) -> None:
+        self.drop_prompt_reader()
         if getattr(self, "_batch", None) is not None:
             llama.llama_batch_free(self._batch)
             self._batch = None
@@ -389,18 +507,21 @@ class LlamaModel:
             self.truncate(chunk)
             kept = self.prefill(tokens[chunk : chunk + 8])
             rows = []
+            reads = self.reader or self  # (the context whose fast kernels read prompts)
             for later in (tokens[chunk + half : 2 * chunk], other[: chunk - half]):
-                self.clear()
-                self.prefill(tokens[:chunk])
-                self._use_reference(False)
+                reads.clear()
+                reads.prefill(tokens[:chunk])
+                reads._use_reference(False)
                 try:
-                    rows.append(self.decode(tokens[chunk : chunk + half] + later, logits_for=[half - 1])[0].copy())
+                    rows.append(reads.decode(tokens[chunk : chunk + half] + later, logits_for=[half - 1])[0].copy())
                 finally:
-                    self._use_reference(True)
+                    reads._use_reference(True)
             return bool(np.array_equal(kept, whole) and np.array_equal(rows[0], rows[1]))
         finally:
             self.prefill_group = group
             self.clear()
+            if self.reader is not None:
+                self.reader.clear()
 
     def set_prefill_group(self, tokens: int) -> None:
         """Read up to ``tokens`` of whole prefill chunks per llama_decode (rounded
@@ -493,6 +614,7 @@ class LlamaModel:
     def clear(self) -> None:
         self._before_settle = None
         llama.llama_memory_clear(self.memory, True)
+        self._reader_same = 0
         self.n_past = 0
         self.history = []
         self.fixed_upto = 0
@@ -539,6 +661,8 @@ class LlamaModel:
             return self.decode(tokens, abort=abort)[0]
         if not tokens:
             raise DecodeError("nothing to decode")
+        if self.reader is not None:
+            return self._prefill_by_reader(tokens, abort)
         start_at = self.n_past
         if start_at % chunk:
             raise DecodeError(f"a fast prefill starts at a multiple of {chunk} tokens, not at {start_at}")
@@ -577,6 +701,7 @@ class LlamaModel:
                     "its cache was cleared"
                 )
             self.n_past = n_keep
+            self._reader_same = min(self._reader_same, n_keep)
             del self.history[n_keep:]
             self.fixed_upto = min(self.fixed_upto, n_keep)
             if self._prefilled is not None and self._prefilled[0] > n_keep:
@@ -627,7 +752,9 @@ class LlamaModel:
             self.can_settle = False
             return 0
         callback = llama.ggml_abort_callback(lambda _: bool(interrupted()))
-        llama.llama_set_abort_callback(self.ctx, callback, None)
+        contexts = [self.ctx] + ([self.reader.ctx] if self.reader is not None else [])
+        for ctx in contexts:
+            llama.llama_set_abort_callback(ctx, callback, None)
         done, stopped = start, False
         try:
             for at in range(start, end, chunk):
@@ -641,9 +768,11 @@ class LlamaModel:
             if not stopped:
                 log.warning("settling stopped: %s", exc)
         finally:
-            llama.llama_set_abort_callback(self.ctx, llama.ggml_abort_callback(), None)
+            for ctx in contexts:
+                llama.llama_set_abort_callback(ctx, llama.ggml_abort_callback(), None)
         llama.llama_memory_seq_rm(self.memory, 0, done, -1)  # (an aborted chunk's cells, if it left any)
         self.n_past, self.history, self.fixed_upto, self._prefilled = done, tokens[:done], done, None
+        self._reader_same = min(self._reader_same, done)
         self._before_settle = before
         if stopped:  # the waiting message first; what was read stays live (pages at the end, if it goes on)
             return start - done - 1

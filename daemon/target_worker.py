@@ -82,6 +82,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         flash_attn=c["flash_attn"],
         extra_buffers=model.extra_buffers,
     )
+    choose_prompt_reader(model, c)
     check_fast_prefill(model, info, c)
     probe(model, c, info)
     min_batch = 1
@@ -221,7 +222,8 @@ def check_fast_prefill(model, info: ModelInfo, config: Optional[WorkerConfig] = 
         slow_prompts(model)
         return
     try:
-        exact = kept_check(model, config, f"fast_prefill chunk={model.prefill_chunk}", model.fast_prefill_is_exact)
+        name = f"fast_prefill chunk={model.prefill_chunk}{' reader' if model.reader is not None else ''}"
+        exact = kept_check(model, config, name, model.fast_prefill_is_exact)
     except Exception as exc:  # never a reason not to serve: read prompts the slow, exact way
         log.warning("the fast-prefill check failed (%s: %s)", type(exc).__name__, exc)
         exact = False
@@ -247,8 +249,38 @@ def check_fast_prefill(model, info: ModelInfo, config: Optional[WorkerConfig] = 
             model.prefill_chunk,
             model.prefill_group,
         )
+    if not model.prefill_chunk:
+        model.drop_prompt_reader()  # (prompts are read by steps, here)
     info.prefill_chunk = model.prefill_chunk
+    info.prompt_reader = model.reader is not None
     slow_prompts(model)
+
+
+def choose_prompt_reader(model, config: WorkerConfig) -> None:
+    """--prompt-reader auto: keep the second context that reads prompts over the
+    weights not repacked (``LlamaModel.add_prompt_reader``) only where a prompt
+    pass measures at least 10% faster with it; the verdict is kept beside the
+    load probe's, so a restart does not measure again."""
+    if model.reader is None:
+        if config["prompt_reader"] == "on" and model.step_rows:
+            log.warning("--prompt-reader on: no reader (fast prefill is off, or llama.cpp could not create one)")
+        return
+    if config["prompt_reader"] == "auto":
+        try:
+            name = f"prompt_reader faster chunk={model.prefill_chunk} group={model.prefill_group}"
+            faster = kept_check(model, config, name, model.prompt_reader_pays)
+        except Exception as exc:  # never a reason not to serve: read prompts here
+            log.warning("measuring the prompt reader failed (%s: %s)", type(exc).__name__, exc)
+            faster = False
+        if not faster:
+            log.info("prompts are read over the repacked weights: reading them over the file's was not faster here")
+            model.drop_prompt_reader()
+            return
+    log.info(
+        "prompts are read by a second context over the weights not repacked (--prompt-reader %s); steps over "
+        "the repacked ones",
+        config["prompt_reader"],
+    )
 
 
 def slow_prompts(model) -> None:
@@ -269,7 +301,7 @@ def check_prefill_grouping(model, config: Optional[WorkerConfig] = None) -> None
     try:
         if group:
             model.prefill_group = group
-        name = f"grouping chunk={model.prefill_chunk} group={group}"
+        name = f"grouping chunk={model.prefill_chunk} group={group}{' reader' if model.reader is not None else ''}"
         grouped = kept_check(model, config, name, model.prefill_grouping_is_exact) if group else None
     except Exception as exc:  # one chunk per pass is always exact
         log.warning("the prefill-grouping check failed (%s: %s)", type(exc).__name__, exc)
@@ -319,6 +351,7 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
     computed = (
         f"kernels={config['kernels']} prefill_chunk={model.prefill_chunk} step_rows={model.step_rows} "
         f"extra_buffers={'on' if model.extra_buffers else 'off'}"
+        + (" prompt_reader=on" if model.reader is not None else "")  # (prompt KV from the weights not repacked)
     )
     store.model_identity = f"{identity} {computed}"
     kept, dropped = store.load_index(index_path(config.cache_shm))

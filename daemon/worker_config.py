@@ -132,6 +132,8 @@ def load_model(config: WorkerConfig):
         settle=config.role == "target" and bool(config.cache_shm) and config["settle"],
         gpu_layers=gpu_layers,
         devices=devices,
+        # (only where there are repacked weights and fast prefill; auto is measured by target_worker)
+        prompt_reader=config.role == "target" and config["prompt_reader"] != "off",
     )
     _say_where(model, config)
     return model

@@ -703,6 +703,7 @@ class ModelInfo:
     flash_attn: Optional[bool] = None
     prefill_chunk: int = 0  # "mixed": prompts are read with fast kernels in chunks of this many tokens from 0
     extra_buffers: Optional[bool] = None  # llama.cpp's repacked weights are in use
+    prompt_reader: bool = False  # prompts are read by a second context over the weights not repacked
     devices: list[DeviceInfo] = field(default_factory=list)  # the devices llama.cpp has in this model's worker
     gpu_backend: bool = False  # llama.cpp can offload layers (a GPU backend or RPC is compiled in)
     gpu_note: str = ""  # without one: how to install a llama.cpp with a GPU backend

@@ -1,6 +1,8 @@
-"""Fast prefill (--kernels mixed) on the real SmolLM2: prompts read with fast
-kernels in chunks aligned to position 0 give the same logits whatever was
-kept, restored or read before, and the model says what a later request may reuse."""
+"""Fast prefill (--kernels mixed) on the real SmolLM2, and on Qwen2.5-Coder-0.5B
+with its prompts read by a second context over the weights not repacked (the
+prompt reader, where llama.cpp repacks them: not on CPUs with AMX): prompts read
+with fast kernels in chunks aligned to position 0 give the same logits whatever
+was kept, restored or read before, and the model says what a later request may reuse."""
 
 from __future__ import annotations
 
@@ -15,14 +17,18 @@ TEXT = (
 ) * 6
 
 
-@pytest.fixture(scope="module")
-def model(smollm2_path):
+@pytest.fixture(scope="module", params=["smollm2", "coder-reader"])
+def model(request, smollm2_path, coder_path):
     from tandem.daemon.llama_model import PREFILL_CHUNK as chunk
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.llama_model import LlamaModel, cpu_has_amx
     from tandem.daemon.target_worker import check_prefill_grouping
 
     assert chunk == PREFILL_CHUNK
-    m = LlamaModel(smollm2_path, n_ctx=1024, fast_prefill=True, settle=True)
+    reader = request.param == "coder-reader"
+    path = coder_path if reader else smollm2_path
+    m = LlamaModel(path, n_ctx=1024, fast_prefill=True, settle=True, prompt_reader=reader)
+    # a reader where llama.cpp repacked weights: on for the target's mixed kernels, off on CPUs with AMX
+    assert (m.reader is not None) == (reader and not cpu_has_amx()), m.placement.weights
     check_prefill_grouping(m)  # as the worker does at load: whole chunks grouped only where that is exact
     yield m
     m.close()
@@ -76,40 +82,41 @@ def test_the_checks_read_chunk_by_chunk_and_keep_the_group(model):
     inexact group would turn fast prefill off instead of grouping."""
     group = model.prefill_group
     seen = []
-    real = model.decode
+    reads = model.reader or model  # (the context whose fast kernels read prompts)
+    real = reads.decode
 
     def spy(tokens, *args, **kwargs):
-        if model._fast:
+        if reads._fast:
             seen.append(len(tokens))
         return real(tokens, *args, **kwargs)
 
     from tandem.daemon.llama_model import PREFILL_GROUP
 
-    model.decode = spy
+    reads.decode = spy
     model.prefill_group = PREFILL_GROUP  # (whatever this CPU's grouping check chose: the group a check must not use)
     try:
         assert model.fast_prefill_is_exact() is True
         assert model.prefill_group == PREFILL_GROUP
     finally:
-        del model.decode
+        del reads.decode
         model.prefill_group = group
     assert seen and max(seen) <= PREFILL_CHUNK
 
 
-def test_a_context_too_small_for_the_group_checks_and_uses_a_smaller_one(model, smollm2_path):
+def test_a_context_too_small_for_the_group_checks_and_uses_a_smaller_one(model):
     from tandem.daemon.llama_model import PREFILL_GROUP, LlamaModel
     from tandem.daemon.target_worker import check_prefill_grouping
 
     c = PREFILL_CHUNK
     grouping = model.prefill_group == PREFILL_GROUP  # this CPU's verdict on grouping, at the full group
-    m = LlamaModel(smollm2_path, n_ctx=4 * c, fast_prefill=True)
+    m = LlamaModel(model.path, n_ctx=4 * c, fast_prefill=True, prompt_reader=model.reader is not None)
     try:
         check_prefill_grouping(m)
         # 256 tokens hold a group of 2 chunks, one more chunk and 8 tokens, not of 4: 2 where grouping is exact
         assert m.prefill_group == (2 * c if grouping else c)
     finally:
         m.close()
-    m = LlamaModel(smollm2_path, n_ctx=2 * c + 40, fast_prefill=True)
+    m = LlamaModel(model.path, n_ctx=2 * c + 40, fast_prefill=True, prompt_reader=model.reader is not None)
     try:
         check_prefill_grouping(m)
         assert m.prefill_group == c  # nothing to check a group in: one chunk per pass
@@ -275,3 +282,54 @@ def test_a_message_stops_settling_at_once_and_it_goes_on_later(model, turns, pol
     model.settle(kept.append, lambda: True)
     back = model.prefilled_logits(prompt)  # re-sent after a stopped settle: its own state back
     assert back is not None and np.array_equal(back, first)
+
+
+# --------------------------------------------------------------------------- the prompt reader
+
+
+def test_the_prompt_reader_computes_the_prompt_and_the_steps_are_this_contexts(model, tokens):
+    """With a reader, a prompt's logits (and its KV) are what a context over the
+    weights not repacked computes, and the steps after it are this context's own:
+    a step over the repacked weights. Without one (SmolLM2 has no weights llama.cpp
+    repacks; a CPU with AMX repacks none), there is nothing to measure."""
+    from tandem.daemon.llama_model import LlamaModel
+
+    if model.reader is None:
+        assert model.prompt_reader_pays() is None and model.add_prompt_reader() is (model.step_rows > 0)
+        model.drop_prompt_reader()
+        return
+    plain = LlamaModel(model.path, n_ctx=1024, fast_prefill=True, extra_buffers=False)
+    try:
+        plain.set_prefill_group(model.prefill_group)
+        expected = plain.prefill(tokens).copy()
+        model.clear()
+        got = model.prefill(tokens).copy()
+        model.decode([11])  # a step, in this context
+        assert np.array_equal(got, expected)
+        assert model.n_past == len(tokens) + 1 and model.reader.n_past == len(tokens)
+        # the load's measurement (--prompt-reader auto): a verdict, both caches left empty
+        assert isinstance(model.prompt_reader_pays(), bool)
+        assert model.reader is not None and model.n_past == 0 and model.reader.n_past == 0
+    finally:
+        plain.close()
+        model.clear()
+
+
+def test_a_prompt_stopped_between_passes_keeps_what_was_read(model, tokens):
+    from tandem.daemon.llama_model import DecodeAborted
+
+    c = PREFILL_CHUNK
+    model.clear()
+    whole = model.prefill(tokens).copy()
+    group, model.prefill_group = model.prefill_group, c
+    polls = []
+    try:
+        model.clear()
+        with pytest.raises(DecodeAborted):
+            model.prefill(tokens, abort=lambda: polls.append(1) or len(polls) >= 2)  # after two chunks
+        assert model.n_past == model.kv_reusable == 2 * c and model.history == list(tokens[: 2 * c])
+        rest = model.prefill(tokens[2 * c :])  # the next request keeps them
+        assert np.array_equal(rest, whole)
+    finally:
+        model.prefill_group = group
+        model.clear()

@@ -90,11 +90,16 @@ def test_seeded_sampling_does_not_depend_on_the_cache(exact_daemon):
     assert other_seed != reference  # the seed is what fixes the draws
 
 
-@pytest.fixture(scope="module")
-def repacked_daemon(daemon_process, coder_path):
+@pytest.fixture(scope="module", params=["on", "off"])
+def repacked_daemon(request, daemon_process, coder_path):
     """Qwen2.5-Coder-0.5B (some of its weights are of a type llama.cpp repacks) with
-    the default extra buffers: repacked where the CPU allows (not on AMX ones)."""
-    d = daemon_process(coder_path, "--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M")
+    the default extra buffers: repacked where the CPU allows (not on AMX ones);
+    prompts read by the prompt reader (over the weights not repacked) or not."""
+    d = daemon_process(
+        coder_path,
+        *("--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M", "--prompt-reader", request.param),
+    )
+    d.reader = request.param == "on"
     d.wait_ready(180)
     yield d
     d.stop()
@@ -112,6 +117,7 @@ def test_repacked_weights_give_the_same_greedy_text_cached_drafted_or_not(repack
     with repacked_daemon.client() as client:
         m = client.status().model
         assert m.extra_buffers is not cpu_has_amx() and m.batch_invariant is True and not m.exact_steps
+        assert m.prompt_reader is (repacked_daemon.reader and not cpu_has_amx())  # (AMX: nothing repacked)
         reference = greedy(client, messages, cache=False, draft="off")
         client.cache_clear()
         assert greedy(client, messages, draft="off") == reference  # cold
@@ -119,4 +125,11 @@ def test_repacked_weights_give_the_same_greedy_text_cached_drafted_or_not(repack
         drafted = client.generate(messages=messages, max_tokens=TOKENS, temperature=0.0, cache=False, draft="on")
         assert [t for chunk in drafted for t in chunk.token_ids] == reference
         assert drafted.done.draft is not None and drafted.done.draft.drafted > 0  # it did verify drafts
+        # the next turn: what the last one left live (settled between the two) and what is new
+        text = client.complete(messages=messages, max_tokens=TOKENS, temperature=0.0, cache=False).text
+        turn = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "Shorter, please."}]
+        uncached = greedy(client, turn, cache=False, draft="off")
+        client.complete(messages=messages, max_tokens=TOKENS, temperature=0.0)  # the turn, live in the worker
+        nxt = client.generate(messages=turn, max_tokens=TOKENS, temperature=0.0, draft="off")
+        assert [t for chunk in nxt for t in chunk.token_ids] == uncached and nxt.done.usage.cached_tokens > 0
     assert "tokens per pass" in repacked_daemon.log()

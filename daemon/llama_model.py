@@ -277,18 +277,22 @@ class LlamaModel:
         checks measure it through ``prefill``). Returns whether there is one."""
         if self.reader is not None:
             return True
-        if not (self.step_rows and self.prefill_chunk):
+        if not (self.step_rows and self.prefill_chunk) or self.placement.key():  # (not with layers offloaded)
             return False
-        self.reader = LlamaModel(
-            self.path,
-            n_ctx=self.n_ctx,
-            n_threads=self.n_threads,
-            n_batch=self.n_batch,
-            flash_attn=self.flash_attn,
-            extra_buffers=False,
-            fast_prefill=True,
-            prefill_chunk=self.prefill_chunk,
-        )
+        try:
+            self.reader = LlamaModel(
+                self.path,
+                n_ctx=self.n_ctx,
+                n_threads=self.n_threads,
+                n_batch=self.n_batch,
+                flash_attn=self.flash_attn,
+                extra_buffers=False,
+                fast_prefill=True,
+                prefill_chunk=self.prefill_chunk,
+            )
+        except ModelLoadError as exc:  # (a second KV cache that does not fit): prompts read here, as before
+            log.warning("no prompt reader: %s", exc)
+            return False
         if not self.reader.prefill_chunk:  # (its context had no CPU backend whose kernels can be switched)
             self.drop_prompt_reader()
             return False
@@ -336,8 +340,8 @@ class LlamaModel:
         """``target``'s sequence 0 replaced by ``source``'s KV (its positions,
         history and what of it was read in whole chunks), through a reused buffer."""
         size = llama.llama_state_seq_get_size(source.ctx, 0)
-        if self._state_buf is None or len(self._state_buf) < size:
-            self._state_buf = np.empty(max(size, 1 << 20), dtype=np.uint8)
+        if self._state_buf is None or len(self._state_buf) < size:  # (grown by half again: a chat grows)
+            self._state_buf = np.empty(max(size + size // 2, 1 << 20), dtype=np.uint8)
         ptr = self._state_buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         written = llama.llama_state_seq_get_data(source.ctx, ptr, size, 0)
         if written != size:
@@ -353,6 +357,18 @@ class LlamaModel:
         """``prefill`` in the reader (``add_prompt_reader``): it first holds what
         this context holds (kept from its last prompt, or copied), reads
         ``tokens`` and the result is copied back, also where it stopped early."""
+        reader = self._reader_holds_this()
+        self._prefilled = None
+        try:
+            logits = reader.prefill(tokens, abort)
+        finally:
+            self._take_the_readers()
+        self._prefilled = (self.n_past, logits.copy())
+        return logits
+
+    def _reader_holds_this(self) -> "LlamaModel":
+        """The reader, holding this context's KV (kept from its last prompt where
+        it still holds the same, else copied), ready to read at ``n_past``."""
         reader, start_at = self.reader, self.n_past
         if self._reader_same >= start_at and reader.n_past >= start_at:
             reader.truncate(start_at)
@@ -362,15 +378,14 @@ class LlamaModel:
             self._copy_state(self, reader)
         reader._prefilled = None
         reader.prefill_group = self.prefill_group
-        self._prefilled = None
-        try:
-            logits = reader.prefill(tokens, abort)
-        finally:
-            self._reader_same = 0
-            self._copy_state(reader, self)
-            self._reader_same = self.n_past
-        self._prefilled = (self.n_past, logits.copy())
-        return logits
+        return reader
+
+    def _take_the_readers(self) -> None:
+        """This context's KV replaced by what the reader holds (also after a pass
+        stopped early); on a failed copy this context is empty."""
+        self._reader_same = 0
+        self._copy_state(self.reader, self)
+        self._reader_same = self.n_past
 
     def close(self) -> None:
         self.drop_prompt_reader()
@@ -756,12 +771,14 @@ class LlamaModel:
         for ctx in contexts:
             llama.llama_set_abort_callback(ctx, callback, None)
         done, stopped = start, False
+        # with a reader, the chunks are read there and its KV copied back once (a copy is of the whole state)
+        reads = self._reader_holds_this() if self.reader is not None else self
         try:
             for at in range(start, end, chunk):
                 if interrupted():
                     stopped = True
                     break
-                self.prefill(tokens[at : at + chunk])
+                reads.prefill(tokens[at : at + chunk])
                 done = at + chunk
         except DecodeError as exc:  # aborted for a message (llama_decode 2): the chunks before it stand
             stopped = getattr(exc, "rc", None) == 2 or interrupted()
@@ -770,6 +787,14 @@ class LlamaModel:
         finally:
             for ctx in contexts:
                 llama.llama_set_abort_callback(ctx, llama.ggml_abort_callback(), None)
+        if reads is not self:
+            try:
+                self._take_the_readers()
+            except DecodeError as exc:  # this context is empty: nothing of the turn is kept
+                log.warning("settling stopped: %s", exc)
+                self.forget_history()
+                self._before_settle = None
+                return 0
         llama.llama_memory_seq_rm(self.memory, 0, done, -1)  # (an aborted chunk's cells, if it left any)
         self.n_past, self.history, self.fixed_upto, self._prefilled = done, tokens[:done], done, None
         self._reader_same = min(self._reader_same, done)

@@ -227,6 +227,10 @@ def check_fast_prefill(model, info: ModelInfo, config: Optional[WorkerConfig] = 
     except Exception as exc:  # never a reason not to serve: read prompts the slow, exact way
         log.warning("the fast-prefill check failed (%s: %s)", type(exc).__name__, exc)
         exact = False
+    if exact is False and model.reader is not None:  # (not the reader's fault alone, maybe: checked without it)
+        log.warning("the fast-prefill check failed with the prompt reader; prompts are read without it")
+        model.drop_prompt_reader()
+        return check_fast_prefill(model, info, config)
     if exact is None:
         log.warning(
             "fast prefill is off: the context (%d tokens) is too small to check it in; prompts are read with "

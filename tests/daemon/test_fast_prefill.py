@@ -142,7 +142,12 @@ def test_logits_do_not_depend_on_what_was_kept_restored_or_read_before(model, to
     blob = model.seq_state()
     model.set_seq_state(blob, c, tokens)
     restored = model.prefill(tokens[c:]).copy()
-    assert np.array_equal(kept, whole) and np.array_equal(restored, whole)
+    # restored over other tokens (with a prompt reader: it held others when the state came back)
+    model.clear()
+    model.prefill([42] * (2 * c))
+    model.set_seq_state(blob, c, tokens)
+    over_other = model.prefill(tokens[c:]).copy()
+    assert np.array_equal(kept, whole) and np.array_equal(restored, whole) and np.array_equal(over_other, whole)
     assert all(np.array_equal(a, b) for a, b in zip(steps_kept, steps_whole))
     model.clear()
 

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import start_daemon, temp_socket, wait_quiet  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
-from report import LOOKUP, bracketed, geometric_interval, resolve_model, tandem_request  # noqa: E402
+from report import LOOKUP, bracketed, geometric_interval, governed_systems, resolve_model, tandem_request  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
 
@@ -82,13 +82,7 @@ def main() -> int:
             procs.append(start_daemon(sock, *base, *extra, *fresh))
             clients[name] = Client(sock)
         quiet = [p.pid for p in procs]
-        hello = [{"role": "user", "content": "Say hi."}]
-        for c in clients.values():  # warm up without teaching a governor anything
-            tandem_request(c, hello, 4, draft="off")
-        governed = {
-            f"{name} governed": (lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto"))
-            for name in ("model", *LOOKUP)
-        }
+        governed = governed_systems(clients, [{"role": "user", "content": "Say hi."}])
         reps = max(map(len, kinds.values()))
         data = bracketed(
             kinds,

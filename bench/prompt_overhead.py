@@ -51,10 +51,7 @@ def main() -> int:
         for i in range(args.prompts):
             text = " ".join(WORDS[(i * 7 + j) % len(WORDS)] + str(j * (i + 3)) for j in range(args.words))
             wait_quiet([proc.pid])
-            stream = client.generate(messages=[{"role": "user", "content": text}], max_tokens=1, temperature=0.0)
-            for _ in stream:
-                pass
-            done = stream.done
+            done = client.complete(messages=[{"role": "user", "content": text}], max_tokens=1, temperature=0.0)
             n = done.usage.prompt_tokens
             tokens = model.tokenize(f"{text} {text} {text}", add_special=True)[:n]
             model.clear()

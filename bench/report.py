@@ -370,12 +370,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
 
         # governed against plain first, while the governors know nothing: bracketed, many prompts per task
         hello = [{"role": "user", "content": "Say hi."}]
-        for c in clients.values():  # warm up without teaching a governor anything
-            tandem_request(c, hello, 4, draft="off")
-        governed = {
-            f"{name} governed": (lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto"))
-            for name in ("model", *LOOKUP)
-        }
+        governed = governed_systems(clients, hello)
         results["bracketed"] = bracketed(
             load_all_kinds(), systems["plain"], governed, p["brackets"], p["tokens"], lambda: wait_quiet(quiet)
         )
@@ -435,6 +430,17 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     write_report(results, out_dir)
     return out_dir / "REPORT.md"
+
+
+def governed_systems(clients: dict, hello: list) -> dict:
+    """Each drafter's daemon as a governed system ("model governed", ...), every
+    daemon in ``clients`` warmed up first with ``draft: off`` (teaching no governor)."""
+    for c in clients.values():
+        tandem_request(c, hello, 4, draft="off")
+    return {
+        f"{name} governed": (lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto"))
+        for name in ("model", *LOOKUP)
+    }
 
 
 def bracketed(kinds: dict, plain, governed: dict, reps: int, tokens: int, quiet) -> dict:

@@ -27,8 +27,10 @@ def model(request, smollm2_path, coder_path):
     reader = request.param == "coder-reader"
     path = coder_path if reader else smollm2_path
     m = LlamaModel(path, n_ctx=1024, fast_prefill=True, settle=True, prompt_reader=reader)
-    # a reader where llama.cpp repacked weights: on for the target's mixed kernels, off on CPUs with AMX
-    assert (m.reader is not None) == (reader and not cpu_has_amx()), m.placement.weights
+    # a reader where llama.cpp repacked weights (for the target's mixed kernels; none on CPUs with AMX)
+    repacked = "CPU_REPACK" in m.placement.weights
+    assert (m.reader is not None) == (reader and repacked), m.placement.weights
+    assert not (repacked and cpu_has_amx())
     check_prefill_grouping(m)  # as the worker does at load: whole chunks grouped only where that is exact
     yield m
     m.close()

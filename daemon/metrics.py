@@ -46,7 +46,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 3
 class Metrics:
     def __init__(self, live: Callable[[], dict]):
         """``live()`` returns the present: ``queue_depth``, ``active``, ``ready``,
-        ``memory`` ({process: rss bytes}); it is called on each scrape."""
+        ``memory`` ({process: rss bytes}), ``pss`` ({process: pss bytes}, may be
+        absent); it is called on each scrape."""
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "tandem_requests", "Requests by how they ended (finish reason, error or busy)", ["reason"], registry=r
@@ -325,4 +326,12 @@ class _Live(Collector):
         for process, rss in s["memory"].items():
             mem.add_metric([process], rss)
         yield mem
+        pss = GaugeMetricFamily(
+            "tandem_proportional_memory_bytes",
+            "Proportional memory (PSS) by process: a page mapped n times counts 1/n in each mapping",
+            labels=["process"],
+        )
+        for process, size in s.get("pss", {}).items():
+            pss.add_metric([process], size)
+        yield pss
         yield GaugeMetricFamily("tandem_uptime_seconds", "Seconds since the daemon started", value=s["uptime"])

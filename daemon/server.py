@@ -352,16 +352,18 @@ class Daemon:
         """The present, for a metrics scrape (called on the metrics thread: reads only)."""
         # a scrape may come before the scheduler and the supervisor are set up
         scheduler, supervisor = getattr(self, "scheduler", None), getattr(self, "supervisor", None)
+        rss, pss, _ = supervisor.memory(reap=False) if supervisor is not None else ({}, {}, {})
         return dict(
             queue_depth=len(scheduler.queue) if scheduler is not None else 0,
             active=1 if scheduler is not None and scheduler.active is not None else 0,
             ready=1 if supervisor is not None and supervisor.state == "ready" and not self.stopping else 0,
-            memory=supervisor.memory(reap=False)[0] if supervisor is not None else {},
+            memory=rss,
+            pss=pss,
             uptime=time.monotonic() - self.started_at,
         )
 
     def status_reply(self, request_id: str) -> StatusReply:
-        memory, pids = self.supervisor.memory()
+        memory, pss, pids = self.supervisor.memory()
         s, c, sup = self.scheduler, self.config, self.supervisor
         return StatusReply(
             id=request_id,
@@ -377,6 +379,7 @@ class Daemon:
             requests=dict(s.counters.requests),
             tokens=dict(s.counters.tokens),
             memory_rss_bytes=memory,
+            memory_pss_bytes=pss,
             worker_pids=pids,
             worker_restarts=sum(w.policy.restarts for w in sup.workers),
             failure=self.failure,

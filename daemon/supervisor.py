@@ -373,11 +373,16 @@ class Supervisor:
             return " (restarting)"
         return ""
 
-    def memory(self, reap: bool = True) -> tuple[dict[str, int], dict[str, int]]:
-        """Resident memory by process ("daemon", "target", "drafter") and the workers'
-        pids. ``reap=False`` (off the main thread) leaves worker liveness to psutil:
-        a dead worker's pid has no memory to read."""
-        memory = {"daemon": self._process.memory_info().rss}
+    def memory(self, reap: bool = True) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Resident memory by process ("daemon", "target", "drafter"): RSS and PSS, and
+        the workers' pids. PSS (proportional set size) counts a page shared by n
+        mappings as 1/n in each: a target with a prompt reader maps its model file
+        twice, which RSS counts twice, and the prefix cache's arena is mapped by the
+        daemon and both workers. PSS is {} where the system cannot say (no
+        /proc/PID/smaps). ``reap=False`` (off the main thread) leaves worker liveness
+        to psutil: a dead worker's pid has no memory to read."""
+        rss, pss = {}, {}
+        procs = {"daemon": self._process}
         pids = {}
         for w in self.workers:
             pid = w.pid
@@ -385,10 +390,24 @@ class Supervisor:
             if pid and (w.alive if reap else w.sock is not None):
                 pids[w.role] = pid
                 try:
-                    memory[w.role] = psutil.Process(pid).memory_info().rss
+                    procs[w.role] = psutil.Process(pid)
                 except psutil.Error:
                     pass
-        return memory, pids
+        for role, proc in procs.items():
+            try:
+                info = proc.memory_full_info()
+            except psutil.AccessDenied:  # smaps unreadable: RSS alone
+                try:
+                    rss[role] = proc.memory_info().rss
+                except psutil.Error:
+                    pass
+                continue
+            except (psutil.Error, OSError):
+                continue
+            rss[role] = info.rss
+            if getattr(info, "pss", None) is not None:
+                pss[role] = info.pss
+        return rss, pss, pids
 
 
 def _size(path: Optional[Path]) -> int:

@@ -746,6 +746,10 @@ class StatusReply(Message):
     governor: Optional[GovernorInfo] = None  # the most recently used task's governor; None without one
     cache: Optional[CacheInfo] = None  # the prefix cache as of the last request; None without one
     metrics_addr: str = ""  # HOST:PORT of the Prometheus endpoint; "" when off
+    # proportional set size by process: a page mapped n times counts 1/n in each mapping
+    # (the model file a prompt reader maps a second time, the prefix cache's arena); {}
+    # where the system cannot say
+    memory_pss_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -19,6 +19,7 @@ class Live:
 
     def __init__(self, **overrides):
         self.snapshot = dict(queue_depth=3, active=1, ready=1, memory={"daemon": 1_000, "target": 2_000}, uptime=12.5)
+        self.snapshot["pss"] = {"daemon": 600, "target": 1_500}
         self.snapshot.update(overrides)
         self.calls = 0
 
@@ -117,12 +118,14 @@ def test_live_gauges_are_read_from_live_on_every_scrape():
     assert "tandem_ready 1.0" in text
     assert 'tandem_resident_memory_bytes{process="daemon"} 1000.0' in text
     assert 'tandem_resident_memory_bytes{process="target"} 2000.0' in text
+    assert 'tandem_proportional_memory_bytes{process="target"} 1500.0' in text
     assert "tandem_uptime_seconds 12.5" in text
     calls = live.calls
-    live.snapshot.update(queue_depth=0, active=0, ready=0, memory={"daemon": 7}, uptime=99.0)
+    live.snapshot.update(queue_depth=0, active=0, ready=0, memory={"daemon": 7}, pss={}, uptime=99.0)
     assert value(m, "tandem_queue_depth") == 0 and value(m, "tandem_ready") == 0
     assert value(m, "tandem_resident_memory_bytes", process="daemon") == 7
     assert value(m, "tandem_resident_memory_bytes", process="target") is None  # gone from the snapshot, gone here
+    assert value(m, "tandem_proportional_memory_bytes", process="target") is None
     assert value(m, "tandem_uptime_seconds") == 99.0
     assert live.calls > calls
 

@@ -86,6 +86,11 @@ def test_status_human_and_json(daemon):
         assert field in out.stdout
     st = json.loads(tandem("status", "--json", socket=daemon.socket).stdout)
     assert st["state"] == "ready" and st["memory_rss_bytes"]["target"] > 50 * 2**20
+    # PSS where Linux can say (smaps), no more than RSS, and what the human line shows
+    assert set(st["memory_pss_bytes"]) == set(st["memory_rss_bytes"])
+    for process, pss in st["memory_pss_bytes"].items():
+        assert 0 < pss <= st["memory_rss_bytes"][process], process
+    assert "memory:    (PSS) " in out.stdout and "RSS " in out.stdout
 
 
 def test_chat_keeps_the_conversation(daemon):

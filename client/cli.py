@@ -677,18 +677,17 @@ def cmd_status(args) -> int:
     reqs = ", ".join(f"{k} {v}" for k, v in sorted(st.requests.items())) or "none yet"
     print(f"requests:  {reqs}")
     print(f"tokens:    {st.tokens.get('prompt', 0):,} prompt, {st.tokens.get('completion', 0):,} generated")
+
     def _mem(k: str, rss: int) -> str:
         # PSS where the daemon could read it: RSS counts a page twice where it is mapped
         # twice (the model file under a prompt reader), and counts the shared prefix-cache
         # arena in every process
         pid = f"pid {st.worker_pids[k]}" if k in st.worker_pids else ""
         if k in st.memory_pss_bytes:
-            return f"{k} {_mib(st.memory_pss_bytes[k])} ({', '.join(filter(None, [f'RSS {_mib(rss)}', pid]))})"
-        return f"{k} {_mib(rss)}" + (f" ({pid})" if pid else "")
+            return f"{k} {_mib(st.memory_pss_bytes[k])} PSS ({', '.join(filter(None, [f'RSS {_mib(rss)}', pid]))})"
+        return f"{k} {_mib(rss)} RSS" + (f" ({pid})" if pid else "")
 
-    mem = ", ".join(_mem(k, v) for k, v in st.memory_rss_bytes.items())
-    label = "memory:    " if not st.memory_pss_bytes else "memory:    (PSS) "
-    print(f"{label}{mem}")
+    print("memory:    " + ", ".join(_mem(k, v) for k, v in st.memory_rss_bytes.items()))
     print(f"restarts:  {st.worker_restarts}")
     print(f"metrics:   {'http://' + st.metrics_addr + '/metrics' if st.metrics_addr else 'off'}")
     return 0

@@ -90,7 +90,7 @@ def test_status_human_and_json(daemon):
     assert set(st["memory_pss_bytes"]) == set(st["memory_rss_bytes"])
     for process, pss in st["memory_pss_bytes"].items():
         assert 0 < pss <= st["memory_rss_bytes"][process], process
-    assert "memory:    (PSS) " in out.stdout and "RSS " in out.stdout
+    assert " MiB PSS (RSS " in out.stdout
 
 
 def test_chat_keeps_the_conversation(daemon):

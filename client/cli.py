@@ -682,10 +682,12 @@ def cmd_status(args) -> int:
         # PSS where the daemon could read it: RSS counts a page twice where it is mapped
         # twice (the model file under a prompt reader), and counts the shared prefix-cache
         # arena in every process
-        pid = f"pid {st.worker_pids[k]}" if k in st.worker_pids else ""
-        if k in st.memory_pss_bytes:
-            return f"{k} {_mib(st.memory_pss_bytes[k])} PSS ({', '.join(filter(None, [f'RSS {_mib(rss)}', pid]))})"
-        return f"{k} {_mib(rss)} RSS" + (f" ({pid})" if pid else "")
+        pss = st.memory_pss_bytes.get(k)
+        notes = [f"RSS {_mib(rss)}"] if pss is not None else []
+        if k in st.worker_pids:
+            notes.append(f"pid {st.worker_pids[k]}")
+        shown = f"{_mib(pss)} PSS" if pss is not None else f"{_mib(rss)} RSS"
+        return f"{k} {shown}" + (f" ({', '.join(notes)})" if notes else "")
 
     print("memory:    " + ", ".join(_mem(k, v) for k, v in st.memory_rss_bytes.items()))
     print(f"restarts:  {st.worker_restarts}")

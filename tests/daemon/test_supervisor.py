@@ -4,6 +4,7 @@ role's give-up (pure logic; real workers are killed in tests/reliability)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,9 @@ class Harness:
     def run_request(self, rid: str, **kw) -> None:
         self.scheduler.admit(b"C", Generate(id=rid, prompt="hi", **kw))
         assert self.sup.can_take_work and self.scheduler.start_next()
-        self.sup.target.policy.heard(1000.0)  # the shell does this when work starts
+        # the shell does this when work starts. Every `now` here is time.monotonic(): the supervisor stamps a
+        # death with it, so a fixed clock (1000.0 once) fails on a machine booted less than that long ago
+        self.sup.target.policy.heard(time.monotonic())
 
     def restart_due(self, worker) -> None:
         """Let the backoff pass and the restart happen; the restarted worker says ready."""
@@ -116,7 +119,7 @@ class Harness:
         """Kill ``worker`` ``times`` times, each death noticed and its restart done."""
         for _ in range(times):
             worker.die()
-            self.sup.check(1000.0)
+            self.sup.check(time.monotonic())
             self.restart_due(worker)
 
 
@@ -128,7 +131,7 @@ def test_a_target_death_answers_the_request_and_restarts_it_after_the_backoff():
     h = Harness()
     h.run_request("a")
     h.sup.target.die()
-    h.sup.check(1000.0)
+    h.sup.check(time.monotonic())
     (err,) = h.replies
     assert err.code == ErrorCode.WORKER_DIED and "died (exit code -9)" in err.message and "retried" in err.message
     assert h.sup.state == "loading" and h.sup.target.policy.restarts == 1 and h.sup.target.starts == 0
@@ -140,7 +143,7 @@ def test_a_target_that_keeps_dying_without_finishing_a_request_fails_the_daemon(
     h = Harness()
     h.kill(h.sup.target, TARGET_MAX_DEATHS - 1)
     h.sup.target.die()
-    h.sup.check(1000.0)
+    h.sup.check(time.monotonic())
     assert h.sup.state == "failed" and "died 5 times within 10 minutes" in h.sup.failure
     assert "gave up restarting it" in h.scheduler.failure and not h.stopped  # it served before: it stays to say why
 
@@ -151,7 +154,7 @@ def test_a_finished_request_forgives_earlier_target_deaths():
     h.run_request("a")
     h.scheduler.on_target_message(finished("a"), encode(finished("a")))
     h.sup.target.die()
-    h.sup.check(1000.0)
+    h.sup.check(time.monotonic())
     assert h.sup.state == "loading"  # the count started again
 
 
@@ -159,7 +162,7 @@ def test_a_drafter_death_lets_a_drafting_request_go_on_and_the_target_decodes_pl
     h = Harness(drafter=True)
     h.run_request("a", draft_tokens=4)
     h.sup.drafter.die()
-    h.sup.check(1000.0)
+    h.sup.check(time.monotonic())
     assert h.replies == [] and h.scheduler.active is not None  # the request is not failed: it goes on plainly
     states = [m for m in h.sup.target.sent if isinstance(m, DrafterState)]
     assert [s.available for s in states] == [False] and h.sup.state == "ready"
@@ -173,7 +176,7 @@ def test_a_drafter_that_keeps_dying_is_switched_off_and_serving_goes_on():
     h.kill(h.sup.drafter, DRAFTER_MAX_DEATHS - 1)
     h.run_request("a", draft="off")  # not drafting: not answered for the drafter
     h.sup.drafter.die()
-    h.sup.check(1000.0)
+    h.sup.check(time.monotonic())
     assert h.sup.drafter_off == "it died 3 times within 10 minutes" and h.sup.drafter.policy.restart_due is None
     assert h.sup.state == "ready" and h.sup.can_take_work and h.scheduler.active is not None  # a goes on
     assert not h.replies and h.sup.drafter_note() == " (off: it died 3 times within 10 minutes)"
@@ -187,7 +190,7 @@ def test_a_worker_killed_as_hung_says_so(role, caplog):
     worker.policy.killed_as_hung("did not answer within 120 s (worker_timeout) and was killed")
     with caplog.at_level("WARNING", "tandem.daemon"):
         worker.die()
-        h.sup.check(1000.0)
+        h.sup.check(time.monotonic())
     if role == "target":
         assert "did not answer within 120 s" in h.replies[0].message
     else:  # the request goes on plainly: the log says why
@@ -198,7 +201,7 @@ def test_a_death_while_the_models_load_fails_the_daemon_and_stops_it():
     h = Harness()
     h.sup.ever_ready = False
     h.sup.target.die(code=1)
-    h.sup.check(1000.0)
+    h.sup.check(time.monotonic())
     assert h.sup.state == "failed" and h.stopped and "while loading /m.gguf" in h.sup.failure
 
 
@@ -226,3 +229,63 @@ def test_the_openmp_spin_is_short_only_for_a_model_drafter(monkeypatch, tmp_path
     sup = Supervisor(None, config, scheduler, scheduler.metrics, Notifier(None), lambda: False, lambda: None)
     sup.start(tmp_path, "", 0)
     assert [c.spin_count for c in started] == spins
+
+
+# ---- memory(): what status and the metrics show of each process
+
+
+@pytest.fixture
+def child():
+    """A real process standing in for a worker (memory is read from /proc)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_memory_gives_rss_and_pss_of_the_daemon_and_each_live_worker(child):
+    h = Harness(drafter=True)
+    h.sup.target.pid = child.pid
+    h.sup.drafter.alive = False  # a dead worker has no memory to read, and no pid to show
+    rss, pss, pids = h.sup.memory()
+    assert pids == {"target": child.pid}
+    assert set(rss) == {"daemon", "target"}
+    if pss:  # (a kernel with /proc/PID/smaps; psutil says PSS there)
+        assert set(pss) == {"daemon", "target"}
+        assert all(0 < pss[r] <= rss[r] for r in pss)
+
+
+def test_memory_falls_back_to_rss_where_smaps_cannot_be_read(child, monkeypatch):
+    import psutil
+
+    def denied(self):
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "memory_full_info", denied)
+    h = Harness()
+    h.sup.target.pid = child.pid
+    rss, pss, pids = h.sup.memory()
+    assert set(rss) == {"daemon", "target"} and all(v > 0 for v in rss.values())
+    assert pss == {}
+    assert pids == {"target": child.pid}
+
+
+def test_memory_of_a_worker_that_vanished_is_left_out_without_an_error(child):
+    h = Harness()
+    h.sup.target.pid = child.pid
+    child.kill()
+    child.wait()  # gone, though the supervisor has not noticed yet
+    rss, pss, _ = h.sup.memory()
+    assert "target" not in rss and "target" not in pss
+    assert "daemon" in rss
+
+
+def test_memory_off_the_main_thread_skips_a_worker_whose_channel_is_gone(child):
+    h = Harness()
+    h.sup.target.pid = child.pid
+    h.sup.target.sock = None  # reaped: its pid may already be another process's
+    rss, _, pids = h.sup.memory(reap=False)
+    assert "target" not in rss and pids == {}

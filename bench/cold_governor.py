@@ -5,10 +5,12 @@ system message starts with a new session number is a new task: its governor
 starts from nothing (what it knows is the acceptance pooled over the tasks the
 daemon saw before, and the machine's pass costs). Each such request runs
 bracketed, as in `python -m bench --full`: plain, then the model, n-gram and
-suffix drafters' daemons governed (in reverse order every other prompt), then
-plain again, each once every system is idle; its ratio is its decode tok/s over
-the mean of the two plain requests around it. The governed daemons start with
-an empty state directory, so the first prompt is the daemon's first task too.
+suffix drafters' daemons governed and a control (a second plain daemon started
+as theirs are; in reverse order every other prompt), then plain again, each
+once every system is idle; its ratio is its decode tok/s over the mean of the
+two plain requests around it. The governed daemons start with an empty state
+directory, so the first prompt is the daemon's first task too. The control
+never drafts: its column is what this design measures for no cost at all.
 
 One request is too noisy to resolve 2% on a shared machine (two requests
 seconds apart differ by more): the figure is the geometric mean over all
@@ -29,7 +31,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import start_daemon, temp_socket, wait_quiet  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
-from report import LOOKUP, bracketed, geometric_interval, governed_systems, resolve_model, tandem_request  # noqa: E402
+from report import (  # noqa: E402
+    CONTROL,
+    LOOKUP,
+    bracketed,
+    geometric_interval,
+    governed_systems,
+    resolve_model,
+    tandem_request,
+)
 
 from tandem.client import Client  # noqa: E402
 
@@ -75,9 +85,9 @@ def main() -> int:
     base = ("--model", str(target), "--ctx-size", args.ctx_size)
     procs, clients = [], {}
     try:
-        for name in ("plain", "model", *LOOKUP):
+        for name in ("plain", CONTROL, "model", *LOOKUP):
             sock = temp_socket(f"tdm-cold-{name}-")
-            extra = [] if name == "plain" else ["--drafter", str(drafter) if name == "model" else name]
+            extra = [] if name in ("plain", CONTROL) else ["--drafter", str(drafter) if name == "model" else name]
             fresh = [] if name == "plain" else ["--cache-bytes", "0", "--state-dir", str(sock.parent / "state")]
             procs.append(start_daemon(sock, *base, *extra, *fresh))
             clients[name] = Client(sock)

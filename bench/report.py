@@ -75,6 +75,11 @@ PRESETS = {
     ),
 }
 LOOKUP = ("ngram", "suffix")  # drafters without a model, each in its own daemon
+# A second plain daemon, started as the drafters' daemons are (no prefix cache, a fresh state directory),
+# measured in the bracketed section as a governed system is: what a system that never drafts measures
+# against plain there, the noise floor a governed row is read against (an A/A test).
+CONTROL = "control"
+CONTROL_COLUMN = "control (plain)"
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama-server" / "b11434" / "bin" / "llama-server"
 
 
@@ -228,11 +233,15 @@ def sha256(path: Path) -> str:
 
 
 class RssSampler:
-    """Peak resident memory of given processes (by label), sampled every 0.25 s."""
+    """Peak resident memory of given processes (by label), sampled every 0.25 s;
+    and their PSS where ``sample_pss()`` is called (at the end of each section:
+    reading smaps costs tens of ms for a large process, too much to do four times
+    a second beside the requests being timed)."""
 
     def __init__(self):
         self.pids: dict[str, int] = {}
         self.peak: dict[str, int] = {}
+        self.peak_pss: dict[str, int] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -245,6 +254,17 @@ class RssSampler:
                 except psutil.Error:
                     continue
                 self.peak[label] = max(self.peak.get(label, 0), rss)
+
+    def sample_pss(self) -> None:
+        """PSS counts a page mapped by n processes (the prefix cache's arena) or
+        twice by one (the model file under a prompt reader) as 1/n in each."""
+        for label, pid in list(self.pids.items()):
+            try:
+                pss = getattr(psutil.Process(pid).memory_full_info(), "pss", None)
+            except psutil.Error:
+                continue
+            if pss is not None:
+                self.peak_pss[label] = max(self.peak_pss.get(label, 0), pss)
 
     def close(self) -> None:
         self.stop.set()
@@ -296,12 +316,14 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
     procs, servers, commands = [], [], {}
     ctx = str(p["ctx"])
     try:
-        sockets = {name: temp_socket(f"tdm-b{name}-") for name in ("plain", "model", *LOOKUP)}
+        sockets = {name: temp_socket(f"tdm-b{name}-") for name in ("plain", CONTROL, "model", *LOOKUP)}
         base = ("--model", str(target), "--ctx-size", ctx)
         procs.append(start_daemon(sockets["plain"], *base))
         # the drafters' daemons learn from nothing (a fresh state directory): the governed comparison's first
         # request per task is a cold governor's, not one that learnt from an earlier benchmark run
-        fresh = {name: ("--state-dir", str(sockets[name].parent / "state")) for name in ("model", *LOOKUP)}
+        fresh = {name: ("--state-dir", str(sockets[name].parent / "state")) for name in (CONTROL, "model", *LOOKUP)}
+        # the bracketed section's control: a plain daemon started as the drafters' are, measured as they are
+        procs.append(start_daemon(sockets[CONTROL], *base, "--cache-bytes", "0", *fresh[CONTROL]))
         procs.append(
             start_daemon(sockets["model"], *base, "--drafter", str(drafter), "--cache-bytes", "0", *fresh["model"])
         )
@@ -309,6 +331,8 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             procs.append(start_daemon(sockets[name], *base, "--drafter", name, "--cache-bytes", "0", *fresh[name]))
         clients = {name: Client(s) for name, s in sockets.items()}
         for name, c in clients.items():
+            if name == CONTROL:  # (only in the bracketed section)
+                continue
             st = c.status()
             rss.pids[f"{name} daemon"] = st.pid
             for role, pid in st.worker_pids.items():
@@ -374,6 +398,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
         results["bracketed"] = bracketed(
             load_all_kinds(), systems["plain"], governed, p["brackets"], p["tokens"], lambda: wait_quiet(quiet)
         )
+        rss.sample_pss()
 
         for fn in systems.values():  # warm up every system once
             fn(hello, 4)
@@ -393,6 +418,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
                     decoding[kind][name].append([s.__dict__ for s in samples])
             say(f"decoding run {r + 1}/{p['runs']} done")
         results["decoding"] = decoding
+        rss.sample_pss()
 
         # prefix cache: an agent re-sending a growing prompt, and interleaved sessions
         args = argparse.Namespace(
@@ -408,6 +434,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             agent_loop(r, args, clients["plain"], ideal, servers[0] if servers else None, agent_rows, settled)
             interleaved(r, args, clients["plain"], servers[0] if servers else None, inter_rows, settled)
         results["prefix_cache"] = {"agent": agent_rows, "interleaved": inter_rows}
+        rss.sample_pss()
         st = clients["plain"].status()
         results["cache"] = (
             {"bytes_used": st.cache.bytes_used, "pages": st.cache.pages, "budget": st.cache.bytes_budget}
@@ -424,6 +451,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             proc.terminate()
             proc.wait(30)
     results["peak_rss"] = rss.peak
+    results["peak_pss"] = rss.peak_pss
     results["commands"] = commands
     results["finished"] = datetime.datetime.now().isoformat()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -433,14 +461,18 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
 
 
 def governed_systems(clients: dict, hello: list) -> dict:
-    """Each drafter's daemon as a governed system ("model governed", ...), every
-    daemon in ``clients`` warmed up first with ``draft: off`` (teaching no governor)."""
+    """Each drafter's daemon as a governed system ("model governed", ...), and the
+    control daemon, where ``clients`` has one, as "control (plain)"; every daemon
+    in ``clients`` warmed up first with ``draft: off`` (teaching no governor)."""
     for c in clients.values():
         tandem_request(c, hello, 4, draft="off")
-    return {
+    out = {
         f"{name} governed": (lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto"))
         for name in ("model", *LOOKUP)
     }
+    if CONTROL in clients:
+        out[CONTROL_COLUMN] = lambda m, n, c=clients[CONTROL]: tandem_request(c, m, n, draft="auto")
+    return out
 
 
 def bracketed(kinds: dict, plain, governed: dict, reps: int, tokens: int, quiet) -> dict:
@@ -559,7 +591,10 @@ def bracketed_section(data: dict, p: dict) -> list[str]:
         "it. Median (min–max) over the task's prompts; cold: the task's first prompt, the first time that daemon's "
         "governor saw the task (the governor keys a task by the prompt's first 16 tokens: story and code, with no "
         "system prompt, begin with the chat template's default one and share a state, so code's first prompt is "
-        "not cold); drafting: the governed requests' drafting rounds, of all their rounds.",
+        "not cold); drafting: the governed requests' drafting rounds, of all their rounds. "
+        f"{CONTROL_COLUMN}: a second plain daemon, started as the drafters' daemons are (no prefix cache, a fresh "
+        "state directory) and measured as they are: what a system that never drafts measures here, against which "
+        "a governed row is read (an A/A test; where it is not 1.00, neither is a governed row that did not draft).",
         "",
         "| task | prompts | " + " | ".join(names) + " |",
         "|---|---|" + "---|" * len(names),
@@ -716,12 +751,19 @@ def write_report(results: dict, out_dir: Path) -> None:
         "",
         "## Memory",
         "",
-        "Peak resident memory during the run:",
+        "Resident memory during the run: peak RSS, sampled every 0.25 s, and the largest PSS read at the end of "
+        "each section. RSS counts every page a process maps: the prefix cache's arena in each process that maps "
+        "it, and a model file twice in a target with a prompt reader; PSS counts a page mapped n times as 1/n in "
+        "each, so the PSS of several processes can be added up.",
         "",
-        "| process | peak RSS MiB |",
-        "|---|---|",
+        "| process | peak RSS MiB | PSS MiB |",
+        "|---|---|---|",
     ]
-    lines += [f"| {label} | {rss / 2**20:,.0f} |" for label, rss in sorted(results["peak_rss"].items())]
+    pss = results.get("peak_pss", {})  # (not in reports from before 2026-12-04)
+    lines += [
+        f"| {label} | {rss / 2**20:,.0f} | " + (f"{pss[label] / 2**20:,.0f} |" if label in pss else "– |")
+        for label, rss in sorted(results["peak_rss"].items())
+    ]
     if results.get("cache"):
         c = results["cache"]
         lines += [

@@ -56,11 +56,16 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     assert set(results["bracketed"]) == {"json", "support", "story", "code", "edit"}
     for rows in results["bracketed"].values():
         assert rows and all(len(row["plain"]) == 2 for row in rows)
-        assert all(set(row["ratio"]) == {"model governed", "ngram governed", "suffix governed"} for row in rows)
+        governed = {"model governed", "ngram governed", "suffix governed", "control (plain)"}
+        assert all(set(row["ratio"]) == governed for row in rows)
+        assert all(row["governed"]["control (plain)"]["rounds"] == 0 for row in rows)  # the control never drafts
         assert all(ratio > 0 for row in rows for ratio in row["ratio"].values())
     agent = results["prefix_cache"]["agent"]
     assert [row["turn"] for row in agent] == [1, 2, 3] and agent[-1]["cached_tokens"] > 0
     assert results["peak_rss"]["plain daemon"] > 0 and results["cache"]["pages"] > 0
+    # PSS, read at each section's end: the bench's own processes' smaps are readable
+    assert 0 < results["peak_pss"]["plain target"] <= results["peak_rss"]["plain target"]
+    assert "control daemon" not in results["peak_rss"]  # (the control is only in the bracketed section)
     # --rewrite writes the same report again from results.json, measuring nothing
     (out / "REPORT.md").unlink()
     (out / "token_latency.png").unlink()
@@ -135,9 +140,10 @@ def test_the_cold_governor_benchmark_makes_every_request_a_new_task(smollm2_path
     ]
     names = [r[0][2:] for r in rows]
     assert names == ["json", "support", "the daemon's first task", "every request, geometric mean ±2 SE"], run.stdout
-    assert all(len(r) == 5 and float(r[2].split()[0]) > 0 for r in rows), run.stdout
+    assert all(len(r) == 6 and float(r[2].split()[0]) > 0 for r in rows), run.stdout
+    assert "control (plain)" in run.stdout.splitlines()[2], run.stdout  # the A/A column, last
     identical = run.stdout.split("governed outputs identical to plain's: ")[1].split()[0]
-    assert identical == "6/6", run.stdout  # the governor never changes the output
+    assert identical == "8/8", run.stdout  # the governor never changes the output
 
 
 def test_the_prompt_overhead_benchmark_compares_the_daemon_with_in_process_prefill(smollm2_path):

@@ -37,6 +37,7 @@ from report import (  # noqa: E402
     bracketed,
     geometric_interval,
     governed_systems,
+    identical_outputs,
     resolve_model,
     tandem_request,
 )
@@ -132,8 +133,7 @@ def main() -> int:
         + " | ".join(geometric_interval([r["ratio"][n] for r in rows]) for n in names)
         + " |"
     )
-    identical = sum(r["governed"][n]["text"] == r["plain"][0]["text"] for r in rows for n in names)
-    print(f"\ngoverned outputs identical to plain's: {identical}/{len(rows) * len(names)}")
+    print(f"\n{identical_outputs(rows, names)}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=1))

@@ -261,7 +261,7 @@ class RssSampler:
         for label, pid in list(self.pids.items()):
             try:
                 pss = getattr(psutil.Process(pid).memory_full_info(), "pss", None)
-            except psutil.Error:
+            except (psutil.Error, OSError):
                 continue
             if pss is not None:
                 self.peak_pss[label] = max(self.peak_pss.get(label, 0), pss)
@@ -331,8 +331,6 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             procs.append(start_daemon(sockets[name], *base, "--drafter", name, "--cache-bytes", "0", *fresh[name]))
         clients = {name: Client(s) for name, s in sockets.items()}
         for name, c in clients.items():
-            if name == CONTROL:  # (only in the bracketed section)
-                continue
             st = c.status()
             rss.pids[f"{name} daemon"] = st.pid
             for role, pid in st.worker_pids.items():
@@ -343,6 +341,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
                     *base,
                     *(["--drafter", str(drafter)] if name == "model" else []),
                     *(["--drafter", name] if name in LOOKUP else []),
+                    *(["--cache-bytes", "0", "--state-dir", "<a new directory>"] if name != "plain" else []),
                 ]
             )
         systems: dict[str, callable] = {"plain": lambda m, n: tandem_request(clients["plain"], m, n)}
@@ -591,10 +590,15 @@ def bracketed_section(data: dict, p: dict) -> list[str]:
         "it. Median (min–max) over the task's prompts; cold: the task's first prompt, the first time that daemon's "
         "governor saw the task (the governor keys a task by the prompt's first 16 tokens: story and code, with no "
         "system prompt, begin with the chat template's default one and share a state, so code's first prompt is "
-        "not cold); drafting: the governed requests' drafting rounds, of all their rounds. "
-        f"{CONTROL_COLUMN}: a second plain daemon, started as the drafters' daemons are (no prefix cache, a fresh "
-        "state directory) and measured as they are: what a system that never drafts measures here, against which "
-        "a governed row is read (an A/A test; where it is not 1.00, neither is a governed row that did not draft).",
+        "not cold); drafting: the governed requests' drafting rounds, of all their rounds."
+        + (
+            f" {CONTROL_COLUMN}: a second plain daemon, started with the drafters' daemons' settings (no prefix "
+            "cache, a fresh state directory; no drafter, so no drafter process) and measured as they are: what a "
+            "system that never drafts measures here, against which a governed cell is read (an A/A test; where it "
+            "is not 1.00, neither is a governed cell that did not draft)."
+            if CONTROL_COLUMN in names
+            else ""
+        ),
         "",
         "| task | prompts | " + " | ".join(names) + " |",
         "|---|---|" + "---|" * len(names),
@@ -613,12 +617,21 @@ def bracketed_section(data: dict, p: dict) -> list[str]:
     lines.append(f"| every task | {count} | " + " | ".join(med(every[n]) for n in names) + " |")
     gm = " | ".join(geometric_interval(every[n]) for n in names)
     lines.append("| every task, geometric mean ±2 SE | | " + gm + " |")
-    identical = sum(
-        row["governed"][n]["text"] == row["plain"][0]["text"] for rows in data.values() for row in rows for n in names
-    )
-    total = count * len(names)
-    lines += ["", f"Governed outputs identical to plain's: {identical}/{total}."]
+    same = identical_outputs([row for rows in data.values() for row in rows], names)
+    lines += ["", f"{same[0].upper()}{same[1:]}."]
     return lines
+
+
+def identical_outputs(rows: list[dict], names: list[str]) -> str:
+    """How many of the bracketed rows' governed outputs, and apart from them the
+    control's, equal the first plain request's."""
+
+    def count(systems: list[str]) -> str:
+        same = sum(row["governed"][n]["text"] == row["plain"][0]["text"] for row in rows for n in systems)
+        return f"{same}/{len(rows) * len(systems)}"
+
+    out = f"governed outputs identical to plain's: {count([n for n in names if n != CONTROL_COLUMN])}"
+    return out + (f"; the control's: {count([CONTROL_COLUMN])}" if CONTROL_COLUMN in names else "")
 
 
 def write_report(results: dict, out_dir: Path) -> None:
@@ -754,7 +767,8 @@ def write_report(results: dict, out_dir: Path) -> None:
         "Resident memory during the run: peak RSS, sampled every 0.25 s, and the largest PSS read at the end of "
         "each section. RSS counts every page a process maps: the prefix cache's arena in each process that maps "
         "it, and a model file twice in a target with a prompt reader; PSS counts a page mapped n times as 1/n in "
-        "each, so the PSS of several processes can be added up.",
+        "each mapping. Here every daemon's target, llama-server and the benchmark's own in-process "
+        "llama-cpp-python map the same model file, so a target's PSS is lower than it would be alone.",
         "",
         "| process | peak RSS MiB | PSS MiB |",
         "|---|---|---|",

@@ -195,17 +195,28 @@ class ModelDrafterClient(Drafter):
         self.awaiting += 1
         return request.id
 
-    def _restore_plan(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
+    def _restorable(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
         """Cached drafter pages to restore instead of keeping ``keep`` tokens and
         reading the rest: (offsets, tokens they hold), or ([], keep) if they save nothing."""
         if self.pages is None or not self.page_bytes or len(context) - keep <= self.pages.page_tokens:
             return [], keep
         offsets = self.pages.match_role(context[: len(context) - 1], "drafter")
         n = len(offsets) * self.pages.page_tokens
-        if n <= keep:
-            return [], keep
-        self.pages.drafter_tokens_from_cache += n
+        return (offsets, n) if n > keep else ([], keep)
+
+    def _restore_plan(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
+        offsets, n = self._restorable(context, keep)
+        if offsets:
+            self.pages.drafter_tokens_from_cache += n
         return offsets, n
+
+    def behind(self, context: list[int]) -> int:
+        if self.broken or not context:
+            return 0
+        keep = common_prefix(self.mirror, context)
+        if keep == len(context):
+            return 0
+        return len(context) - self._restorable(context, keep)[1]
 
     def store(self, tokens: Sequence[int]) -> None:
         """End of a request: write the drafter's full pages of ``tokens`` that it

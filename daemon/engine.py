@@ -490,15 +490,18 @@ class Engine:
             return self._round(state, None)[0]
         drafting = governor.drafting
         if drafting and not state.drafted_last:
+            context = state.context()[:-1]
+            lacking = drafter.behind(context)
             started = self.clock()
-            drafter.sync(state.context()[:-1])
-            governor.caught_up(self.clock() - started)
+            drafter.sync(context)
+            governor.caught_up(self.clock() - started, lacking)
         governor.start_round()
         k = governor.draft_length(state.k) if drafting else 0
         tokens, timed = self._round(state, drafter if drafting else None, k)
         if timed:
             governor.observe(*state.last_round)  # first: what it measured informs the decision end_round makes
-            governor.end_round(len(tokens))
+            # (what a probe would have to read is asked only when one is about to fall due)
+            governor.end_round(len(tokens), behind=lambda: drafter.behind(state.context()[:-1]))
         else:
             governor.skip_round()
         state.drafted_last = drafting

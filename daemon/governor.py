@@ -31,10 +31,18 @@ without doubling it: only failed probes double.
 target decoded while it was idle (and, if the request began in ``plain``, the
 prompt): on 2 cores that costs as much as the drafter's share of a prefill. It is
 not timed as drafting (it is paid once per switch, not per round), but it is
-not free either: its time becomes a debt that plain rounds pay off at
-``catch_up_share`` (1%), and the next probe waits until the debt is paid as
-well as the interval. With a short context this never delays anything; with a
-long one it keeps catching up under 1% of the time.
+not free either: plain rounds pay for it at ``catch_up_share`` (1%) of their
+time, in advance. When the interval has run out, the governor predicts what
+catching up would cost now (the tokens the drafter lacks, from the engine, times
+its measured seconds per token read: ``PassCosts.catch_up``) and, if that is more
+than it has already paid for, adds the difference / ``catch_up_share`` to its
+debt: the probe waits until plain rounds have paid it. What catching up then
+actually costs beyond what was paid for becomes debt for the next probe. So
+within one request that began plain (whose drafter skipped the prompt) a probe
+rarely falls due, as each token decoded adds to what it would read; the debt is
+paid over requests, and the probe comes at the start of a later one, when there
+is least to read. Measured before this bound: one probe's catch-up took 1 s of a
+2.9 s request.
 
 **Predicting (with ``PassCosts``).** The target worker measures, at load, what
 one pass over 1 ... k+1 tokens costs on this machine; every timed round corrects
@@ -174,6 +182,29 @@ class PassCosts:
     plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
     seen: dict[int, MovingRate] = field(default_factory=dict)  # by width: seconds per pass, as rounds ran
     drafter_seen: Optional[MovingRate] = None
+    read_seen: Optional[MovingRate] = None  # the drafter catching up: tokens read, seconds
+
+    def read_prior(self) -> float:
+        """Seconds per token a drafter catching up reads, before one was measured: its
+        step cost times what a token costs the target in its widest pass measured at
+        load, relative to a one-token pass (a pass over many tokens costs less a token)."""
+        widest = max(self.load)
+        per_token = self.target(widest) / widest
+        return self.drafter() * min(1.0, per_token / self.target(1))
+
+    def catch_up(self, tokens: int) -> float:
+        """Predicted seconds for the drafter to read ``tokens`` it lacks."""
+        if tokens <= 0:
+            return 0.0
+        r = self.read_seen
+        per_token = r.seconds / r.tokens if r is not None and r.tokens > 0 else self.read_prior()
+        return tokens * per_token
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        if tokens >= READ_MIN_TOKENS:
+            if self.read_seen is None:
+                self.read_seen = MovingRate(self.window)
+            self.read_seen.add(float(tokens), seconds)
 
     def __post_init__(self) -> None:
         if not self.load or any(w < 1 or not v > 0 for w, v in self.load.items()):
@@ -243,13 +274,20 @@ class PassCosts:
         return max(1, math.ceil(excess / (budget * plain)))
 
 
-def measure_pass_costs(model, widths, reps: int = 3, prefix: int = 32) -> dict[int, float]:
+READ_WIDTH = 32  # tokens: the wide pass measured at load, for what reading (a prefill, a catch-up) costs a token
+READ_MIN_TOKENS = 32  # a catch-up that reads fewer is mostly a round trip: not what reading a prompt costs
+
+
+def measure_pass_costs(model, widths, reps: int = 3, prefix: int = 32, wide: int = 0) -> dict[int, float]:
     """Median seconds of one decode pass over w tokens for each w, after a
-    ``prefix``-token context (the model is cleared afterwards)."""
+    ``prefix``-token context (the model is cleared afterwards); and of a
+    ``wide``-token pass where the context has room for it (0: none)."""
     import statistics
 
     tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_special=True)
     widths = sorted(set(widths))
+    if wide > max(widths) and prefix + wide < model.n_ctx:
+        widths.append(wide)
     need = prefix + max(widths)
     while len(tokens) < need:
         tokens = tokens + tokens
@@ -291,6 +329,7 @@ class Governor:
     probes: int = 0
     failed_probes: int = 0
     debt: float = 0.0  # seconds of plain rounds still to run before the next probe (catch-up costs)
+    charged: float = 0.0  # seconds of the next probe's catch-up already charged to the debt (paid in advance)
     accepted: float = 0.0  # drafts accepted (decaying over ``alpha_window`` drafting rounds)
     rejected: float = 0.0  # drafting rounds that ended in a rejected draft (decaying likewise)
     alpha_prior: float = 0.5  # the pooled α of every task when this one started
@@ -355,16 +394,34 @@ class Governor:
     def start_round(self) -> None:
         self._started = self.clock()
 
-    def end_round(self, tokens: int) -> None:
-        """The round started by ``start_round`` produced ``tokens``."""
+    def end_round(self, tokens: int, behind: Optional[Callable[[], int]] = None) -> None:
+        """The round started by ``start_round`` produced ``tokens``; ``behind``: how
+        many tokens the drafter would read to catch up now (asked only when a probe
+        is about to fall due; None: nothing)."""
         assert self._started is not None, "end_round without start_round"
         seconds = self.clock() - self._started
         self._started = None
-        self.record(tokens, seconds)
+        self.record(tokens, seconds, behind)
 
-    def caught_up(self, seconds: float) -> None:
-        """The drafter took ``seconds`` to catch up before a probe."""
-        self.debt += seconds / self.params.catch_up_share
+    def caught_up(self, seconds: float, tokens: int = 0) -> None:
+        """The drafter took ``seconds`` to read ``tokens`` it lacked before drafting:
+        what was not paid for in advance becomes debt for the next probe."""
+        if self.costs is not None:
+            self.costs.observe_catch_up(tokens, seconds)
+        self.debt += max(0.0, seconds - self.charged) / self.params.catch_up_share
+        self.charged = 0.0
+
+    def _catch_up_paid(self, behind: Optional[Callable[[], int]]) -> bool:
+        """Whether the catch-up a probe would need now has been paid for; if not,
+        charge what is missing to the debt (see the module's docstring)."""
+        if behind is None or self.costs is None:
+            return True
+        cost = self.costs.catch_up(behind())
+        if cost <= self.charged:
+            return True
+        self.debt += (cost - self.charged) / self.params.catch_up_share
+        self.charged = cost
+        return self.debt <= 0
 
     def skip_round(self) -> None:
         """The round started did not run as asked (no room left to draft): not counted."""
@@ -451,8 +508,8 @@ class Governor:
 
     # ---- the state machine
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """Account one round of the kind the current phase asked for."""
+    def record(self, tokens: int, seconds: float, behind: Optional[Callable[[], int]] = None) -> None:
+        """Account one round of the kind the current phase asked for (``behind``: see ``end_round``)."""
         p = self.params
         if self.drafting:
             self.draft.add(tokens, seconds)
@@ -481,7 +538,7 @@ class Governor:
                     self._enter_plain()
         elif self.phase == PLAIN:
             self.countdown = max(0, self.countdown - 1)
-            if self.countdown <= 0 and self.debt <= 0:
+            if self.countdown <= 0 and self.debt <= 0 and self._catch_up_paid(behind):
                 self.phase, self.left = PROBING, self._probe_rounds()
                 self.probes += 1
                 self.draft.restart()
@@ -570,6 +627,7 @@ class Governor:
             "probes": self.probes,
             "failed_probes": self.failed_probes,
             "debt": self.debt,
+            "charged": self.charged,
             "plain": [self.plain.tokens, self.plain.seconds, self.plain.n],
             "draft": [self.draft.tokens, self.draft.seconds, self.draft.n],
             "accepted": self.accepted,
@@ -601,8 +659,13 @@ class Governor:
         if not isinstance(debt, (int, float)) or not 0 <= debt < 1e7:
             raise ValueError("bad probe debt")
         counts = {}
-        for key, default, top in (("accepted", 0.0, 1e9), ("rejected", 0.0, 1e9), ("alpha_prior", 0.5, 1.0)):
-            v = d.get(key, default)  # (absent in states written before predictions)
+        for key, default, top in (
+            ("accepted", 0.0, 1e9),
+            ("rejected", 0.0, 1e9),
+            ("alpha_prior", 0.5, 1.0),
+            ("charged", 0.0, 1e7),
+        ):
+            v = d.get(key, default)  # (absent in states written before predictions, or before charging in advance)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= top:
                 raise ValueError(f"bad {key}")
             counts[key] = float(v)

@@ -76,6 +76,11 @@ class Drafter(abc.ABC):
         """Catch up on ``context`` without drafting (before the first drafting
         round after plain ones, so the governor times drafting, not catching up)."""
 
+    def behind(self, context: list[int]) -> int:
+        """How many tokens of ``context`` ``sync`` would have to read (what the
+        governor predicts catching up costs from): 0 for a drafter without a KV cache."""
+        return 0
+
     def ready(self) -> bool:
         """False while it is still working on something sent earlier (reading the prompt)."""
         return True

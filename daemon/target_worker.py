@@ -147,12 +147,13 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
     is Python lookups; a model drafter's, the target's one-token pass scaled by
     the two files' sizes (a decode step reads every weight once). None when the
     context is too small to measure in (the governors then measure only)."""
-    from .governor import PassCosts, measure_pass_costs
+    from .governor import READ_WIDTH, PassCosts, measure_pass_costs
 
     started = time.perf_counter()
     widths = range(1, max(config.draft_tokens, 1) + 2)
     try:
-        load = measure_pass_costs(model, widths)
+        # (a wide pass too, for what a model drafter catching up costs: see PassCosts.read_prior)
+        load = measure_pass_costs(model, widths, wide=READ_WIDTH if config.drafter == "model" else 0)
     except Exception as exc:  # never a reason not to serve: the governors measure instead
         log.warning(
             "could not measure the target's pass costs (%s: %s); the governor only measures", type(exc).__name__, exc

@@ -297,6 +297,7 @@ def test_sync_reads_only_what_the_drafter_lacks_and_waits_for_it(drafter, client
     fake, c = drafter(), client()
     prompt = tokens(1, 10)
     c.begin("r1", prompt, GREEDY, prefill=False)
+    assert c.behind(prompt) == 10  # what the governor predicts a catch-up from
     c.sync(prompt)
     req = fake.next()
     assert (req["keep"], req["append"], req["k"], req["new_request"]) == (0, prompt, 0, True)
@@ -308,6 +309,8 @@ def test_sync_reads_only_what_the_drafter_lacks_and_waits_for_it(drafter, client
     c.sync(prompt[:4])  # ... or a prefix
     fake.assert_quiet()
 
+    assert c.behind(prompt) == c.behind(prompt[:4]) == 0 and c.behind(prompt + [7, 8]) == 2
+    assert c.behind(prompt[:5] + [99]) == 1  # a context that left its own after 5 tokens
     c.sync(prompt + [7, 8])
     req = fake.next()
     assert (req["keep"], req["append"], req["k"]) == (10, [7, 8], 0)
@@ -568,6 +571,8 @@ def test_store_writes_the_drafters_new_full_pages_and_a_later_request_restores_t
     assert (req["keep"], req["append"], req.get("restore") or []) == (0, q, [])
     wait_until(c.ready)
 
+    # catching up on p would restore its 8 cached tokens and read 2 (the count only a restore adds to is untouched)
+    assert c.behind(p) == 2 and pages.drafter_tokens_from_cache == 0
     c.begin("c", p, GREEDY)  # the drafter holds q, but p's pages are cached
     c.store(p)  # a reply still due: store waits for nothing, sends nothing
     req = fake.next()

@@ -508,6 +508,114 @@ def test_pass_costs_are_measured_on_the_model_and_leave_it_empty(clock, timed_mo
     model.tokenize = lambda text, add_special=True, parse_special=True: list(range(1, 200))
     costs = measure_pass_costs(model, [1, 3, 5])
     assert set(costs) == {1, 3, 5} and model.n_past == 0
+    costs = measure_pass_costs(model, [1, 3, 5], wide=32)  # a wide pass too, for what reading costs a token
+    assert set(costs) == {1, 3, 5, 32} and all(v > 0 for v in costs.values())
+    model.n_ctx = 60  # no room for 32 tokens after the 32 of context: the narrow widths alone
+    assert set(measure_pass_costs(model, [1, 3, 5], wide=32)) == {1, 3, 5}
+
+
+def test_what_catching_up_costs_a_token_is_predicted_from_a_wide_pass_then_learnt():
+    c = PassCosts({1: 0.010, 2: 0.012, 32: 0.080}, drafter_prior=0.004)
+    # a token of a 32-token pass costs the target a quarter of a one-token pass: so a drafter's read, a quarter step
+    assert c.read_prior() == pytest.approx(0.004 * (0.080 / 32) / 0.010)
+    assert c.catch_up(100) == pytest.approx(100 * 0.001) and c.catch_up(0) == 0.0
+    c.observe_catch_up(4, 0.050)  # a few tokens: mostly a round trip, not what reading costs
+    assert c.catch_up(100) == pytest.approx(0.1)
+    c.observe_catch_up(400, 0.8)
+    assert c.catch_up(100) == pytest.approx(0.2)
+    narrow = PassCosts(TIMED_COSTS, drafter_prior=0.004)  # widest measured: 5 tokens
+    assert narrow.read_prior() == pytest.approx(0.004 * (TIMED_COSTS[5] / 5) / TIMED_COSTS[1])
+
+
+def plain_rounds(g: Governor, clock, n: int, behind, seconds: float = 0.01) -> list[str]:
+    seen = []
+    for _ in range(n):
+        seen.append(g.phase)
+        g.start_round()
+        clock.advance(seconds)
+        g.end_round(1, behind=behind)
+    return seen
+
+
+def test_a_probe_waits_until_plain_rounds_have_paid_in_advance_for_the_catch_up_it_needs(clock):
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.004)  # a drafter read costs 2 ms a token
+    g = GovernorBank("id", clock=clock, costs=costs, k_max=4).get("task")
+    assert g.phase == PLAIN and costs.catch_up(40) == pytest.approx(0.08)
+    lacking = [40]  # what the drafter would read to catch up
+    seen = plain_rounds(g, clock, g.countdown, lambda: lacking[0])
+    # the interval has run out, but catching up would cost 80 ms: 1% of 8 s of plain rounds first
+    assert set(seen) == {PLAIN} and g.phase == PLAIN and g.countdown == 0
+    assert g.charged == pytest.approx(0.08) and g.debt == pytest.approx(8.0)
+    assert g.info().probe_debt_seconds == pytest.approx(8.0)
+    seen = plain_rounds(g, clock, 799, lambda: lacking[0])
+    assert set(seen) == {PLAIN} and g.phase == PLAIN and 0 < g.debt < 0.02
+    lacking[0] = 50  # meanwhile it lacks more: the difference is charged too
+    plain_rounds(g, clock, 1, lambda: lacking[0])
+    assert g.phase == PLAIN and g.charged == pytest.approx(0.10) and g.debt == pytest.approx(2.0)
+    plain_rounds(g, clock, 200, lambda: lacking[0])
+    assert g.phase == PROBING and g.probes == 1
+    g.caught_up(0.09, 50)  # within what was paid for: no debt
+    assert g.debt == 0.0 and g.charged == 0.0 and costs.catch_up(100) == pytest.approx(0.18)  # (learnt)
+    g.charged = 0.05
+    g.caught_up(0.08, 40)  # beyond it: the excess is owed before the next probe
+    assert g.debt == pytest.approx(3.0) and g.charged == 0.0
+    # what was paid in advance survives a restart; a state written before it still loads
+    g.charged = 0.25
+    back = Governor.from_dict(json.loads(json.dumps(g.to_dict())), g.params, clock)
+    assert back.charged == 0.25
+    old = {k: v for k, v in g.to_dict().items() if k != "charged"}
+    assert Governor.from_dict(old, g.params, clock).charged == 0.0
+    for bad in (-1.0, "0.1", True, 1e8):
+        with pytest.raises(ValueError):
+            Governor.from_dict({**g.to_dict(), "charged": bad}, g.params, clock)
+
+
+def test_catching_a_drafter_up_for_probes_costs_at_most_the_catch_up_share_of_plain_time(clock, engine_run, list_drafter):
+    """A task predicted not to pay starts plain, and its drafter does not read the
+    prompt. A probe then needs the drafter to read the prompt and everything decoded
+    since: the governor has that paid for in advance by plain rounds, at 1% of their
+    time, so the probes come where there is least to read. (Before, the first probe
+    of such a task fell due after 310 rounds, mid-request, and its catch-up cost 7%
+    of the plain time before it.)"""
+    read = 0.002  # seconds of the fake clock per token the drafter reads: the prior predicts this
+
+    class LaggingDrafter(list_drafter):
+        """A drafter with a KV cache of its own: it holds what it read."""
+
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.held = 0
+            self.reads: list[tuple[int, int]] = []  # (tokens decoded so far, tokens read)
+
+        def begin(self, request_id, prompt, sampler, prefill=True):
+            super().begin(request_id, prompt, sampler, prefill)
+            self.held = len(prompt) if prefill else 0
+
+        def behind(self, context):
+            return len(context) - min(self.held, len(context))
+
+        def sync(self, context):
+            n = self.behind(context)
+            self.reads.append((len(context) - self.prompt_len, n))
+            clock.advance(n * read)
+            self.held = len(context)
+
+        def propose(self, context, k, p_min):
+            self.held = len(context)
+            return super().propose(context, k, p_min)
+
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.004)
+    assert costs.catch_up(1) == pytest.approx(read)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    drafter = LaggingDrafter(SCRIPT, set(range(1000)))  # every draft wrong: probes fail
+    for _ in range(50):
+        done, _ = engine_run(clock, bank, drafter)
+        assert done.text == SCRIPT[:200].decode()
+    g = bank.info()
+    assert g.phase == PLAIN and g.probes >= 2 and len(drafter.reads) == g.probes
+    assert all(n > 0 for _, n in drafter.reads)  # each probe read the prompt and what was decoded before it
+    catching_up = sum(n for _, n in drafter.reads) * read
+    assert catching_up <= GovernorParams().catch_up_share * g.plain_rounds * TIMED_COSTS[1] * (1 + 1e-9)
 
 
 # --------------------------------------------------------------------------- free proposals (prompt lookup)

@@ -11,6 +11,7 @@ is one ``RequestState``.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
@@ -34,13 +35,15 @@ from tandem.protocol import (
 
 from .chat import ChatTemplate, ChatTemplateError
 from .constraint import Constraint, ConstraintError, field_name
-from .governor import PLAIN, Governor, GovernorBank, task_key
+from .governor import PLAIN, READ_MIN_TOKENS, Governor, GovernorBank, task_key
 from .interfaces import DecodeAborted, Drafter, Model, RequestError
 from .sampler import Sampler
 from .speculative import SparseDist, verify
 from .textstream import TextStream
 from .tools import GENERIC, CallOpener, ToolCallParser, ToolPlan, detect_format, make_plan, message_dicts, tool_dict
 from .tools import with_generic_prompt as _generic_prompt
+
+log = logging.getLogger("tandem.engine")
 
 if TYPE_CHECKING:
     from .page_store import PageStore
@@ -492,9 +495,18 @@ class Engine:
         if drafting and not state.drafted_last:
             context = state.context()[:-1]
             lacking = drafter.behind(context)
+            predicted = governor.costs.catch_up(lacking) if governor.costs is not None else None
             started = self.clock()
             drafter.sync(context)
-            governor.caught_up(self.clock() - started, lacking)
+            seconds = self.clock() - started
+            governor.caught_up(seconds, lacking)
+            if lacking >= READ_MIN_TOKENS:
+                log.info(
+                    "the drafter caught up on %d tokens in %.2f s%s",
+                    lacking,
+                    seconds,
+                    f" (predicted {predicted:.2f} s)" if predicted is not None else "",
+                )
         governor.start_round()
         k = governor.draft_length(state.k) if drafting else 0
         tokens, timed = self._round(state, drafter if drafting else None, k)

@@ -34,7 +34,7 @@ not timed as drafting (it is paid once per switch, not per round), but it is
 not free either: plain rounds pay for it at ``catch_up_share`` (1%) of their
 time, in advance. When the interval has run out, the governor predicts what
 catching up would cost now (the tokens the drafter lacks, from the engine, times
-its measured seconds per token read: ``PassCosts.catch_up``) and, if that is more
+its seconds per token read: ``PassCosts.catch_up``) and, if that is more
 than it has already paid for, adds the difference / ``catch_up_share`` to its
 debt: the probe waits until plain rounds have paid it. What catching up then
 actually costs beyond what was paid for becomes debt for the next probe. So
@@ -180,16 +180,20 @@ class PassCosts:
     drafter_prior: float  # seconds per drafted token before any was measured
     window: int = 16
     plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
+    read: Optional[float] = None  # seconds per token of the target reading a prompt, measured at load
     seen: dict[int, MovingRate] = field(default_factory=dict)  # by width: seconds per pass, as rounds ran
     drafter_seen: Optional[MovingRate] = None
     read_seen: Optional[MovingRate] = None  # the drafter catching up: tokens read, seconds
 
     def read_prior(self) -> float:
         """Seconds per token a drafter catching up reads, before one was measured: its
-        step cost times what a token costs the target in its widest pass measured at
-        load, relative to a one-token pass (a pass over many tokens costs less a token)."""
-        widest = max(self.load)
-        per_token = self.target(widest) / widest
+        step cost times what a token of a prompt costs the target to read relative
+        to its one-token pass (``read``, measured at load; else its widest pass's)."""
+        if self.read is not None:
+            per_token = self.read
+        else:
+            widest = max(self.load)
+            per_token = self.target(widest) / widest
         return self.drafter() * min(1.0, per_token / self.target(1))
 
     def catch_up(self, tokens: int) -> float:
@@ -274,20 +278,38 @@ class PassCosts:
         return max(1, math.ceil(excess / (budget * plain)))
 
 
-READ_WIDTH = 32  # tokens: the wide pass measured at load, for what reading (a prefill, a catch-up) costs a token
+READ_TOKENS = 64  # the prompt the target reads at load, for what reading costs a token (PassCosts.read)
 READ_MIN_TOKENS = 32  # a catch-up that reads fewer is mostly a round trip: not what reading a prompt costs
 
 
-def measure_pass_costs(model, widths, reps: int = 3, prefix: int = 32, wide: int = 0) -> dict[int, float]:
+def measure_read_cost(model, n: int = READ_TOKENS) -> Optional[float]:
+    """Seconds per token of the target reading an ``n``-token prompt the way it
+    reads prompts (fast prefill where it has it), once, from an empty context
+    (cleared afterwards); None where the context has no room for it."""
+    tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_special=True)
+    while len(tokens) < n:
+        tokens = tokens + tokens
+    if n >= model.n_ctx:
+        return None
+    try:
+        model.clear()
+        started = time.perf_counter()
+        if getattr(model, "prefill_chunk", 0):
+            model.prefill(tokens[:n])
+        else:
+            model.decode(tokens[:n])
+        return (time.perf_counter() - started) / n
+    finally:
+        model.clear()
+
+
+def measure_pass_costs(model, widths, reps: int = 3, prefix: int = 32) -> dict[int, float]:
     """Median seconds of one decode pass over w tokens for each w, after a
-    ``prefix``-token context (the model is cleared afterwards); and of a
-    ``wide``-token pass where the context has room for it (0: none)."""
+    ``prefix``-token context (the model is cleared afterwards)."""
     import statistics
 
     tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_special=True)
     widths = sorted(set(widths))
-    if wide > max(widths) and prefix + wide < model.n_ctx:
-        widths.append(wide)
     need = prefix + max(widths)
     while len(tokens) < need:
         tokens = tokens + tokens

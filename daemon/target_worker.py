@@ -147,13 +147,15 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
     is Python lookups; a model drafter's, the target's one-token pass scaled by
     the two files' sizes (a decode step reads every weight once). None when the
     context is too small to measure in (the governors then measure only)."""
-    from .governor import READ_WIDTH, PassCosts, measure_pass_costs
+    from .governor import PassCosts, measure_pass_costs, measure_read_cost
 
     started = time.perf_counter()
     widths = range(1, max(config.draft_tokens, 1) + 2)
+    read = None
     try:
-        # (a wide pass too, for what a model drafter catching up costs: see PassCosts.read_prior)
-        load = measure_pass_costs(model, widths, wide=READ_WIDTH if config.drafter == "model" else 0)
+        load = measure_pass_costs(model, widths)
+        if config.drafter == "model":  # what a prompt token costs to read: a model drafter's catch-up is priced from it
+            read = measure_read_cost(model)
     except Exception as exc:  # never a reason not to serve: the governors measure instead
         log.warning(
             "could not measure the target's pass costs (%s: %s); the governor only measures", type(exc).__name__, exc
@@ -165,12 +167,15 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
         drafter = load[1] * config.drafter_bytes / max(model.size_bytes, 1)
     else:
         drafter = LOOKUP_STEP_SECONDS
-    costs = PassCosts(load, drafter, plain_width=min_batch)
+    costs = PassCosts(load, drafter, plain_width=min_batch, read=read)
     log.info(
-        "target pass costs (%.1f s to measure): %s; drafter step prior %.1f ms",
+        "target pass costs (%.1f s to measure): %s; drafter step prior %.1f ms%s",
         time.perf_counter() - started,
         ", ".join(f"{w} tok {v * 1000:.1f} ms" for w, v in load.items()),
         drafter * 1000,
+        f"; a prompt read at {read * 1000:.1f} ms a token, so a drafter catching up at {costs.read_prior() * 1000:.1f}"
+        if read is not None
+        else "",
     )
     return costs
 

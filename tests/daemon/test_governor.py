@@ -397,7 +397,7 @@ def test_a_task_known_to_be_plain_does_not_make_the_drafter_read_the_prompt(
 
 # ---------------------------------------------------------------------------- predicting from pass costs
 
-from tandem.daemon.governor import PassCosts, measure_pass_costs  # noqa: E402
+from tandem.daemon.governor import PassCosts, measure_pass_costs, measure_read_cost  # noqa: E402
 
 # the TimedModel's passes: 10 ms for one token, +3.75 ms per extra token
 TIMED_COSTS = {w: 0.010 + 0.00375 * (w - 1) for w in range(1, 6)}
@@ -508,22 +508,23 @@ def test_pass_costs_are_measured_on_the_model_and_leave_it_empty(clock, timed_mo
     model.tokenize = lambda text, add_special=True, parse_special=True: list(range(1, 200))
     costs = measure_pass_costs(model, [1, 3, 5])
     assert set(costs) == {1, 3, 5} and model.n_past == 0
-    costs = measure_pass_costs(model, [1, 3, 5], wide=32)  # a wide pass too, for what reading costs a token
-    assert set(costs) == {1, 3, 5, 32} and all(v > 0 for v in costs.values())
-    model.n_ctx = 60  # no room for 32 tokens after the 32 of context: the narrow widths alone
-    assert set(measure_pass_costs(model, [1, 3, 5], wide=32)) == {1, 3, 5}
+    read = measure_read_cost(model, 64)  # what a prompt token costs to read, the way prompts are read
+    assert read is not None and read > 0 and model.n_past == 0
+    assert model.decoded[-1] == list(range(1, 65))  # one 64-token prompt
+    model.n_ctx = 60
+    assert measure_read_cost(model, 64) is None  # no room for it
 
 
-def test_what_catching_up_costs_a_token_is_predicted_from_a_wide_pass_then_learnt():
-    c = PassCosts({1: 0.010, 2: 0.012, 32: 0.080}, drafter_prior=0.004)
-    # a token of a 32-token pass costs the target a quarter of a one-token pass: so a drafter's read, a quarter step
-    assert c.read_prior() == pytest.approx(0.004 * (0.080 / 32) / 0.010)
+def test_what_catching_up_costs_a_token_is_predicted_from_reading_a_prompt_then_learnt():
+    c = PassCosts({1: 0.010, 2: 0.012}, drafter_prior=0.004, read=0.0025)
+    # a prompt token costs the target a quarter of a one-token pass: so a drafter's read, a quarter step
+    assert c.read_prior() == pytest.approx(0.004 * 0.0025 / 0.010)
     assert c.catch_up(100) == pytest.approx(100 * 0.001) and c.catch_up(0) == 0.0
     c.observe_catch_up(4, 0.050)  # a few tokens: mostly a round trip, not what reading costs
     assert c.catch_up(100) == pytest.approx(0.1)
     c.observe_catch_up(400, 0.8)
     assert c.catch_up(100) == pytest.approx(0.2)
-    narrow = PassCosts(TIMED_COSTS, drafter_prior=0.004)  # widest measured: 5 tokens
+    narrow = PassCosts(TIMED_COSTS, drafter_prior=0.004)  # no prompt read measured: the widest pass, 5 tokens
     assert narrow.read_prior() == pytest.approx(0.004 * (TIMED_COSTS[5] / 5) / TIMED_COSTS[1])
 
 
@@ -570,7 +571,9 @@ def test_a_probe_waits_until_plain_rounds_have_paid_in_advance_for_the_catch_up_
             Governor.from_dict({**g.to_dict(), "charged": bad}, g.params, clock)
 
 
-def test_catching_a_drafter_up_for_probes_costs_at_most_the_catch_up_share_of_plain_time(clock, engine_run, list_drafter):
+def test_catching_the_drafter_up_for_probes_costs_at_most_the_catch_up_share_of_plain_time(
+    clock, engine_run, list_drafter
+):
     """A task predicted not to pay starts plain, and its drafter does not read the
     prompt. A probe then needs the drafter to read the prompt and everything decoded
     since: the governor has that paid for in advance by plain rounds, at 1% of their

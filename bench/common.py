@@ -47,10 +47,11 @@ def temp_socket(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp")) / "b.sock"
 
 
-def start_daemon(socket: Path, *serve_args: str, timeout: float = 180) -> subprocess.Popen:
+def start_daemon(socket: Path, *serve_args: str, timeout: float = 180, stderr=None) -> subprocess.Popen:
     """`tandem serve SERVE_ARGS` in a subprocess; returns once it reports ready.
     Its prefix cache's disk tier goes beside the socket (a fresh directory: one
-    benchmark's pages never serve another's first request), unless set."""
+    benchmark's pages never serve another's first request), unless set. Its log
+    goes to ``stderr`` (an open file), or nowhere."""
     env = dict(os.environ)
     env.setdefault("TANDEM_DISK_CACHE_DIR", str(socket.parent / "kv"))
     proc = subprocess.Popen(
@@ -66,7 +67,7 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180) -> subpro
             *serve_args,
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if stderr is None else stderr,
         env=env,
     )
     deadline = time.monotonic() + timeout

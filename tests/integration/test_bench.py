@@ -151,6 +151,27 @@ def test_the_cold_governor_benchmark_makes_every_request_a_new_task(smollm2_path
     assert "governed outputs identical to plain's: 6/6; the control's: 2/2" in run.stdout, run.stdout
 
 
+def test_the_catch_up_benchmark_runs_one_task_bracketed_and_reports_the_drafters_catch_ups(tmp_path, smollm2_path):
+    out = tmp_path / "catch-up"
+    run = bench(
+        "catch_up.py",
+        *("--target", str(smollm2_path), "--drafter", str(smollm2_path)),
+        *"--prompts 3 --tokens 8 --ctx-size 2048 --out".split(),
+        str(out),
+    )
+    lines = run.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| request |"))
+    assert header == "| request | model governed | control (plain) | drafting rounds (model) |", run.stdout
+    rows = [line.split(" | ") for line in lines if line[:4] in ("| 0 ", "| 1 ", "| 2 ")]
+    assert len(rows) == 3 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), run.stdout
+    assert "governed outputs identical to plain's: 3/3; the control's: 3/3" in run.stdout, run.stdout
+    assert "Catch-ups of 32 tokens or more the model daemon logged: " in run.stdout, run.stdout
+    assert (out / "REPORT.md").read_text() in run.stdout + "\n"
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["requests"]) == 3 and isinstance(results["catch_ups"], list)
+    assert "ready" in (out / "model-daemon.log").read_text()  # the drafter's daemon's own log, kept
+
+
 def test_the_prompt_overhead_benchmark_compares_the_daemon_with_in_process_prefill(smollm2_path):
     run = bench("prompt_overhead.py", "--model", str(smollm2_path), "--prompts", "2", "--words", "20")
     rows = [line.strip("| ").split(" | ") for line in run.stdout.splitlines() if line[:3].strip("| ").isdigit()]

@@ -129,19 +129,21 @@ class ModelDrafterClient(Drafter):
             self.mirror = self.mirror[: reply.n_cached]  # a k = 0 reply: it read what was sent
         return self.broken or self.awaiting == 0
 
-    def sync(self, context: list[int]) -> None:
-        """Make the drafter hold ``context`` and wait until it does."""
+    def sync(self, context: list[int]) -> bool:
+        """Make the drafter hold ``context`` and wait until it does (False: it broke
+        down, timed out or the wait was cancelled)."""
         if self.broken:
-            return
+            return False
         if context and common_prefix(self.mirror, context) < len(context):
             self._send(context, k=0, p_min=0.0)
         reply = None
         while self.awaiting:
             reply = self._recv(self.prefill_timeout_ms)
             if reply is None:
-                return
+                return False
         if reply is not None:
             self.mirror = list(context)[: reply.n_cached]
+        return True
 
     def propose(self, context: list[int], k: int, p_min: float):
         if self.broken:
@@ -195,20 +197,20 @@ class ModelDrafterClient(Drafter):
         self.awaiting += 1
         return request.id
 
-    def _restorable(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
+    def _restore_plan(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
         """Cached drafter pages to restore instead of keeping ``keep`` tokens and
         reading the rest: (offsets, tokens they hold), or ([], keep) if they save nothing."""
-        if self.pages is None or not self.page_bytes or len(context) - keep <= self.pages.page_tokens:
+        if not self._may_restore(context, keep):
             return [], keep
         offsets = self.pages.match_role(context[: len(context) - 1], "drafter")
         n = len(offsets) * self.pages.page_tokens
-        return (offsets, n) if n > keep else ([], keep)
-
-    def _restore_plan(self, context: Sequence[int], keep: int) -> tuple[list[int], int]:
-        offsets, n = self._restorable(context, keep)
-        if offsets:
-            self.pages.drafter_tokens_from_cache += n
+        if n <= keep:
+            return [], keep
+        self.pages.drafter_tokens_from_cache += n
         return offsets, n
+
+    def _may_restore(self, context: Sequence[int], keep: int) -> bool:
+        return self.pages is not None and bool(self.page_bytes) and len(context) - keep > self.pages.page_tokens
 
     def behind(self, context: list[int]) -> int:
         if self.broken or not context:
@@ -216,7 +218,9 @@ class ModelDrafterClient(Drafter):
         keep = common_prefix(self.mirror, context)
         if keep == len(context):
             return 0
-        return len(context) - self._restorable(context, keep)[1]
+        if self._may_restore(context, keep):  # (a forecast: no page locked or touched)
+            keep = max(keep, self.pages.cached_role(context[: len(context) - 1], "drafter"))
+        return len(context) - keep
 
     def store(self, tokens: Sequence[int]) -> None:
         """End of a request: write the drafter's full pages of ``tokens`` that it

@@ -497,10 +497,11 @@ class Engine:
             lacking = drafter.behind(context)
             predicted = governor.costs.catch_up(lacking) if governor.costs is not None else None
             started = self.clock()
-            drafter.sync(context)
+            held = drafter.sync(context) is not False
             seconds = self.clock() - started
-            governor.caught_up(seconds, lacking)
-            if lacking >= READ_MIN_TOKENS:
+            # (a catch-up that did not finish is paid for but teaches nothing about reading)
+            governor.caught_up(seconds, lacking if held else 0)
+            if held and lacking >= READ_MIN_TOKENS:
                 log.info(
                     "the drafter caught up on %d tokens in %.2f s%s",
                     lacking,
@@ -513,7 +514,8 @@ class Engine:
         if timed:
             governor.observe(*state.last_round)  # first: what it measured informs the decision end_round makes
             # (what a probe would have to read is asked only when one is about to fall due)
-            governor.end_round(len(tokens), behind=lambda: drafter.behind(state.context()[:-1]))
+            # (this round's tokens join the context after this: the next round's catch-up reads them too)
+            governor.end_round(len(tokens), behind=lambda: drafter.behind((state.context() + tokens)[:-1]))
         else:
             governor.skip_round()
         state.drafted_last = drafting

@@ -40,9 +40,16 @@ debt: the probe waits until plain rounds have paid it. What catching up then
 actually costs beyond what was paid for becomes debt for the next probe. So
 within one request that began plain (whose drafter skipped the prompt) a probe
 rarely falls due, as each token decoded adds to what it would read; the debt is
-paid over requests, and the probe comes at the start of a later one, when there
-is least to read. Measured before this bound: one probe's catch-up took 1 s of a
-2.9 s request.
+paid over requests, and the probe comes once catching up costs no more than
+what was charged, often early in a later request. The price of this bound: a
+task with long prompts that starts plain probes rarely (an 8,000-token prompt
+at 4 ms a token is 32 s to charge: an hour of plain decoding first), unless the
+drafter's pages of its prompt are in the prefix cache (``behind`` counts only
+what it would read, not what it would restore). The cost a token is
+``PassCosts.read_seen`` once learnt (kept in the state file), else
+``read_prior``. Without pass costs nothing is predicted: a catch-up is charged
+to the next probe only. Measured before this bound: one probe's catch-up took
+1 s of a 2.9 s request.
 
 **Predicting (with ``PassCosts``).** The target worker measures, at load, what
 one pass over 1 ... k+1 tokens costs on this machine; every timed round corrects
@@ -166,6 +173,7 @@ class MovingRate:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
 
+MAX_DEBT = 1e6  # seconds: what a state file holds (it rejects 1e7 and more: see Governor.from_dict)
 MIN_SECONDS = 1e-9  # a cost floor: a round timed at 0 s (a coarse clock) never divides by zero
 
 
@@ -430,7 +438,7 @@ class Governor:
         what was not paid for in advance becomes debt for the next probe."""
         if self.costs is not None:
             self.costs.observe_catch_up(tokens, seconds)
-        self.debt += max(0.0, seconds - self.charged) / self.params.catch_up_share
+        self.debt = min(self.debt + max(0.0, seconds - self.charged) / self.params.catch_up_share, MAX_DEBT)
         self.charged = 0.0
 
     def _catch_up_paid(self, behind: Optional[Callable[[], int]]) -> bool:
@@ -438,10 +446,10 @@ class Governor:
         charge what is missing to the debt (see the module's docstring)."""
         if behind is None or self.costs is None:
             return True
-        cost = self.costs.catch_up(behind())
+        cost = min(self.costs.catch_up(behind()), MAX_DEBT * self.params.catch_up_share)
         if cost <= self.charged:
             return True
-        self.debt += (cost - self.charged) / self.params.catch_up_share
+        self.debt = min(self.debt + (cost - self.charged) / self.params.catch_up_share, MAX_DEBT)
         self.charged = cost
         return self.debt <= 0
 
@@ -809,6 +817,11 @@ class GovernorBank:
                 tasks.update((k, g.to_dict()) for k, g in self.tasks.items() if k in self.touched)
                 tasks = OrderedDict(list(tasks.items())[-self.max_tasks :])
                 doc = {"version": STATE_VERSION, "identity": self.identity, "last_task": self.last_task, "tasks": tasks}
+                r = self.costs.read_seen if self.costs is not None else None
+                if r is not None:  # what catching the drafter up costs a token: the machine's, learnt (optional)
+                    doc["read"] = [r.tokens, r.seconds, r.n]
+                elif on_disk and on_disk[2] is not None:
+                    doc["read"] = on_disk[2]
                 fd, tmp = tempfile.mkstemp(prefix=".governor-", dir=self.path.parent)
                 with os.fdopen(fd, "w") as f:
                     json.dump(doc, f)
@@ -821,7 +834,7 @@ class GovernorBank:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)  # no half-written file left behind
 
-    def _read(self, path: Path, quiet: bool = False) -> Optional[tuple[OrderedDict, object]]:
+    def _read(self, path: Path, quiet: bool = False) -> Optional[tuple[OrderedDict, object, Optional[list]]]:
         """The file's tasks (as written) and last task, if it is a readable state
         of this identity; None otherwise (with a warning unless ``quiet``)."""
         warn = (lambda *a: None) if quiet else log.warning
@@ -848,13 +861,23 @@ class GovernorBank:
         except Exception as exc:  # any shape a damaged or hand-edited file has: it must not stop the model loading
             warn("ignoring the governor state in %s (%s: %s); starting fresh", path, type(exc).__name__, exc)
             return None
-        return OrderedDict((str(k), v) for k, v in doc["tasks"].items()), doc.get("last_task")
+        read = doc.get("read")
+        ok = (
+            isinstance(read, list)
+            and len(read) == 3
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e9 for v in read)
+            and type(read[2]) is int
+        )
+        # (a damaged learnt read cost is dropped alone: the prior stands in for it)
+        return OrderedDict((str(k), v) for k, v in doc["tasks"].items()), doc.get("last_task"), read if ok else None
 
     def _load(self, path: Path) -> None:
         read = self._read(path)
         if read is None:
             return
-        raw, last = read
+        raw, last, read_cost = read
+        if read_cost is not None and self.costs is not None:
+            self.costs.read_seen = MovingRate(self.costs.window, float(read_cost[0]), float(read_cost[1]), read_cost[2])
         tasks = OrderedDict((k, Governor.from_dict(v, self.params, self.clock)) for k, v in raw.items())
         for g in tasks.values():
             g.costs, g.k_max = self.costs, self.k_max

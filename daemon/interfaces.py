@@ -72,9 +72,11 @@ class Drafter(abc.ABC):
         """Up to ``k`` tokens to follow ``context``, and their distributions q
         (None at temperature 0)."""
 
-    def sync(self, context: list[int]) -> None:
+    def sync(self, context: list[int]) -> Optional[bool]:
         """Catch up on ``context`` without drafting (before the first drafting
-        round after plain ones, so the governor times drafting, not catching up)."""
+        round after plain ones, so the governor times drafting, not catching up).
+        False: it did not get there (broke down, timed out, cancelled); None or
+        True: it did."""
 
     def behind(self, context: list[int]) -> int:
         """How many tokens of ``context`` ``sync`` would have to read (what the

@@ -382,12 +382,21 @@ class PageStore:
     def match_role(self, tokens: Sequence[int], role: str) -> list[int]:
         """Offsets of the longest cached prefix of ``tokens`` in ``role``'s
         pages, locked until ``release`` (not counted in hits and misses)."""
-        chain = self.tree.match(list(tokens), role, count=False)
-        sealed = next((i for i, node in enumerate(chain) if node.pages[role].crc is None), len(chain))
-        chain = chain[:sealed]  # a page without a checksum is still being written
+        chain = self._sealed(self.tree.match(list(tokens), role, count=False), role)
         self.tree.lock(chain)
         self.locked.extend(chain)
         return [node.pages[role].offset for node in chain]
+
+    def cached_role(self, tokens: Sequence[int], role: str) -> int:
+        """How many tokens of ``tokens`` ``match_role`` would find in ``role``'s
+        pages now; nothing locked, touched or counted (a forecast)."""
+        return len(self._sealed(self.tree.peek(list(tokens), role), role)) * self.page_tokens
+
+    @staticmethod
+    def _sealed(chain: list, role: str) -> list:
+        """The chain up to its first page without a checksum (one still being written)."""
+        sealed = next((i for i, node in enumerate(chain) if node.pages[role].crc is None), len(chain))
+        return chain[:sealed]
 
     def plan(self, tokens: Sequence[int], role: str, page_bytes: int) -> list[tuple[int, Node]]:
         """Pages of ``role`` to write for every full page of ``tokens`` not

@@ -173,10 +173,8 @@ class PageTree:
         for start in range(0, len(tokens) - len(tokens) % n, n):
             yield tuple(tokens[start : start + n])
 
-    def match(self, tokens: Sequence[int], role: str, count: bool = True) -> list[Node]:
-        """The longest chain of cached pages of ``role`` that ``tokens`` starts
-        with (possibly empty). Touches them (they count as just used); counts a
-        hit or a miss unless ``count`` is False."""
+    def peek(self, tokens: Sequence[int], role: str) -> list[Node]:
+        """The chain ``match`` would return, without touching or counting anything."""
         chain: list[Node] = []
         node = self.root
         for key in self._pages_of(tokens):
@@ -185,6 +183,13 @@ class PageTree:
                 break
             chain.append(child)
             node = child
+        return chain
+
+    def match(self, tokens: Sequence[int], role: str, count: bool = True) -> list[Node]:
+        """The longest chain of cached pages of ``role`` that ``tokens`` starts
+        with (possibly empty). Touches them (they count as just used); counts a
+        hit or a miss unless ``count`` is False."""
+        chain = self.peek(tokens, role)
         now = self.clock()
         for n in chain:
             n.last_used = now

@@ -154,8 +154,6 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
     read = None
     try:
         load = measure_pass_costs(model, widths)
-        if config.drafter == "model":  # what a prompt token costs to read: a model drafter's catch-up is priced from it
-            read = measure_read_cost(model)
     except Exception as exc:  # never a reason not to serve: the governors measure instead
         log.warning(
             "could not measure the target's pass costs (%s: %s); the governor only measures", type(exc).__name__, exc
@@ -163,6 +161,11 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
         return None
     if not load:
         return None
+    if config.drafter == "model":  # what a prompt token costs to read: a model drafter's catch-up is priced from it
+        try:
+            read = measure_read_cost(model)
+        except Exception as exc:  # the pass costs stand: catch-ups are priced from the widest pass instead
+            log.warning("could not measure a prompt read (%s: %s)", type(exc).__name__, exc)
     if config.drafter == "model" and config.drafter_bytes > 0:
         drafter = load[1] * config.drafter_bytes / max(model.size_bytes, 1)
     else:
@@ -173,7 +176,8 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
         time.perf_counter() - started,
         ", ".join(f"{w} tok {v * 1000:.1f} ms" for w, v in load.items()),
         drafter * 1000,
-        f"; a prompt read at {read * 1000:.1f} ms a token, so a drafter catching up at {costs.read_prior() * 1000:.1f}"
+        f"; a prompt read at {read * 1000:.1f} ms a token, so a drafter catching up at "
+        f"{costs.read_prior() * 1000:.1f} ms a token"
         if read is not None
         else "",
     )

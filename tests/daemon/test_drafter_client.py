@@ -298,7 +298,7 @@ def test_sync_reads_only_what_the_drafter_lacks_and_waits_for_it(drafter, client
     prompt = tokens(1, 10)
     c.begin("r1", prompt, GREEDY, prefill=False)
     assert c.behind(prompt) == 10  # what the governor predicts a catch-up from
-    c.sync(prompt)
+    assert c.sync(prompt) is True
     req = fake.next()
     assert (req["keep"], req["append"], req["k"], req["new_request"]) == (0, prompt, 0, True)
     assert c.awaiting == 0
@@ -401,7 +401,16 @@ def test_a_drafter_that_never_answers_times_out_and_the_daemon_is_told(drafter, 
     assert c.propose(tokens(1, 11), 3, 0.0) == ([], None)  # off now: no wait, no request
     assert time.monotonic() - t0 < 0.05
     assert len(told) == 1
+    assert c.sync(tokens(1, 12)) is False and c.behind(tokens(1, 12)) == 0  # broken: no catch-up to make or price
     fake.assert_quiet()
+
+
+def test_a_sync_that_times_out_says_so(drafter, client):
+    fake, c = drafter(), client(timeout=0.3)
+    fake.respond = lambda req: []
+    c.begin("r1", [], GREEDY, prefill=False)
+    assert c.sync(tokens(1, 10)) is False  # the governor then learns no read cost from its time
+    fake.next(0)
 
 
 def test_a_long_read_gets_the_prefill_timeout_a_short_one_the_draft_timeout(drafter, client, monkeypatch):
@@ -571,8 +580,11 @@ def test_store_writes_the_drafters_new_full_pages_and_a_later_request_restores_t
     assert (req["keep"], req["append"], req.get("restore") or []) == (0, q, [])
     wait_until(c.ready)
 
-    # catching up on p would restore its 8 cached tokens and read 2 (the count only a restore adds to is untouched)
+    # catching up on p would restore its 8 cached tokens and read 2; asking locks, touches and counts nothing
+    nodes = pages.tree.peek(p, "drafter")
+    before = [(n.locks, n.last_used) for n in nodes]
     assert c.behind(p) == 2 and pages.drafter_tokens_from_cache == 0
+    assert [(n.locks, n.last_used) for n in nodes] == before and not pages.locked
     c.begin("c", p, GREEDY)  # the drafter holds q, but p's pages are cached
     c.store(p)  # a reply still due: store waits for nothing, sends nothing
     req = fake.next()

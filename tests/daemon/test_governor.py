@@ -619,6 +619,40 @@ def test_catching_the_drafter_up_for_probes_costs_at_most_the_catch_up_share_of_
     assert all(n > 0 for _, n in drafter.reads)  # each probe read the prompt and what was decoded before it
     catching_up = sum(n for _, n in drafter.reads) * read
     assert catching_up <= GovernorParams().catch_up_share * g.plain_rounds * TIMED_COSTS[1] * (1 + 1e-9)
+    assert costs.read_seen is not None and costs.catch_up(1) == pytest.approx(read)  # learnt what it predicted
+
+    class StuckDrafter(LaggingDrafter):
+        def sync(self, context):
+            super().sync(context)
+            return False  # it did not get there (timed out, cancelled)
+
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.004)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    stuck = StuckDrafter(SCRIPT, set(range(1000)))
+    for _ in range(40):
+        engine_run(clock, bank, stuck)
+    assert stuck.reads and costs.read_seen is None  # its time was owed, but taught nothing about reading
+
+
+def test_the_learnt_read_cost_survives_a_restart_and_a_damaged_one_is_dropped_alone(tmp_path, clock):
+    path = tmp_path / "governor.json"
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.004)
+    bank = GovernorBank("id", path, clock=clock, costs=costs)
+    bank.get("task")
+    costs.observe_catch_up(400, 1.2)
+    bank.save()
+    fresh = PassCosts(TIMED_COSTS, drafter_prior=0.004)
+    GovernorBank("id", path, clock=clock, costs=fresh)
+    assert fresh.catch_up(100) == pytest.approx(0.3)  # not the prior's 0.2
+    bank.costs = None  # a daemon that learnt nothing of it keeps what the file holds
+    bank.save()
+    assert json.loads(path.read_text())["read"] == [400.0, 1.2, 1]
+    doc = json.loads(path.read_text())
+    for bad in ([1, 2], "x", [400, -1, 1], [400, 1.2, 1.5], [True, 1.0, 1]):
+        path.write_text(json.dumps({**doc, "read": bad}))
+        other = PassCosts(TIMED_COSTS, drafter_prior=0.004)
+        restored = GovernorBank("id", path, clock=clock, costs=other)
+        assert other.read_seen is None and list(restored.tasks) == ["task"]
 
 
 # --------------------------------------------------------------------------- free proposals (prompt lookup)

@@ -205,3 +205,25 @@ def test_each_placement_of_the_layers_keeps_its_own_governor_state(tmp_path):
     assert len({base, gpu[1], repacked[1], both[1]}) == 4
     config.governor_state = ""  # no state directory: nothing kept anywhere
     assert target_worker.governor_keys(config, "layers=CUDA0:31")[1] is None
+
+
+def test_a_prompt_read_that_cannot_be_measured_leaves_the_pass_costs_standing(scripted_model, monkeypatch, caplog):
+    from tandem.daemon import governor
+
+    defaults = {o.key: o.default for o in settings.OPTIONS}
+    config = WorkerConfig(
+        role="target", model_name="t", model_path="/t.gguf", settings=defaults, drafter="model", drafter_bytes=1
+    )
+    model = scripted_model(b"the quick brown fox jumps over the lazy dog. " * 4, n_ctx=512)
+    model.tokenize = lambda text, add_special=True, parse_special=True: list(range(1, 200))
+    model.size_bytes = 1
+    costs = target_worker.pass_costs(model, config, 1)
+    assert costs is not None and costs.read is not None and costs.read > 0  # measured: a 64-token prompt
+
+    def broken(model, n=64):
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(governor, "measure_read_cost", broken)
+    costs = target_worker.pass_costs(model, config, 1)
+    assert costs is not None and costs.read is None and set(costs.load) == set(range(1, config.draft_tokens + 2))
+    assert "could not measure a prompt read (RuntimeError: no room)" in caplog.text

@@ -143,7 +143,7 @@ class ModelDrafterClient(Drafter):
                 return False
         if reply is not None:
             self.mirror = list(context)[: reply.n_cached]
-        return True
+        return reply is None or reply.n_cached >= len(context)  # (False too: no room for all of it)
 
     def propose(self, context: list[int], k: int, p_min: float):
         if self.broken:

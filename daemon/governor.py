@@ -192,6 +192,7 @@ class PassCosts:
     seen: dict[int, MovingRate] = field(default_factory=dict)  # by width: seconds per pass, as rounds ran
     drafter_seen: Optional[MovingRate] = None
     read_seen: Optional[MovingRate] = None  # the drafter catching up: tokens read, seconds
+    read_learnt: bool = False  # read_seen has a catch-up of this process in it (not only the state file's)
 
     def read_prior(self) -> float:
         """Seconds per token a drafter catching up reads, before one was measured: its
@@ -214,6 +215,7 @@ class PassCosts:
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         if tokens >= READ_MIN_TOKENS:
+            self.read_learnt = True
             if self.read_seen is None:
                 self.read_seen = MovingRate(self.window)
             self.read_seen.add(float(tokens), seconds)
@@ -817,7 +819,7 @@ class GovernorBank:
                 tasks.update((k, g.to_dict()) for k, g in self.tasks.items() if k in self.touched)
                 tasks = OrderedDict(list(tasks.items())[-self.max_tasks :])
                 doc = {"version": STATE_VERSION, "identity": self.identity, "last_task": self.last_task, "tasks": tasks}
-                r = self.costs.read_seen if self.costs is not None else None
+                r = self.costs.read_seen if self.costs is not None and self.costs.read_learnt else None
                 if r is not None:  # what catching the drafter up costs a token: the machine's, learnt (optional)
                     doc["read"] = [r.tokens, r.seconds, r.n]
                 elif on_disk and on_disk[2] is not None:

@@ -556,7 +556,7 @@ class GovernorInfo:
     draft_tokens_per_second: Optional[float]  # moving average of drafting rounds
     probe_interval: int  # plain rounds between probes
     rounds_until_probe: int  # in "plain": rounds left before the next probe
-    probe_debt_seconds: float  # in "plain": plain time still owed for catching the drafter up at the last probe
+    probe_debt_seconds: float  # plain time still to run before the next probe: catching the drafter up (PROTOCOL.md)
     plain_rounds: int
     draft_rounds: int
     probes: int

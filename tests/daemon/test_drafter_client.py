@@ -338,6 +338,9 @@ def test_a_drafter_without_room_holds_a_prefix_and_the_next_round_reads_the_rest
     req = fake.next()
     assert (req["keep"], req["append"]) == (0, ctx[:8])
     assert c.mirror == fake.cache == ctx[:8] + [9, 10]
+    assert c.sync(ctx) is False  # no room for all of it: not caught up (the governor learns no read cost from it)
+    fake.next()
+    assert c.sync(ctx[:10]) is True
 
 
 # ---------------------------------------------------------------- other workers' replies, errors

@@ -12,9 +12,11 @@ import pytest
 from tandem.daemon.engine import Engine
 from tandem.daemon.governor import (
     DRAFTING,
+    MAX_DEBT,
     MEASURING,
     PLAIN,
     PROBING,
+    READ_MIN_TOKENS,
     REFRESHING,
     Governor,
     GovernorBank,
@@ -560,6 +562,12 @@ def test_a_probe_waits_until_plain_rounds_have_paid_in_advance_for_the_catch_up_
     g.charged = 0.05
     g.caught_up(0.08, 40)  # beyond it: the excess is owed before the next probe
     assert g.debt == pytest.approx(3.0) and g.charged == 0.0
+    # a forecast far beyond anything real is capped where a state file still loads it
+    g.charged, g.debt = 0.0, 0.0
+    g._catch_up_paid(lambda: 10**15)
+    assert g.debt == MAX_DEBT and Governor.from_dict(g.to_dict(), g.params, clock).debt == MAX_DEBT
+    g.caught_up(1e12, 0)
+    assert g.debt == MAX_DEBT and g.charged == 0.0
     # what was paid in advance survives a restart; a state written before it still loads
     g.charged = 0.25
     back = Governor.from_dict(json.loads(json.dumps(g.to_dict())), g.params, clock)
@@ -589,16 +597,20 @@ def test_catching_the_drafter_up_for_probes_costs_at_most_the_catch_up_share_of_
             super().__init__(*a)
             self.held = 0
             self.reads: list[tuple[int, int]] = []  # (tokens decoded so far, tokens read)
+            self.events: list[tuple] = []  # ("begin",), ("asked", context length), ("synced", context length)
 
         def begin(self, request_id, prompt, sampler, prefill=True):
             super().begin(request_id, prompt, sampler, prefill)
             self.held = len(prompt) if prefill else 0
+            self.events.append(("begin",))
 
         def behind(self, context):
+            self.events.append(("asked", len(context)))
             return len(context) - min(self.held, len(context))
 
         def sync(self, context):
-            n = self.behind(context)
+            self.events.append(("synced", len(context)))
+            n = len(context) - min(self.held, len(context))
             self.reads.append((len(context) - self.prompt_len, n))
             clock.advance(n * read)
             self.held = len(context)
@@ -617,6 +629,11 @@ def test_catching_the_drafter_up_for_probes_costs_at_most_the_catch_up_share_of_
     g = bank.info()
     assert g.phase == PLAIN and g.probes >= 2 and len(drafter.reads) == g.probes
     assert all(n > 0 for _, n in drafter.reads)  # each probe read the prompt and what was decoded before it
+    # what a probe was priced on is what it then read: the context after the round that made it due (the
+    # forecast two events before the catch-up; the one just before is the engine's own, at the catch-up)
+    e = drafter.events
+    priced = [(e[i - 2], e[i]) for i, ev in enumerate(e) if ev[0] == "synced" and e[i - 2][0] == "asked"]
+    assert priced and all(asked[1] == synced[1] for asked, synced in priced), priced
     catching_up = sum(n for _, n in drafter.reads) * read
     assert catching_up <= GovernorParams().catch_up_share * g.plain_rounds * TIMED_COSTS[1] * (1 + 1e-9)
     assert costs.read_seen is not None and costs.catch_up(1) == pytest.approx(read)  # learnt what it predicted
@@ -631,7 +648,8 @@ def test_catching_the_drafter_up_for_probes_costs_at_most_the_catch_up_share_of_
     stuck = StuckDrafter(SCRIPT, set(range(1000)))
     for _ in range(40):
         engine_run(clock, bank, stuck)
-    assert stuck.reads and costs.read_seen is None  # its time was owed, but taught nothing about reading
+    assert max(n for _, n in stuck.reads) >= READ_MIN_TOKENS  # a read it would have learnt from
+    assert costs.read_seen is None  # its time was owed, but taught nothing about reading
 
 
 def test_the_learnt_read_cost_survives_a_restart_and_a_damaged_one_is_dropped_alone(tmp_path, clock):
@@ -642,11 +660,16 @@ def test_the_learnt_read_cost_survives_a_restart_and_a_damaged_one_is_dropped_al
     costs.observe_catch_up(400, 1.2)
     bank.save()
     fresh = PassCosts(TIMED_COSTS, drafter_prior=0.004)
-    GovernorBank("id", path, clock=clock, costs=fresh)
+    second = GovernorBank("id", path, clock=clock, costs=fresh)
     assert fresh.catch_up(100) == pytest.approx(0.3)  # not the prior's 0.2
     bank.costs = None  # a daemon that learnt nothing of it keeps what the file holds
     bank.save()
     assert json.loads(path.read_text())["read"] == [400.0, 1.2, 1]
+    costs.observe_catch_up(400, 2.0)  # the first daemon learns more and saves it ...
+    bank.costs = costs
+    bank.save()
+    second.save()  # ... and the second, which only loaded its figure at start, does not write that back over it
+    assert json.loads(path.read_text())["read"] == [pytest.approx(400.0), pytest.approx(1.6), 2]
     doc = json.loads(path.read_text())
     for bad in ([1, 2], "x", [400, -1, 1], [400, 1.2, 1.5], [True, 1.0, 1]):
         path.write_text(json.dumps({**doc, "read": bad}))

@@ -26,19 +26,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, start_daemon, temp_socket, wait_quiet  # noqa: E402
+from common import cpu_model, temp_socket, wait_quiet  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
 from report import (  # noqa: E402
     CONTROL,
-    CONTROL_COLUMN,
     bracketed,
+    bracketed_daemons,
     geometric_interval,
+    governed_systems,
     identical_outputs,
     resolve_model,
     tandem_request,
 )
-
-from tandem.client import Client  # noqa: E402
 
 CAUGHT_UP = re.compile(r"caught up on (\d+) tokens in ([0-9.]+) s(?: \(predicted ([0-9.]+) s\))?")
 
@@ -85,28 +84,18 @@ def main() -> int:
     log_path = log_dir / "model-daemon.log"
     try:
         with open(log_path, "w") as log:
-            for name in ("plain", CONTROL, "model"):
-                sock = temp_socket(f"tdm-catchup-{name}-")
-                extra = ["--drafter", str(drafter)] if name == "model" else []
-                fresh = [] if name == "plain" else ["--cache-bytes", "0", "--state-dir", str(sock.parent / "state")]
-                procs.append(start_daemon(sock, *base, *extra, *fresh, stderr=log if name == "model" else None))
-                clients[name] = Client(sock)
-            pids = []
-            for c in clients.values():
-                st = c.status()
-                pids += [st.pid, *st.worker_pids.values()]
-                tandem_request(c, [{"role": "user", "content": "Say hi."}], 4, draft="off")  # (teaches no governor)
-            governed = {
-                name: (lambda m, n, c=clients[key]: tandem_request(c, m, n, draft="auto"))
-                for name, key in (("model governed", "model"), (CONTROL_COLUMN, CONTROL))
-            }
+            procs, clients = bracketed_daemons(
+                ("plain", CONTROL, "model"), base, drafter, "tdm-catchup-", {"model": log}
+            )
+            governed = governed_systems(clients, [{"role": "user", "content": "Say hi."}])
+            quiet = [p.pid for p in procs]  # (each daemon's process tree: its workers too)
             data = bracketed(
                 {"one task": prompts},
                 lambda m, n: tandem_request(clients["plain"], m, n),
                 governed,
                 len(prompts),
                 args.tokens,
-                lambda: wait_quiet(pids),
+                lambda: wait_quiet(quiet),
             )["one task"]
             governor = clients["model"].status().governor
     finally:

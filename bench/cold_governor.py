@@ -29,20 +29,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import start_daemon, temp_socket, wait_quiet  # noqa: E402
+from common import wait_quiet  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
 from report import (  # noqa: E402
     CONTROL,
     LOOKUP,
     bracketed,
+    bracketed_daemons,
     geometric_interval,
     governed_systems,
     identical_outputs,
     resolve_model,
     tandem_request,
 )
-
-from tandem.client import Client  # noqa: E402
 
 
 def new_tasks(count: int) -> dict[str, list]:
@@ -86,12 +85,7 @@ def main() -> int:
     base = ("--model", str(target), "--ctx-size", args.ctx_size)
     procs, clients = [], {}
     try:
-        for name in ("plain", CONTROL, "model", *LOOKUP):
-            sock = temp_socket(f"tdm-cold-{name}-")
-            extra = [] if name in ("plain", CONTROL) else ["--drafter", str(drafter) if name == "model" else name]
-            fresh = [] if name == "plain" else ["--cache-bytes", "0", "--state-dir", str(sock.parent / "state")]
-            procs.append(start_daemon(sock, *base, *extra, *fresh))
-            clients[name] = Client(sock)
+        procs, clients = bracketed_daemons(("plain", CONTROL, "model", *LOOKUP), base, drafter, "tdm-cold-")
         quiet = [p.pid for p in procs]
         governed = governed_systems(clients, [{"role": "user", "content": "Say hi."}])
         reps = max(map(len, kinds.values()))

@@ -460,18 +460,34 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
 
 
 def governed_systems(clients: dict, hello: list) -> dict:
-    """Each drafter's daemon as a governed system ("model governed", ...), and the
-    control daemon, where ``clients`` has one, as "control (plain)"; every daemon
-    in ``clients`` warmed up first with ``draft: off`` (teaching no governor)."""
+    """Each drafter's daemon in ``clients`` as a governed system ("model governed",
+    ...), and the control daemon, where ``clients`` has one, as "control (plain)";
+    every daemon in ``clients`` warmed up first with ``draft: off`` (teaching no governor)."""
     for c in clients.values():
         tandem_request(c, hello, 4, draft="off")
     out = {
         f"{name} governed": (lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto"))
         for name in ("model", *LOOKUP)
+        if name in clients
     }
     if CONTROL in clients:
         out[CONTROL_COLUMN] = lambda m, n, c=clients[CONTROL]: tandem_request(c, m, n, draft="auto")
     return out
+
+
+def bracketed_daemons(names, base: tuple, drafter: Path, prefix: str, logs: Optional[dict] = None) -> tuple[list, dict]:
+    """Start the daemons a bracketed comparison needs, each on its own socket: "plain";
+    the control and each drafter's ("model" or a lookup drafter) with the drafters'
+    settings (no prefix cache, a fresh state directory). ``logs``: name -> an open
+    file for that daemon's log. Returns (their processes, their clients)."""
+    procs, clients = [], {}
+    for name in names:
+        sock = temp_socket(f"{prefix}{name}-")
+        extra = [] if name in ("plain", CONTROL) else ["--drafter", str(drafter) if name == "model" else name]
+        fresh = [] if name == "plain" else ["--cache-bytes", "0", "--state-dir", str(sock.parent / "state")]
+        procs.append(start_daemon(sock, *base, *extra, *fresh, stderr=(logs or {}).get(name)))
+        clients[name] = Client(sock)
+    return procs, clients
 
 
 def bracketed(kinds: dict, plain, governed: dict, reps: int, tokens: int, quiet) -> dict:

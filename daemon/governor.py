@@ -292,15 +292,21 @@ READ_TOKENS = 64  # the prompt the target reads at load, for what reading costs 
 READ_MIN_TOKENS = 32  # a catch-up that reads fewer is mostly a round trip: not what reading a prompt costs
 
 
+def _filler(model, n: int) -> list[int]:
+    """At least ``n`` tokens of plain text to time passes over."""
+    tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_special=True)
+    while len(tokens) < n:
+        tokens = tokens + tokens
+    return tokens
+
+
 def measure_read_cost(model, n: int = READ_TOKENS) -> Optional[float]:
     """Seconds per token of the target reading an ``n``-token prompt the way it
     reads prompts (fast prefill where it has it), once, from an empty context
     (cleared afterwards); None where the context has no room for it."""
-    tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_special=True)
-    while len(tokens) < n:
-        tokens = tokens + tokens
     if n >= model.n_ctx:
         return None
+    tokens = _filler(model, n)
     try:
         model.clear()
         started = time.perf_counter()
@@ -318,13 +324,11 @@ def measure_pass_costs(model, widths, reps: int = 3, prefix: int = 32) -> dict[i
     ``prefix``-token context (the model is cleared afterwards)."""
     import statistics
 
-    tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, add_special=True)
     widths = sorted(set(widths))
     need = prefix + max(widths)
-    while len(tokens) < need:
-        tokens = tokens + tokens
     if need >= model.n_ctx:
         return {}
+    tokens = _filler(model, need)
     out: dict[int, float] = {}
     try:
         model.clear()

@@ -5,7 +5,7 @@ steps with its fast kernels, in-process, alternating.
 The target worker's ``LlamaModel`` (mixed kernels, repacked weights where
 llama.cpp has them) reads a prompt in its chunks, then decodes ``--tokens``
 greedy tokens one at a time, from the same prompt, with one kind of kernels and
-then the other (the order flips each round). Reported: tok/s of each, the
+then the other (the order flips each round; one short run of each first, not counted). Reported: tok/s of each, the
 ratio fast / reference per round, and from which step the two give other
 logits. One-row fast steps would be exact too in a daemon that never verifies
 several tokens in a pass, but they are not the kernels a verify pass's rows
@@ -62,6 +62,13 @@ def main() -> None:
     if len(prompt) + args.tokens > model.n_ctx:
         sys.exit(f"{len(prompt)} + {args.tokens} tokens do not fit the context of {model.n_ctx}: raise --ctx-size")
     first = int(np.argmax(model.prefill(prompt)))
+    for on in (True, False):  # a warm-up run of each kind, not counted: the first steps after a prefill
+        model.truncate(len(prompt))
+        model._use_reference(on)
+        try:
+            decode_greedy(model, first, min(args.tokens, 8))
+        finally:
+            model._use_reference(True)
     speed: dict[str, list[float]] = {"reference": [], "fast": []}
     logits: dict[str, list[np.ndarray]] = {}
     for r in range(args.rounds):

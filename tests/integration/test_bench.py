@@ -184,6 +184,6 @@ def test_the_step_kernels_benchmark_compares_reference_and_fast_one_token_steps(
     speeds = [line for line in run.stdout.splitlines() if " kernels: " in line]
     assert [line.split(" kernels:")[0] for line in speeds] == ["reference", "fast"], run.stdout
     assert all(float(line.split(": ")[1].split()[0]) > 0 for line in speeds), run.stdout
-    assert "fast / reference: median " in run.stdout
+    assert "fast / reference: median " in run.stdout, run.stdout
     # (whether the two kinds round alike is this CPU's and llama.cpp's to say: it is reported, not asserted)
     assert "logits bit for bit the same in every step" in run.stdout or "logits first differ at step" in run.stdout

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 
 MAX_FORCED = 16  # grammar-forced tokens read in one round
+# idle time: the target's passes re-measured at most this often (Engine.refresh_pass_costs)
+REFRESH_SECONDS = 30.0
 
 
 @dataclass
@@ -113,6 +115,7 @@ class Engine:
         self.batch_invariant: Optional[bool] = None  # the model's load probe (LlamaModel.batch_invariance)
         self.grammars = grammars  # compiles response_format into a Constraint (constraint.Grammars); None: refused
         self.jump_forward = jump_forward  # grammar-forced tokens are read as drafts
+        self.refreshed_at: Optional[float] = None  # the last idle re-measurement of the passes (refresh_pass_costs)
         # the tool-call syntax the chat template teaches (tools.py)
         self.tool_format = detect_format(chat_template.template if chat_template is not None else None)
 
@@ -213,6 +216,58 @@ class Engine:
         if self.cache is None or settle is None:
             return 0
         return settle(self.cache.store_or_skip, interrupted)
+
+    def refresh_pass_costs(self, interrupted: Callable[[], bool]) -> int:
+        """Idle time, at most every REFRESH_SECONDS: time one target pass of each
+        width the governors predict with (2 ... k+1 tokens, the tokens the model
+        last read, again) at the end of what its KV cache holds, drop them again,
+        and add each to the pass costs as a round's would be. Rounds keep the
+        widths they run current; a width no round runs (a lookup governor that
+        predicts no gain never verifies) would otherwise keep its load-time cost
+        for the daemon's life, and one start measured a 2-token pass at 2.5
+        one-token passes where the next measured 1.6. Stops at a message
+        (``interrupted``); returns the widths measured."""
+        costs = self.governors.costs if self.governors is not None else None
+        model = self.model
+        history = getattr(model, "history", None)
+        now = self.clock()
+        if (
+            costs is None
+            or history is None
+            or (self.refreshed_at is not None and now - self.refreshed_at < REFRESH_SECONDS)
+        ):
+            return 0
+        widths = [w for w in sorted(costs.load) if w >= 2]
+        n_past = model.n_past
+        if not widths or n_past < max(widths) or n_past + max(widths) > model.n_ctx or -1 in history[-max(widths) :]:
+            return 0
+        if interrupted():  # (a request waits: not even the warm-up pass)
+            return 0
+        self.refreshed_at = now
+        measured: dict[int, float] = {}
+        try:
+            model.decode(history[-1:])  # untimed: after idle time the first pass runs slower
+            model.truncate(n_past)
+            for w in widths:
+                if interrupted():
+                    break
+                tokens = list(history[n_past - w : n_past])
+                started = self.clock()
+                model.decode(tokens, logits_for=range(w))
+                measured[w] = self.clock() - started
+                model.truncate(n_past)
+        except Exception as exc:  # (DecodeError: e.g. a cache that cannot drop a tail) never again, then
+            log.warning("re-measuring the target's passes failed (%s: %s); not tried again", type(exc).__name__, exc)
+            self.refreshed_at = float("inf")
+            return 0
+        for w, seconds in measured.items():
+            costs.observe_target(w, seconds)
+        if measured:
+            log.info(
+                "target passes re-measured in idle time: %s",
+                ", ".join(f"{w} tok {seconds * 1000:.1f} ms" for w, seconds in measured.items()),
+            )
+        return len(measured)
 
     def forget_live(self) -> None:
         """What the model's KV cache holds is never reused (``cache: false``, a cache clear)."""

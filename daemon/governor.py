@@ -180,7 +180,8 @@ MIN_SECONDS = 1e-9  # a cost floor: a round timed at 0 s (a coarse clock) never 
 @dataclass
 class PassCosts:
     """What a round costs on this machine: the target's pass over w tokens
-    (measured at load, then kept current by every timed round) and the
+    (measured at load, then kept current by every timed round, and in idle
+    time for the widths no round runs: Engine.refresh_pass_costs) and the
     drafter's step per drafted token (a prior until drafting rounds measure it).
     Shared by every task's governor: it is the machine's, not the task's."""
 

@@ -417,6 +417,7 @@ class TargetLoop:
         self.sock = sock
         self.stopping = False
         self.settle_due = False  # the last request left KV to settle in idle time (see _settle)
+        self.refresh_due = False  # a request ran: the target's passes may be re-measured in idle time
         self.cancelled: set[str] = set()
         self.engine: Optional[Engine] = None
         self.last_beat = 0.0
@@ -459,6 +460,10 @@ class TargetLoop:
             if self.settle_due and not self.sock.poll(0, zmq.POLLIN):
                 self.settle_due = False  # once per request: what it left is settled, or a request came
                 self._settle()
+                continue
+            if self.refresh_due and not self.sock.poll(0, zmq.POLLIN):
+                self.refresh_due = False  # (after settling: a next turn's pages first)
+                self._refresh_pass_costs()
                 continue
             if cache is not None and cache.disk_pending and not self.sock.poll(0, zmq.POLLIN):
                 self._spill(cache)  # between requests, a page at a time: nothing waits for it
@@ -526,6 +531,7 @@ class TargetLoop:
             # (not after fill in the middle: an editor's next request changes the text at the cursor, not
             # after the reply, so the reply read again would never be reused)
             self.settle_due = engine.cache is not None and not getattr(msg, "suffix", "")
+            self.refresh_due = engine.governors is not None and engine.governors.costs is not None
             self._report_narrow_drafter(done)
             if done.governor is not None and engine.governors is not None:
                 engine.governors.save()  # after the reply: a few ms of disk never delay it
@@ -602,6 +608,14 @@ class TargetLoop:
             self._save_cache_index()  # (the pages it stored outlive this worker, as a request's do)
             if not engine.cache.disk_pending:
                 self.send(CacheState(id=self.config.role, cache=engine.cache.info()))
+
+    def _refresh_pass_costs(self) -> None:
+        """Between requests: the governors' pass costs re-measured (Engine.refresh_pass_costs);
+        a request that arrives meanwhile stops it."""
+        try:
+            self.engine.refresh_pass_costs(lambda: bool(self.sock.poll(0, zmq.POLLIN)))
+        except Exception:  # a bug: the pass costs stay as rounds keep them
+            log.exception("re-measuring the target's passes failed")
 
     def _spill(self, cache, report: bool = True) -> None:
         try:

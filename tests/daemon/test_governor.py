@@ -804,3 +804,52 @@ def test_status_reports_the_gate_by_match_length_and_nothing_for_a_model_drafter
     assert list(gate) == ["1", "4-7"]
     assert gate["4-7"] > 0.9 and gate["1"] < 0.1
     assert gate["4-7"] == round(g.gate_alpha(evidence_bucket(5)), 3)
+
+
+def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_never_run(clock, timed_model):
+    """A load-time measurement that put wide passes at 3x what they cost keeps a
+    lookup governor from ever verifying, so no round measures them again; idle
+    time does, at the end of what the model holds, and leaves that as it was."""
+    from tandem.daemon.engine import REFRESH_SECONDS
+
+    class Remembering(timed_model):
+        def __init__(self, clock):
+            super().__init__(clock)
+            self.history: list[int] = []
+
+        def decode(self, tokens, logits_for=(-1,), abort=None):
+            out = super().decode(tokens, logits_for, abort)
+            self.history.extend(tokens)
+            return out
+
+        def truncate(self, n_keep):
+            super().truncate(n_keep)
+            del self.history[n_keep:]
+
+        def clear(self):
+            super().clear()
+            self.history = []
+
+    inflated = {w: cost * (1 if w == 1 else 3) for w, cost in TIMED_COSTS.items()}
+    costs = PassCosts(inflated, drafter_prior=2e-5)
+    bank = GovernorBank("x", clock=clock, costs=costs, k_max=4)
+    governor = bank.get("edit", 4)
+    for _ in range(20):  # proposals after 5-token matches were always right
+        governor._gate_add(evidence_bucket(5), 4, 4)
+    assert governor.gated_length(4, 5) == 0  # predicted not to pay at the inflated costs
+    model = Remembering(clock)
+    model.decode(list(range(1, 41)))  # what the last request left in the KV cache
+    kept = list(model.history)
+    engine = Engine(model, None, drafter=None, clock=clock, governors=bank)
+    assert engine.refresh_pass_costs(lambda: True) == 0  # a message is waiting: nothing measured
+    assert model.widths == []  # (not even a warm-up pass)
+    assert engine.refresh_pass_costs(lambda: False) == 4  # widths 2 ... 5
+    assert model.n_past == 40 and model.history == kept  # the KV cache as it was
+    for w in range(2, 6):
+        assert costs.target(w) == pytest.approx(TIMED_COSTS[w])
+    assert governor.gated_length(4, 5) > 0  # now it verifies
+    assert engine.refresh_pass_costs(lambda: False) == 0  # not again before REFRESH_SECONDS
+    clock.advance(REFRESH_SECONDS)
+    assert engine.refresh_pass_costs(lambda: False) == 4
+    no_costs = Engine(Remembering(clock), None, drafter=None, clock=clock, governors=GovernorBank("y", clock=clock))
+    assert no_costs.refresh_pass_costs(lambda: False) == 0  # no pass costs: nothing to keep current

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 
 import pytest
 
@@ -143,3 +144,22 @@ def test_a_lookup_drafter_drafts_a_copy_from_the_first_request_and_changes_nothi
         assert all(0.0 < a < 1.0 for a in g.gate.values())
     line = next(ln for ln in tandem_cli(d.socket, "status").stdout.splitlines() if ln.startswith("governor:"))
     assert "no probes" in line and "acceptance by match length" in line and "probe in" not in line
+
+
+def test_idle_time_re_measures_the_target_passes_and_changes_no_output(start_daemon):
+    """Between requests the target worker times its passes again (at the end of
+    what its KV cache holds, then dropped): the log says so, and the next
+    request, the same prompt again, writes the same text from the kept KV."""
+    d = start_daemon("--drafter", "ngram", "--ctx-size", "1024")
+    prompt = "# a small module\n" + "def area(width, height):\n    return width * height\n\n" * 3
+    with d.client() as client:
+        first = client.complete(prompt=prompt, max_tokens=32, temperature=0.0, ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while "target passes re-measured in idle time" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "target passes re-measured in idle time: 2 tok" in d.log(), d.log()[-3000:]
+        again = client.complete(prompt=prompt, max_tokens=32, temperature=0.0, ignore_eos=True)
+        assert again.text == first.text
+        assert again.usage.cached_tokens == again.usage.prompt_tokens  # the prompt's KV, still held
+        off = client.complete(prompt=prompt, max_tokens=32, temperature=0.0, ignore_eos=True, cache=False, draft="off")
+        assert off.text == first.text

@@ -246,16 +246,20 @@ class Engine:
         self.refreshed_at = now
         measured: dict[int, float] = {}
         try:
-            model.decode(history[-1:])  # untimed: after idle time the first pass runs slower
+            # untimed: after idle time the first pass runs slower (of 2+ tokens: a recurrent model's
+            # cache erases a whole sequence when asked to drop its last position alone, and says it did)
+            model.decode(history[n_past - widths[0] : n_past])
             model.truncate(n_past)
             for w in widths:
                 if interrupted():
                     break
                 tokens = list(history[n_past - w : n_past])
                 started = self.clock()
-                model.decode(tokens, logits_for=range(w))
+                model.decode(tokens, logits_for=range(w), abort=interrupted)
                 measured[w] = self.clock() - started
                 model.truncate(n_past)
+        except DecodeAborted:  # a request came between a wide pass's calls: what is measured stands
+            model.truncate(n_past)
         except Exception as exc:  # (DecodeError: e.g. a cache that cannot drop a tail) never again, then
             log.warning("re-measuring the target's passes failed (%s: %s); not tried again", type(exc).__name__, exc)
             self.refreshed_at = float("inf")

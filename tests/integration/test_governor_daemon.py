@@ -148,8 +148,9 @@ def test_a_lookup_drafter_drafts_a_copy_from_the_first_request_and_changes_nothi
 
 def test_idle_time_re_measures_the_target_passes_and_changes_no_output(start_daemon):
     """Between requests the target worker times its passes again (at the end of
-    what its KV cache holds, then dropped): the log says so, and the next
-    request, the same prompt again, writes the same text from the kept KV."""
+    what its KV cache holds, then dropped): the log says so, and a next turn
+    that extends the conversation, read over the KV the worker kept, writes
+    what the same turn writes uncached and undrafted."""
     d = start_daemon("--drafter", "ngram", "--ctx-size", "1024")
     prompt = "# a small module\n" + "def area(width, height):\n    return width * height\n\n" * 3
     with d.client() as client:
@@ -158,8 +159,9 @@ def test_idle_time_re_measures_the_target_passes_and_changes_no_output(start_dae
         while "target passes re-measured in idle time" not in d.log() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert "target passes re-measured in idle time: 2 tok" in d.log(), d.log()[-3000:]
-        again = client.complete(prompt=prompt, max_tokens=32, temperature=0.0, ignore_eos=True)
-        assert again.text == first.text
-        assert again.usage.cached_tokens == again.usage.prompt_tokens  # the prompt's KV, still held
-        off = client.complete(prompt=prompt, max_tokens=32, temperature=0.0, ignore_eos=True, cache=False, draft="off")
-        assert off.text == first.text
+        turn2 = prompt + first.text + "\n\ndef perimeter(width, height):\n"
+        kept = client.complete(prompt=turn2, max_tokens=32, temperature=0.0, ignore_eos=True)
+        # read over the KV the worker kept (settled, then refreshed at its end): live KV comes before pages
+        assert kept.usage.cached_tokens >= 64
+        off = client.complete(prompt=turn2, max_tokens=32, temperature=0.0, ignore_eos=True, cache=False, draft="off")
+        assert kept.text == off.text

@@ -33,15 +33,21 @@ from tandem.daemon.llama_model import LlamaModel  # noqa: E402
 FILLER = "The town kept its records in a tall stone building near the harbour, and every family had a drawer there. "
 
 
-def decode_greedy(model: LlamaModel, first: int, n: int) -> tuple[float, list[np.ndarray]]:
-    """Seconds for ``n`` one-token steps from ``first``, and the logits of each."""
+def decode_greedy(model: LlamaModel, start: int, first: int, n: int, reference: bool) -> tuple[float, list[np.ndarray]]:
+    """From KV position ``start``, ``n`` one-token steps from ``first`` with the
+    reference kernels or the fast ones: their seconds, and the logits of each."""
+    model.truncate(start)
+    model._use_reference(reference)  # (a step's kernels; prefill switches them itself)
     token, logits = first, []
-    started = time.perf_counter()
-    for _ in range(n):
-        row = model.decode([token])[0]
-        token = int(np.argmax(row))
-        logits.append(row)
-    return time.perf_counter() - started, logits
+    try:
+        started = time.perf_counter()
+        for _ in range(n):
+            row = model.decode([token])[0]
+            token = int(np.argmax(row))
+            logits.append(row)
+        return time.perf_counter() - started, logits
+    finally:
+        model._use_reference(True)
 
 
 def main() -> None:
@@ -62,23 +68,13 @@ def main() -> None:
     if len(prompt) + args.tokens > model.n_ctx:
         sys.exit(f"{len(prompt)} + {args.tokens} tokens do not fit the context of {model.n_ctx}: raise --ctx-size")
     first = int(np.argmax(model.prefill(prompt)))
-    for on in (True, False):  # a warm-up run of each kind, not counted: the first steps after a prefill
-        model.truncate(len(prompt))
-        model._use_reference(on)
-        try:
-            decode_greedy(model, first, min(args.tokens, 8))
-        finally:
-            model._use_reference(True)
+    for reference in (True, False):  # a warm-up run of each kind, not counted: the first steps after a prefill
+        decode_greedy(model, len(prompt), first, min(args.tokens, 8), reference)
     speed: dict[str, list[float]] = {"reference": [], "fast": []}
     logits: dict[str, list[np.ndarray]] = {}
     for r in range(args.rounds):
         for kind in ("reference", "fast") if r % 2 == 0 else ("fast", "reference"):
-            model.truncate(len(prompt))
-            model._use_reference(kind == "reference")  # (a step's kernels; prefill switches them itself)
-            try:
-                seconds, rows = decode_greedy(model, first, args.tokens)
-            finally:
-                model._use_reference(True)
+            seconds, rows = decode_greedy(model, len(prompt), first, args.tokens, kind == "reference")
             speed[kind].append(args.tokens / seconds)
             logits.setdefault(kind, rows)
             time.sleep(0.2)

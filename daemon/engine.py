@@ -243,7 +243,7 @@ class Engine:
             return 0
         if interrupted():  # (a request waits: not even the warm-up pass)
             return 0
-        self.refreshed_at = now
+        previous, self.refreshed_at = self.refreshed_at, now
         measured: dict[int, float] = {}
         try:
             # untimed: after idle time the first pass runs slower (of 2+ tokens: a recurrent model's
@@ -264,6 +264,8 @@ class Engine:
             log.warning("re-measuring the target's passes failed (%s: %s); not tried again", type(exc).__name__, exc)
             self.refreshed_at = float("inf")
             return 0
+        if not measured:  # a request came before the first timed pass: the next idle time tries again
+            self.refreshed_at = previous
         for w, seconds in measured.items():
             costs.observe_target(w, seconds)
         if measured:

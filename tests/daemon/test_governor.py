@@ -850,6 +850,9 @@ def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_nev
     assert governor.gated_length(4, 5) > 0  # now it verifies
     assert engine.refresh_pass_costs(lambda: False) == 0  # not again before REFRESH_SECONDS
     clock.advance(REFRESH_SECONDS)
-    assert engine.refresh_pass_costs(lambda: False) == 4
+    asked = iter([False, True])  # a request comes after the warm-up pass, before the first timed one
+    assert engine.refresh_pass_costs(lambda: next(asked)) == 0
+    assert model.n_past == 40 and model.history == kept
+    assert engine.refresh_pass_costs(lambda: False) == 4  # so the next idle time measures, not 30 s later
     no_costs = Engine(Remembering(clock), None, drafter=None, clock=clock, governors=GovernorBank("y", clock=clock))
     assert no_costs.refresh_pass_costs(lambda: False) == 0  # no pass costs: nothing to keep current

@@ -84,8 +84,8 @@ def main() -> int:
     log_path = log_dir / "model-daemon.log"
     try:
         with open(log_path, "w") as log:
-            procs, clients = bracketed_daemons(
-                ("plain", CONTROL, "model"), base, drafter, "tdm-catchup-", {"model": log}
+            clients = bracketed_daemons(
+                ("plain", CONTROL, "model"), base, drafter, "tdm-catchup-", procs, {"model": log}
             )
             governed = governed_systems(clients, [{"role": "user", "content": "Say hi."}])
             quiet = [p.pid for p in procs]  # (each daemon's process tree: its workers too)

@@ -85,7 +85,7 @@ def main() -> int:
     base = ("--model", str(target), "--ctx-size", args.ctx_size)
     procs, clients = [], {}
     try:
-        procs, clients = bracketed_daemons(("plain", CONTROL, "model", *LOOKUP), base, drafter, "tdm-cold-")
+        clients = bracketed_daemons(("plain", CONTROL, "model", *LOOKUP), base, drafter, "tdm-cold-", procs)
         quiet = [p.pid for p in procs]
         governed = governed_systems(clients, [{"role": "user", "content": "Say hi."}])
         reps = max(map(len, kinds.values()))

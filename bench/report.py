@@ -316,20 +316,9 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
     procs, servers, commands = [], [], {}
     ctx = str(p["ctx"])
     try:
-        sockets = {name: temp_socket(f"tdm-b{name}-") for name in ("plain", CONTROL, "model", *LOOKUP)}
         base = ("--model", str(target), "--ctx-size", ctx)
-        procs.append(start_daemon(sockets["plain"], *base))
-        # the drafters' daemons learn from nothing (a fresh state directory): the governed comparison's first
-        # request per task is a cold governor's, not one that learnt from an earlier benchmark run
-        fresh = {name: ("--state-dir", str(sockets[name].parent / "state")) for name in (CONTROL, "model", *LOOKUP)}
-        # the bracketed section's control: a plain daemon started as the drafters' are, measured as they are
-        procs.append(start_daemon(sockets[CONTROL], *base, "--cache-bytes", "0", *fresh[CONTROL]))
-        procs.append(
-            start_daemon(sockets["model"], *base, "--drafter", str(drafter), "--cache-bytes", "0", *fresh["model"])
-        )
-        for name in LOOKUP:
-            procs.append(start_daemon(sockets[name], *base, "--drafter", name, "--cache-bytes", "0", *fresh[name]))
-        clients = {name: Client(s) for name, s in sockets.items()}
+        # plain; the bracketed section's control (a plain daemon started as the drafters' are); the drafters'
+        clients = bracketed_daemons(("plain", CONTROL, "model", *LOOKUP), base, drafter, "tdm-b", procs)
         for name, c in clients.items():
             st = c.status()
             rss.pids[f"{name} daemon"] = st.pid
@@ -475,19 +464,22 @@ def governed_systems(clients: dict, hello: list) -> dict:
     return out
 
 
-def bracketed_daemons(names, base: tuple, drafter: Path, prefix: str, logs: Optional[dict] = None) -> tuple[list, dict]:
+def bracketed_daemons(names, base: tuple, drafter: Path, prefix: str, procs: list, logs: Optional[dict] = None) -> dict:
     """Start the daemons a bracketed comparison needs, each on its own socket: "plain";
     the control and each drafter's ("model" or a lookup drafter) with the drafters'
-    settings (no prefix cache, a fresh state directory). ``logs``: name -> an open
-    file for that daemon's log. Returns (their processes, their clients)."""
-    procs, clients = [], {}
+    settings (no prefix cache, a fresh state directory: their governors learn from
+    nothing, so each task's first request is a cold governor's). Each process is
+    added to ``procs`` as it starts, so a caller's cleanup stops those started
+    before one that failed. ``logs``: name -> an open file for that daemon's log.
+    Returns their clients."""
+    clients = {}
     for name in names:
         sock = temp_socket(f"{prefix}{name}-")
         extra = [] if name in ("plain", CONTROL) else ["--drafter", str(drafter) if name == "model" else name]
         fresh = [] if name == "plain" else ["--cache-bytes", "0", "--state-dir", str(sock.parent / "state")]
         procs.append(start_daemon(sock, *base, *extra, *fresh, stderr=(logs or {}).get(name)))
         clients[name] = Client(sock)
-    return procs, clients
+    return clients
 
 
 def bracketed(kinds: dict, plain, governed: dict, reps: int, tokens: int, quiet) -> dict:

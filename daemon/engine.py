@@ -266,13 +266,13 @@ class Engine:
             return 0
         if not measured:  # a request came before the first timed pass: the next idle time tries again
             self.refreshed_at = previous
+            return 0
         for w, seconds in measured.items():
             costs.observe_target(w, seconds)
-        if measured:
-            log.info(
-                "target passes re-measured in idle time: %s",
-                ", ".join(f"{w} tok {seconds * 1000:.1f} ms" for w, seconds in measured.items()),
-            )
+        log.info(
+            "target passes re-measured in idle time: %s",
+            ", ".join(f"{w} tok {seconds * 1000:.1f} ms" for w, seconds in measured.items()),
+        )
         return len(measured)
 
     def forget_live(self) -> None:

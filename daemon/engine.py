@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 MAX_FORCED = 16  # grammar-forced tokens read in one round
 # idle time: the target's passes re-measured at most this often (Engine.refresh_pass_costs)
 REFRESH_SECONDS = 30.0
+# a width re-measured in idle time counts when the one-token passes before and after it differ by at most this share
+# (what another process starting or stopping does to a 2-thread pass: 2-8x; what a quiet machine's noise does: < 20%)
+REFRESH_STEADY = 0.5
 
 
 @dataclass
@@ -82,6 +85,9 @@ class RequestState:
     forced_last: bool = False  # the previous round was the grammar's forced tokens (jump-forward)
     # the last round: drafts, accepted, drafter seconds, target seconds, tokens the target read
     last_round: tuple[int, int, float, float, int] = (0, 0, 0.0, 0.0, 1)
+    # when the last timed round's pass (and sampling) ended: to the next timed round's
+    # start is what a round costs outside its pass (PassCosts.outside); None: not timed
+    round_ended: Optional[float] = None
     finish: Optional[FinishReason] = None
 
     def context(self) -> list[int]:
@@ -220,13 +226,18 @@ class Engine:
     def refresh_pass_costs(self, interrupted: Callable[[], bool]) -> int:
         """Idle time, at most every REFRESH_SECONDS: time one target pass of each
         width the governors predict with (2 ... k+1 tokens, the tokens the model
-        last read, again) at the end of what its KV cache holds, drop them again,
-        and add each to the pass costs as a round's would be. Rounds keep the
-        widths they run current; a width no round runs (a lookup governor that
-        predicts no gain never verifies) would otherwise keep its load-time cost
-        for the daemon's life, and one start measured a 2-token pass at 2.5
-        one-token passes where the next measured 1.6. Stops at a message
-        (``interrupted``); returns the widths measured."""
+        last read, again) at the end of what its KV cache holds, each between two
+        one-token passes, drop them again, and add what each cost relative to the
+        one-token passes beside it to the pass costs' shape (PassCosts). Rounds
+        keep the widths they run current; a width no round runs (a lookup governor
+        that predicts no gain never verifies) would otherwise keep its load-time
+        cost for the daemon's life, and one start measured a 2-token pass at 2.5
+        one-token passes where the next measured 1.6. Relative, because idle for
+        this daemon is not idle for the machine: what another process runs
+        meanwhile slows every pass alike, and a width whose two one-token passes
+        differ by more than REFRESH_STEADY is not counted (the machine changed
+        while it was timed). Stops at a message (``interrupted``); returns the
+        widths measured."""
         costs = self.governors.costs if self.governors is not None else None
         model = self.model
         history = getattr(model, "history", None)
@@ -234,6 +245,7 @@ class Engine:
         if (
             costs is None
             or history is None
+            or not getattr(model, "drops_one_position", True)
             or (self.refreshed_at is not None and now - self.refreshed_at < REFRESH_SECONDS)
         ):
             return 0
@@ -244,34 +256,54 @@ class Engine:
         if interrupted():  # (a request waits: not even the warm-up pass)
             return 0
         previous, self.refreshed_at = self.refreshed_at, now
-        measured: dict[int, float] = {}
-        try:
-            # untimed: after idle time the first pass runs slower (of 2+ tokens: a recurrent model's
-            # cache erases a whole sequence when asked to drop its last position alone, and says it did)
-            model.decode(history[n_past - widths[0] : n_past])
+
+        def timed(w: int) -> float:
+            started = self.clock()
+            model.decode(list(history[n_past - w : n_past]), logits_for=range(w), abort=interrupted)
+            seconds = self.clock() - started
             model.truncate(n_past)
+            return seconds
+
+        measured: dict[int, float] = {}
+        stopped = False
+        try:
+            # untimed: after idle time the first pass runs slower
+            model.decode(history[n_past - 1 : n_past])
+            model.truncate(n_past)
+            one = timed(1)
             for w in widths:
                 if interrupted():
+                    stopped = True
                     break
-                tokens = list(history[n_past - w : n_past])
-                started = self.clock()
-                model.decode(tokens, logits_for=range(w), abort=interrupted)
-                measured[w] = self.clock() - started
-                model.truncate(n_past)
+                seconds = timed(w)
+                after = timed(1)
+                if abs(after - one) <= REFRESH_STEADY * min(after, one):
+                    measured[w] = seconds / ((one + after) / 2)
+                one = after
         except DecodeAborted:  # a request came between a wide pass's calls: what is measured stands
+            stopped = True
             model.truncate(n_past)
         except Exception as exc:  # (DecodeError: e.g. a cache that cannot drop a tail) never again, then
             log.warning("re-measuring the target's passes failed (%s: %s); not tried again", type(exc).__name__, exc)
             self.refreshed_at = float("inf")
             return 0
-        if not measured:  # a request came before the first timed pass: the next idle time tries again
-            self.refreshed_at = previous
+        if not measured:
+            if stopped:  # a request came before a width was timed: the next idle time tries again
+                self.refreshed_at = previous
+            else:
+                log.info(
+                    "target passes not re-measured: the one-token passes around them differed by more than %d%% "
+                    "(another process started or stopped); tried again after a request, %.0f s on at the earliest",
+                    REFRESH_STEADY * 100,
+                    REFRESH_SECONDS,
+                )
             return 0
-        for w, seconds in measured.items():
-            costs.observe_target(w, seconds)
+        for w, ratio in measured.items():
+            costs.observe_shape(w, ratio)
         log.info(
-            "target passes re-measured in idle time: %s",
-            ", ".join(f"{w} tok {seconds * 1000:.1f} ms" for w, seconds in measured.items()),
+            "target passes re-measured in idle time: %s one-token passes; a round spends %.1f ms outside its pass",
+            ", ".join(f"{w} tok {ratio:.2f}" for w, ratio in measured.items()),
+            costs.outside() * 1000,
         )
         return len(measured)
 
@@ -550,10 +582,11 @@ class Engine:
         if drafter.free_proposals and governor.costs is not None:
             return self._gated_round(state, governor, drafter)
         if not drafter.ready():
-            state.drafted_last = False
+            state.drafted_last, state.round_ended = False, None
             return self._round(state, None)[0]
         drafting = governor.drafting
         if drafting and not state.drafted_last:
+            state.round_ended = None  # (a catch-up is a switch's cost, not a round's)
             context = state.context()[:-1]
             lacking = drafter.behind(context)
             predicted = governor.costs.catch_up(lacking) if governor.costs is not None else None
@@ -571,7 +604,9 @@ class Engine:
                 )
         governor.start_round()
         k = governor.draft_length(state.k) if drafting else 0
+        started = self.clock()
         tokens, timed = self._round(state, drafter if drafting else None, k)
+        self._observe_outside(state, governor, started, timed)
         if timed:
             governor.observe(*state.last_round)  # first: what it measured informs the decision end_round makes
             # (what a probe would have to read is asked only when one is about to fall due)
@@ -599,6 +634,7 @@ class Engine:
         else:
             tokens, timed = self._round(state, None)
         seconds = self.clock() - started
+        self._observe_outside(state, governor, started, timed)  # (asking for the proposal is outside: every round does)
         drafted, accepted = state.last_round[0], state.last_round[1]
         if timed:
             governor.observe(*state.last_round)
@@ -609,6 +645,16 @@ class Engine:
         governor.gated_round(proposal, match, drafted, accepted, tokens, seconds if timed else None)
         state.drafted_last = bool(drafted)
         return tokens
+
+    def _observe_outside(self, state: RequestState, governor: Governor, started: float, timed: bool) -> None:
+        """A governed round that began at ``started`` ran: what the cycle from the
+        previous timed round's end to this round's start cost (streaming that round's
+        tokens, asking the drafter, the loop) goes to the pass costs, when both rounds
+        were timed; the round's own drafter and target time are what it measured."""
+        if timed and state.round_ended is not None and governor.costs is not None:
+            governor.costs.observe_outside(started - state.round_ended)
+        drafter_seconds, target_seconds = state.last_round[2], state.last_round[3]
+        state.round_ended = started + drafter_seconds + target_seconds if timed else None
 
     def _round(
         self,

@@ -179,21 +179,32 @@ MIN_SECONDS = 1e-9  # a cost floor: a round timed at 0 s (a coarse clock) never 
 
 @dataclass
 class PassCosts:
-    """What a round costs on this machine: the target's pass over w tokens
-    (measured at load, then kept current by every timed round, and in idle
-    time for the widths no round runs: Engine.refresh_pass_costs) and the
-    drafter's step per drafted token (a prior until drafting rounds measure it).
-    Shared by every task's governor: it is the machine's, not the task's."""
+    """What a round costs on this machine: the target's pass over w tokens and
+    the drafter's step per drafted token (a prior until drafting rounds measure it).
+    Shared by every task's governor: it is the machine's, not the task's.
+
+    A pass's cost is kept in two parts: its *level*, what a plain round's pass
+    costs now (plain rounds measure it), and its *shape*, what a pass over w
+    tokens costs relative to a one-token pass (measured at load; then by every
+    timed round of that width, relative to the level then; and in idle time for
+    every width, relative to one-token passes timed beside it:
+    Engine.refresh_pass_costs). So what another process does to the machine
+    while a width is measured moves the level, which the next plain rounds
+    correct, and not that width's cost for as long as no round runs it again
+    (measured: a daemon re-measuring its passes while another served requests
+    timed a 2-token pass at 359 ms, 8 one-token passes)."""
 
     load: dict[int, float]  # seconds of one target pass over w tokens, measured at load
     drafter_prior: float  # seconds per drafted token before any was measured
     window: int = 16
     plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
     read: Optional[float] = None  # seconds per token of the target reading a prompt, measured at load
-    seen: dict[int, MovingRate] = field(default_factory=dict)  # by width: seconds per pass, as rounds ran
+    seen: dict[int, MovingRate] = field(default_factory=dict)  # plain_width: seconds per pass, as plain rounds ran
+    shape: dict[int, MovingRate] = field(default_factory=dict)  # by width: a pass / a one-token pass, as measured
     drafter_seen: Optional[MovingRate] = None
     read_seen: Optional[MovingRate] = None  # the drafter catching up: tokens read, seconds
     read_learnt: bool = False  # read_seen has a catch-up of this process in it (not only the state file's)
+    outside_seen: Optional[MovingRate] = None  # seconds a round spends outside its passes and drafts, as rounds ran
 
     def read_prior(self) -> float:
         """Seconds per token a drafter catching up reads, before one was measured: its
@@ -240,23 +251,55 @@ class PassCosts:
         slope = max(0.0, (self.load[b] - self.load[a]) / (b - a))
         return max(self.load[a] + slope * (w - a), 1e-9)
 
+    def ratio(self, w: int) -> float:
+        """What a pass over ``w`` tokens costs relative to a one-token pass."""
+        if w == 1:
+            return 1.0
+        shape = self.shape.get(w)
+        if shape is not None and shape.tokens > 0:
+            return shape.seconds / shape.tokens
+        return self._at_load(w) / self._at_load(1)
+
+    def level(self) -> float:
+        """Seconds of a one-token pass now: from plain rounds once they ran, else at load."""
+        pw = self.plain_width
+        seen = self.seen.get(pw)
+        if seen is not None and seen.tokens > 0:
+            return max(seen.seconds / seen.tokens, MIN_SECONDS) / self.ratio(pw)
+        return self._at_load(1)
+
     def target(self, w: int) -> float:
         """Seconds of one target pass over ``w`` tokens, as this machine runs them now."""
-        seen = self.seen.get(w)
-        if seen is not None and seen.rate is not None:
-            return max(seen.seconds / seen.tokens, MIN_SECONDS)
-        cost = self._at_load(w)
-        one = self.seen.get(1)
-        if one is not None and one.tokens > 0 and w != 1:  # the machine is busier or quieter than at load
-            cost *= (one.seconds / one.tokens) / self._at_load(1)
-        return max(cost, MIN_SECONDS)
+        return max(self.ratio(w) * self.level(), MIN_SECONDS)
+
+    def outside(self) -> float:
+        """Seconds each round spends outside the target's pass and the drafter's
+        steps, plain or drafting alike (streaming its tokens, asking a lookup
+        drafter, the Python between passes); 0 until rounds measured it."""
+        o = self.outside_seen
+        return o.seconds / o.tokens if o is not None and o.tokens > 0 else 0.0
+
+    def observe_outside(self, seconds: float) -> None:
+        if self.outside_seen is None:
+            self.outside_seen = MovingRate(self.window)
+        self.outside_seen.add(1.0, max(seconds, 0.0))
 
     def drafter(self) -> float:
         d = self.drafter_seen
         return d.seconds / d.tokens if d is not None and d.tokens > 0 else self.drafter_prior
 
     def observe_target(self, w: int, seconds: float) -> None:
-        self.seen.setdefault(w, MovingRate(self.window)).add(1.0, seconds)
+        """A round's pass over ``w`` tokens took ``seconds``: a plain round's moves
+        the level; another's, that width's shape (relative to the level now)."""
+        if w == self.plain_width:
+            self.seen.setdefault(w, MovingRate(self.window)).add(1.0, seconds)
+        elif w >= 2:
+            self.observe_shape(w, seconds / self.level())
+
+    def observe_shape(self, w: int, ratio: float) -> None:
+        """A pass over ``w`` tokens was measured at ``ratio`` one-token passes."""
+        if w >= 2 and ratio > 0:
+            self.shape.setdefault(w, MovingRate(self.window)).add(1.0, ratio)
 
     def observe_drafter(self, drafted: int, seconds: float) -> None:
         if drafted > 0:
@@ -269,10 +312,13 @@ class PassCosts:
 
     def speedup(self, k: int, alpha: float) -> float:
         """Predicted tokens/s of rounds with ``k`` drafts over plain rounds' (a
-        plain round of exact steps is counted as one token: its guess rarely holds)."""
+        plain round of exact steps is counted as one token: its guess rarely holds).
+        Both kinds of round pay what a round costs outside its pass (``outside``)
+        once: a drafting round spreads it over the tokens it yields."""
         a = min(max(alpha, 0.0), 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens * self.target(self.plain_width) / self.round_seconds(k)
+        outside = self.outside()
+        return tokens * (self.target(self.plain_width) + outside) / (self.round_seconds(k) + outside)
 
     def best(self, alpha: float, k_max: int) -> tuple[int, float]:
         """(the draft length in 1..k_max with the highest predicted speedup, that speedup)."""

@@ -236,6 +236,11 @@ class LlamaModel:
         self.vocab = llama.llama_model_get_vocab(self.model)
         self.n_vocab = int(llama.llama_vocab_n_tokens(self.vocab))
         self.size_bytes = self.path.stat().st_size
+        # a recurrent (or hybrid) model's cache asked to drop its last position alone erases the whole
+        # sequence and reports success: nothing may add one position only to drop it again
+        self.drops_one_position = not (
+            llama.llama_model_is_recurrent(self.model) or llama.llama_model_is_hybrid(self.model)
+        )
 
     def _create_context(self, flash_attn: bool) -> None:
         params = llama.llama_context_default_params()

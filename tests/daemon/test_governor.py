@@ -498,7 +498,7 @@ def test_the_engine_drafts_the_predicted_length_and_feeds_the_costs_what_rounds_
     drafter = list_drafter(SCRIPT, set())  # always right: alpha climbs, the best length is the longest
     done, model = engine_run(clock, bank, drafter)
     assert bank.info().phase == DRAFTING and done.draft.acceptance_rate == 1.0
-    assert max(model.widths) == 5 and costs.seen[5].n > 0  # the 5-token pass, measured in rounds
+    assert max(model.widths) == 5 and costs.shape[5].n > 0  # the 5-token pass, measured in rounds
     assert costs.target(5) == pytest.approx(TIMED_COSTS[5])  # the scripted clock's cost, learnt
     wrong = list_drafter(SCRIPT, set(range(1000)))
     done, model = engine_run(clock, bank, wrong)
@@ -806,19 +806,25 @@ def test_status_reports_the_gate_by_match_length_and_nothing_for_a_model_drafter
     assert gate["4-7"] == round(g.gate_alpha(evidence_bucket(5)), 3)
 
 
-def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_never_run(clock, timed_model):
-    """A load-time measurement that put wide passes at 3x what they cost keeps a
-    lookup governor from ever verifying, so no round measures them again; idle
-    time does, at the end of what the model holds, and leaves that as it was."""
-    from tandem.daemon.engine import REFRESH_SECONDS
+@pytest.fixture
+def remembering(timed_model):
+    """A TimedModel that keeps the tokens its KV cache holds (``history``, as
+    LlamaModel does) and runs every pass ``slow`` times slower (another process
+    busy on the machine; ``slow_after``: from that pass of the next ones on)."""
 
     class Remembering(timed_model):
         def __init__(self, clock):
             super().__init__(clock)
             self.history: list[int] = []
+            self.slow, self.slow_after = 1.0, None
 
         def decode(self, tokens, logits_for=(-1,), abort=None):
+            before = self.clock.now
             out = super().decode(tokens, logits_for, abort)
+            if self.slow_after is not None:
+                self.slow_after -= 1
+            if self.slow_after is None or self.slow_after < 0:
+                self.clock.advance((self.clock.now - before) * (self.slow - 1))
             self.history.extend(tokens)
             return out
 
@@ -830,6 +836,16 @@ def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_nev
             super().clear()
             self.history = []
 
+    return Remembering
+
+
+def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_never_run(clock, remembering):
+    """A load-time measurement that put wide passes at 3x what they cost keeps a
+    lookup governor from ever verifying, so no round measures them again; idle
+    time does, at the end of what the model holds, and leaves that as it was."""
+    from tandem.daemon.engine import REFRESH_SECONDS
+
+    Remembering = remembering
     inflated = {w: cost * (1 if w == 1 else 3) for w, cost in TIMED_COSTS.items()}
     costs = PassCosts(inflated, drafter_prior=2e-5)
     bank = GovernorBank("x", clock=clock, costs=costs, k_max=4)
@@ -856,3 +872,71 @@ def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_nev
     assert engine.refresh_pass_costs(lambda: False) == 4  # so the next idle time measures, not 30 s later
     no_costs = Engine(Remembering(clock), None, drafter=None, clock=clock, governors=GovernorBank("y", clock=clock))
     assert no_costs.refresh_pass_costs(lambda: False) == 0  # no pass costs: nothing to keep current
+
+
+def test_what_another_process_does_while_idle_time_re_measures_moves_no_width(clock, remembering):
+    """Idle for the daemon is not idle for the machine: passes timed while
+    another process is busy are all slower, and what idle time keeps is each
+    width relative to the one-token passes beside it. A width timed while the
+    machine changed is not counted."""
+    from tandem.daemon.engine import REFRESH_SECONDS
+
+    costs = PassCosts(TIMED_COSTS, drafter_prior=2e-5)
+    bank = GovernorBank("x", clock=clock, costs=costs, k_max=4)
+    model = remembering(clock)
+    model.decode(list(range(1, 41)))
+    engine = Engine(model, None, drafter=None, clock=clock, governors=bank)
+    model.slow = 8.0  # (measured: a 2-token pass at 359 ms while another daemon served, 8 one-token passes)
+    assert engine.refresh_pass_costs(lambda: False) == 4
+    for w in range(1, 6):
+        assert costs.target(w) == pytest.approx(TIMED_COSTS[w])  # not 8x: the level is the plain rounds'
+    assert all(costs.shape[w].n == 1 for w in range(2, 6))
+    clock.advance(REFRESH_SECONDS)
+    model.slow, model.slow_after = 1 / 8, 3  # the other process stops right after the 2-token pass
+    assert engine.refresh_pass_costs(lambda: False) == 3  # widths 3 ... 5; the 2-token pass's neighbours differ
+    assert costs.shape[2].n == 1 and all(costs.shape[w].n == 2 for w in range(3, 6))
+    for w in range(1, 6):
+        assert costs.target(w) == pytest.approx(TIMED_COSTS[w])
+    # nothing steady to count: not counted, and not tried again before REFRESH_SECONDS (no busy loop)
+    narrow = PassCosts({1: 0.010, 2: 0.01375}, drafter_prior=2e-5)
+    model = remembering(clock)
+    model.decode(list(range(1, 41)))
+    engine = Engine(model, None, drafter=None, clock=clock, governors=GovernorBank("y", clock=clock, costs=narrow))
+    model.slow, model.slow_after = 4.0, 3
+    assert engine.refresh_pass_costs(lambda: False) == 0 and narrow.shape == {}
+    passes = len(model.widths)
+    assert engine.refresh_pass_costs(lambda: False) == 0 and len(model.widths) == passes
+    assert model.n_past == 40
+
+
+def test_a_width_measured_in_a_round_is_kept_relative_to_the_plain_rounds_then():
+    c = PassCosts(TIMED_COSTS, drafter_prior=0.0)
+    c.observe_target(1, 0.020)  # plain rounds: the machine twice as busy as at load
+    c.observe_target(5, 0.070)  # a 5-token round then: 3.5 one-token passes
+    assert c.ratio(5) == pytest.approx(3.5) and c.target(5) == pytest.approx(0.070)
+    for _ in range(40):
+        c.observe_target(1, 0.010)  # quiet again: the 5-token pass is priced at the level now
+    assert c.target(5) == pytest.approx(0.035, rel=0.02)  # (the level: a moving average)
+    exact = PassCosts(TIMED_COSTS, drafter_prior=0.0, plain_width=2)  # exact steps: plain rounds read 2 tokens
+    exact.observe_target(2, 2 * TIMED_COSTS[2])
+    assert exact.level() == pytest.approx(2 * TIMED_COSTS[1]) and exact.target(5) == pytest.approx(2 * TIMED_COSTS[5])
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["model-drafter", "lookup-drafter"])
+def test_what_a_round_costs_outside_its_pass_is_measured_and_paid_once_per_round(
+    clock, timed_model, list_drafter, free_drafter, free
+):
+    """Streaming a round's tokens (and asking a lookup drafter) costs the same
+    for a plain round as for one that yields five tokens: the prediction spreads
+    it over a round's tokens, so drafting pays a little more than passes alone say."""
+    costs = PassCosts(TIMED_COSTS, drafter_prior=0.0)
+    bank = GovernorBank("id", clock=clock, costs=costs, k_max=4)
+    drafter = free_drafter(SCRIPT, set()) if free else list_drafter(SCRIPT, set())
+    engine = Engine(timed_model(clock), None, drafter=drafter, draft_tokens=4, clock=clock, governors=bank)
+    req = Generate(id="r", prompt="hi", temperature=0.0, max_tokens=120, stream=True)
+    done = engine.run(req, lambda chunk: clock.advance(0.004), lambda: False)  # each round's chunk: 4 ms
+    assert done.text == SCRIPT[:120].decode()
+    assert costs.outside() == pytest.approx(0.004)
+    tokens = (1 - 0.9**5) / (1 - 0.9)
+    assert costs.speedup(4, 0.9) == pytest.approx(tokens * (0.010 + 0.004) / (TIMED_COSTS[5] + 0.004))
+    assert costs.speedup(4, 0.9) > PassCosts(TIMED_COSTS, drafter_prior=0.0).speedup(4, 0.9)

@@ -223,7 +223,7 @@ class Engine:
             return 0
         return settle(self.cache.store_or_skip, interrupted)
 
-    def refresh_pass_costs(self, interrupted: Callable[[], bool]) -> int:
+    def refresh_pass_costs(self, interrupted: Callable[[], bool], busy: Callable[[], bool] = lambda: False) -> int:
         """Idle time, at most every REFRESH_SECONDS: time one target pass of each
         width the governors predict with (2 ... k+1 tokens, the tokens the model
         last read, again) at the end of what its KV cache holds, each between two
@@ -236,8 +236,11 @@ class Engine:
         this daemon is not idle for the machine: what another process runs
         meanwhile slows every pass alike, and a width whose two one-token passes
         differ by more than REFRESH_STEADY is not counted (the machine changed
-        while it was timed). Stops at a message (``interrupted``); returns the
-        widths measured."""
+        while it was timed). Nor does it start while other processes keep the
+        machine busy (``busy``: then the passes it would time are not this
+        machine's usual ones, and they would slow that work; the next idle time
+        tries again). Stops at a message (``interrupted``); returns the widths
+        measured."""
         costs = self.governors.costs if self.governors is not None else None
         model = self.model
         history = getattr(model, "history", None)
@@ -254,6 +257,9 @@ class Engine:
         if not widths or n_past < max(widths) or n_past + max(widths) > model.n_ctx or -1 in history[-max(widths) :]:
             return 0
         if interrupted():  # (a request waits: not even the warm-up pass)
+            return 0
+        if busy():
+            log.debug("target passes not re-measured: other processes keep the machine busy")
             return 0
         previous, self.refreshed_at = self.refreshed_at, now
 

@@ -52,11 +52,14 @@ to the next probe only. Measured before this bound: one probe's catch-up took
 1 s of a 2.9 s request.
 
 **Predicting (with ``PassCosts``).** The target worker measures, at load, what
-one pass over 1 ... k+1 tokens costs on this machine; every timed round corrects
-those costs (and the drafter's step cost) with moving averages. With them and the
+one pass over 1 ... k+1 tokens costs on this machine; timed rounds and idle time
+correct those costs (and the drafter's step cost) with moving averages, a pass's
+level from plain rounds and each width's shape relative to a one-token pass (see
+``PassCosts``), and measure what a round costs outside its pass. With them and the
 task's acceptance α (accepted drafts over accepted plus rejected ones, smoothed
 toward the α of every task seen), a drafting round of k drafts is predicted to
-give (1 - α^(k+1)) / (1 - α) tokens in pass(k+1) + k·step seconds. That chooses
+give (1 - α^(k+1)) / (1 - α) tokens in pass(k+1) + k·step + outside seconds (a
+plain round: one token in pass(1) + outside). That chooses
 the draft length of every drafting round (the k that maximises predicted
 tokens/s), lets a new task start ``plain`` (the drafter does not even read its
 prompt) when drafting is predicted not to pay, and bounds what probing costs:

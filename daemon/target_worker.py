@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import psutil
 import zmq
 
 from tandem.protocol import (
@@ -182,6 +183,18 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
         else "",
     )
     return costs
+
+
+BUSY_SHARE = 0.25  # of every core's time: other processes using more keep the machine busy (machine_busy)
+BUSY_SAMPLE_SECONDS = 0.05
+
+
+def machine_busy() -> bool:
+    """Whether other processes are using more than BUSY_SHARE of the machine's
+    CPU time now (sampled over BUSY_SAMPLE_SECONDS, while this worker idles):
+    another tandem daemon decoding, a build. Idle-time work that would compete
+    with them, and measure passes slowed by them, waits."""
+    return psutil.cpu_percent(interval=BUSY_SAMPLE_SECONDS) > BUSY_SHARE * 100
 
 
 STEP_PATHS = ("verify", "one_token")  # the probe's paths that decoding steps take (the rest: reading prompts)
@@ -613,7 +626,7 @@ class TargetLoop:
         """Between requests: the governors' pass costs re-measured (Engine.refresh_pass_costs);
         a request that arrives meanwhile stops it."""
         try:
-            self.engine.refresh_pass_costs(lambda: bool(self.sock.poll(0, zmq.POLLIN)))
+            self.engine.refresh_pass_costs(lambda: bool(self.sock.poll(0, zmq.POLLIN)), machine_busy)
         except Exception:  # a bug: the pass costs stay as rounds keep them
             log.exception("re-measuring the target's passes failed")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 
 import numpy as np
 import pytest
@@ -872,6 +874,41 @@ def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_nev
     assert engine.refresh_pass_costs(lambda: False) == 4  # so the next idle time measures, not 30 s later
     no_costs = Engine(Remembering(clock), None, drafter=None, clock=clock, governors=GovernorBank("y", clock=clock))
     assert no_costs.refresh_pass_costs(lambda: False) == 0  # no pass costs: nothing to keep current
+    clock.advance(REFRESH_SECONDS)
+    passes = len(model.widths)
+    assert engine.refresh_pass_costs(lambda: False, busy=lambda: True) == 0  # others keep the machine busy
+    assert len(model.widths) == passes  # nothing run
+    assert engine.refresh_pass_costs(lambda: False, busy=lambda: False) == 4  # the next idle time measures
+
+
+def test_the_machine_is_busy_while_another_process_computes():
+    """machine_busy samples every core's time: a process spinning on each core
+    makes it busy; nothing running, not (this test's machine may have other
+    load, so only the busy side is asserted strictly)."""
+    import multiprocessing
+
+    from tandem.daemon.target_worker import machine_busy
+
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    ready = [ctx.Event() for _ in range(os.cpu_count() or 1)]
+    spinners = [ctx.Process(target=_spin, args=(stop, r)) for r in ready]
+    for p in spinners:
+        p.start()
+    try:
+        assert all(r.wait(60) for r in ready)
+        time.sleep(0.1)
+        assert machine_busy()
+    finally:
+        stop.set()
+        for p in spinners:
+            p.join(10)
+
+
+def _spin(stop, ready) -> None:
+    ready.set()
+    while not stop.is_set():
+        pass
 
 
 def test_what_another_process_does_while_idle_time_re_measures_moves_no_width(clock, remembering):

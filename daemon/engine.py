@@ -35,7 +35,7 @@ from tandem.protocol import (
 
 from .chat import ChatTemplate, ChatTemplateError
 from .constraint import Constraint, ConstraintError, field_name
-from .governor import PLAIN, READ_MIN_TOKENS, Governor, GovernorBank, task_key
+from .governor import MIN_SECONDS, PLAIN, READ_MIN_TOKENS, Governor, GovernorBank, task_key
 from .interfaces import DecodeAborted, Drafter, Model, RequestError
 from .sampler import Sampler
 from .speculative import SparseDist, verify
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 MAX_FORCED = 16  # grammar-forced tokens read in one round
 # idle time: the target's passes re-measured at most this often (Engine.refresh_pass_costs)
 REFRESH_SECONDS = 30.0
-# a width re-measured in idle time counts when the one-token passes before and after it differ by at most this share
+# a width re-measured in idle time counts when the plain passes before and after it differ by at most this share
 # (what another process starting or stopping does to a 2-thread pass: 2-8x; what a quiet machine's noise does: < 20%)
 REFRESH_STEADY = 0.5
 
@@ -225,22 +225,23 @@ class Engine:
 
     def refresh_pass_costs(self, interrupted: Callable[[], bool], busy: Callable[[], bool] = lambda: False) -> int:
         """Idle time, at most every REFRESH_SECONDS: time one target pass of each
-        width the governors predict with (2 ... k+1 tokens, the tokens the model
-        last read, again) at the end of what its KV cache holds, each between two
-        one-token passes, drop them again, and add what each cost relative to the
-        one-token passes beside it to the pass costs' shape (PassCosts). Rounds
-        keep the widths they run current; a width no round runs (a lookup governor
-        that predicts no gain never verifies) would otherwise keep its load-time
-        cost for the daemon's life, and one start measured a 2-token pass at 2.5
-        one-token passes where the next measured 1.6. Relative, because idle for
-        this daemon is not idle for the machine: what another process runs
-        meanwhile slows every pass alike, and a width whose two one-token passes
-        differ by more than REFRESH_STEADY is not counted (the machine changed
-        while it was timed). Nor does it start while other processes keep the
-        machine busy (``busy``: then the passes it would time are not this
-        machine's usual ones, and they would slow that work; the next idle time
-        tries again). Stops at a message (``interrupted``); returns the widths
-        measured."""
+        width the governors predict with (wider than a plain round's, up to k+1
+        tokens: the tokens the model last read, again) at the end of what its KV
+        cache holds, each between two passes as wide as a plain round's, drop them
+        again, and add what each cost relative to the plain passes beside it to
+        the pass costs' shape (PassCosts). Rounds keep the widths they run
+        current; a width no round runs (a lookup governor that predicts no gain
+        never verifies) would otherwise keep its load-time cost for the daemon's
+        life, and one start measured a 2-token pass at 2.5 one-token passes where
+        the next measured 1.6. Relative, because idle for this daemon is not idle
+        for the machine: what another process runs meanwhile slows every pass
+        alike, and a width whose two plain passes differ by more than
+        REFRESH_STEADY is not counted (the machine changed while it was timed).
+        Nor does it start while other processes keep the machine busy (``busy``:
+        the passes it would time are not this machine's usual ones then, and they
+        would slow that work; the idle time after the next request tries again).
+        Not for a recurrent or hybrid model (its cache cannot drop a tail).
+        Stops at a message (``interrupted``); returns the widths measured."""
         costs = self.governors.costs if self.governors is not None else None
         model = self.model
         history = getattr(model, "history", None)
@@ -252,14 +253,12 @@ class Engine:
             or (self.refreshed_at is not None and now - self.refreshed_at < REFRESH_SECONDS)
         ):
             return 0
-        widths = [w for w in sorted(costs.load) if w >= 2]
+        plain = costs.plain_width
+        widths = [w for w in sorted(costs.load) if w > plain]
         n_past = model.n_past
         if not widths or n_past < max(widths) or n_past + max(widths) > model.n_ctx or -1 in history[-max(widths) :]:
             return 0
-        if interrupted():  # (a request waits: not even the warm-up pass)
-            return 0
-        if busy():
-            log.debug("target passes not re-measured: other processes keep the machine busy")
+        if interrupted() or busy() or interrupted():  # (a request waits, or came while busy() sampled)
             return 0
         previous, self.refreshed_at = self.refreshed_at, now
 
@@ -273,19 +272,19 @@ class Engine:
         measured: dict[int, float] = {}
         stopped = False
         try:
-            # untimed: after idle time the first pass runs slower
-            model.decode(history[n_past - 1 : n_past])
-            model.truncate(n_past)
-            one = timed(1)
+            # untimed: after idle time the first passes run slower (the plain width's and the batched kernels)
+            timed(plain)
+            timed(widths[0])
+            reference = timed(plain)
             for w in widths:
                 if interrupted():
                     stopped = True
                     break
                 seconds = timed(w)
-                after = timed(1)
-                if abs(after - one) <= REFRESH_STEADY * min(after, one):
-                    measured[w] = seconds / ((one + after) / 2)
-                one = after
+                after = timed(plain)
+                if abs(after - reference) <= REFRESH_STEADY * min(after, reference):
+                    measured[w] = seconds / max((reference + after) / 2, MIN_SECONDS)
+                reference = after
         except DecodeAborted:  # a request came between a wide pass's calls: what is measured stands
             stopped = True
             model.truncate(n_past)
@@ -298,8 +297,9 @@ class Engine:
                 self.refreshed_at = previous
             else:
                 log.info(
-                    "target passes not re-measured: the one-token passes around them differed by more than %d%% "
+                    "target passes not re-measured: the %d-token passes around them differed by more than %d%% "
                     "(another process started or stopped); tried again after a request, %.0f s on at the earliest",
+                    plain,
                     REFRESH_STEADY * 100,
                     REFRESH_SECONDS,
                 )
@@ -307,8 +307,9 @@ class Engine:
         for w, ratio in measured.items():
             costs.observe_shape(w, ratio)
         log.info(
-            "target passes re-measured in idle time: %s one-token passes; a round spends %.1f ms outside its pass",
+            "target passes re-measured in idle time: %s %d-token passes; a round spends %.1f ms outside its pass",
             ", ".join(f"{w} tok {ratio:.2f}" for w, ratio in measured.items()),
+            plain,
             costs.outside() * 1000,
         )
         return len(measured)

@@ -54,12 +54,12 @@ to the next probe only. Measured before this bound: one probe's catch-up took
 **Predicting (with ``PassCosts``).** The target worker measures, at load, what
 one pass over 1 ... k+1 tokens costs on this machine; timed rounds and idle time
 correct those costs (and the drafter's step cost) with moving averages, a pass's
-level from plain rounds and each width's shape relative to a one-token pass (see
+level from plain rounds and each width's shape relative to a plain round's pass (see
 ``PassCosts``), and measure what a round costs outside its pass. With them and the
 task's acceptance α (accepted drafts over accepted plus rejected ones, smoothed
 toward the α of every task seen), a drafting round of k drafts is predicted to
 give (1 - α^(k+1)) / (1 - α) tokens in pass(k+1) + k·step + outside seconds (a
-plain round: one token in pass(1) + outside). That chooses
+plain round: one token in a plain round's pass + outside). That chooses
 the draft length of every drafting round (the k that maximises predicted
 tokens/s), lets a new task start ``plain`` (the drafter does not even read its
 prompt) when drafting is predicted not to pay, and bounds what probing costs:
@@ -187,15 +187,19 @@ class PassCosts:
     Shared by every task's governor: it is the machine's, not the task's.
 
     A pass's cost is kept in two parts: its *level*, what a plain round's pass
-    costs now (plain rounds measure it), and its *shape*, what a pass over w
-    tokens costs relative to a one-token pass (measured at load; then by every
-    timed round of that width, relative to the level then; and in idle time for
-    every width, relative to one-token passes timed beside it:
-    Engine.refresh_pass_costs). So what another process does to the machine
-    while a width is measured moves the level, which the next plain rounds
-    correct, and not that width's cost for as long as no round runs it again
-    (measured: a daemon re-measuring its passes while another served requests
-    timed a 2-token pass at 359 ms, 8 one-token passes)."""
+    (``plain_width`` tokens) costs now, which plain rounds measure, and its
+    *shape*, what a pass over w tokens costs relative to a plain round's
+    (measured at load; then by every timed round of that width, relative to the
+    level then; and in idle time for every width, relative to plain-width passes
+    timed beside it: Engine.refresh_pass_costs). So what another process does to
+    the machine while a width is measured moves the level, which the next plain
+    rounds correct, and not that width's cost for as long as no round runs it
+    again (measured: a daemon re-measuring its passes while another served
+    requests timed a 2-token pass at 359 ms, 8 one-token passes). A round's
+    shape is not learnt while the level is not a plain round's of the last
+    ``window`` rounds (none yet, or a long stretch of drafting): it would carry
+    what changed meanwhile into the shape.
+    """
 
     load: dict[int, float]  # seconds of one target pass over w tokens, measured at load
     drafter_prior: float  # seconds per drafted token before any was measured
@@ -203,11 +207,12 @@ class PassCosts:
     plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
     read: Optional[float] = None  # seconds per token of the target reading a prompt, measured at load
     seen: dict[int, MovingRate] = field(default_factory=dict)  # plain_width: seconds per pass, as plain rounds ran
-    shape: dict[int, MovingRate] = field(default_factory=dict)  # by width: a pass / a one-token pass, as measured
+    shape: dict[int, MovingRate] = field(default_factory=dict)  # by width: a pass / a plain round's, as measured
     drafter_seen: Optional[MovingRate] = None
     read_seen: Optional[MovingRate] = None  # the drafter catching up: tokens read, seconds
     read_learnt: bool = False  # read_seen has a catch-up of this process in it (not only the state file's)
     outside_seen: Optional[MovingRate] = None  # seconds a round spends outside its passes and drafts, as rounds ran
+    since_level: int = 0  # rounds of other widths observed since the last plain round's
 
     def read_prior(self) -> float:
         """Seconds per token a drafter catching up reads, before one was measured: its
@@ -255,21 +260,20 @@ class PassCosts:
         return max(self.load[a] + slope * (w - a), 1e-9)
 
     def ratio(self, w: int) -> float:
-        """What a pass over ``w`` tokens costs relative to a one-token pass."""
-        if w == 1:
+        """What a pass over ``w`` tokens costs relative to a plain round's pass."""
+        if w == self.plain_width:
             return 1.0
         shape = self.shape.get(w)
         if shape is not None and shape.tokens > 0:
             return shape.seconds / shape.tokens
-        return self._at_load(w) / self._at_load(1)
+        return self._at_load(w) / self._at_load(self.plain_width)
 
     def level(self) -> float:
-        """Seconds of a one-token pass now: from plain rounds once they ran, else at load."""
-        pw = self.plain_width
-        seen = self.seen.get(pw)
+        """Seconds of a plain round's pass now: as plain rounds ran, else at load."""
+        seen = self.seen.get(self.plain_width)
         if seen is not None and seen.tokens > 0:
-            return max(seen.seconds / seen.tokens, MIN_SECONDS) / self.ratio(pw)
-        return self._at_load(1)
+            return max(seen.seconds / seen.tokens, MIN_SECONDS)
+        return self._at_load(self.plain_width)
 
     def target(self, w: int) -> float:
         """Seconds of one target pass over ``w`` tokens, as this machine runs them now."""
@@ -293,15 +297,19 @@ class PassCosts:
 
     def observe_target(self, w: int, seconds: float) -> None:
         """A round's pass over ``w`` tokens took ``seconds``: a plain round's moves
-        the level; another's, that width's shape (relative to the level now)."""
+        the level; another's, that width's shape (relative to the level now, when
+        plain rounds measured it lately)."""
         if w == self.plain_width:
             self.seen.setdefault(w, MovingRate(self.window)).add(1.0, seconds)
-        elif w >= 2:
+            self.since_level = 0
+            return
+        self.since_level += 1
+        if self.plain_width in self.seen and self.since_level <= self.window:
             self.observe_shape(w, seconds / self.level())
 
     def observe_shape(self, w: int, ratio: float) -> None:
-        """A pass over ``w`` tokens was measured at ``ratio`` one-token passes."""
-        if w >= 2 and ratio > 0:
+        """A pass over ``w`` tokens was measured at ``ratio`` plain rounds' passes."""
+        if w >= 1 and w != self.plain_width and ratio > 0:
             self.shape.setdefault(w, MovingRate(self.window)).add(1.0, ratio)
 
     def observe_drafter(self, drafted: int, seconds: float) -> None:
@@ -335,7 +343,7 @@ class PassCosts:
         ``budget`` of the time they take."""
         plain = self.target(self.plain_width)
         excess = probe_rounds * max(0.0, self.round_seconds(k) - plain)
-        return max(1, math.ceil(excess / (budget * plain)))
+        return max(1, math.ceil(excess / (budget * (plain + self.outside()))))
 
 
 READ_TOKENS = 64  # the prompt the target reads at load, for what reading costs a token (PassCosts.read)

@@ -190,11 +190,14 @@ BUSY_SAMPLE_SECONDS = 0.05
 
 
 def machine_busy() -> bool:
-    """Whether other processes are using more than BUSY_SHARE of the machine's
-    CPU time now (sampled over BUSY_SAMPLE_SECONDS, while this worker idles):
-    another tandem daemon decoding, a build. Idle-time work that would compete
-    with them, and measure passes slowed by them, waits."""
-    return psutil.cpu_percent(interval=BUSY_SAMPLE_SECONDS) > BUSY_SHARE * 100
+    """Whether other processes are using more than BUSY_SHARE of the time of the
+    cores this worker may run on (sampled over BUSY_SAMPLE_SECONDS, while it
+    idles): another tandem daemon decoding, a build. Idle-time work that would
+    compete with them, and measure passes slowed by them, waits. (In a container
+    the kernel reports the host's cores: other tenants count too.)"""
+    per_core = psutil.cpu_percent(interval=BUSY_SAMPLE_SECONDS, percpu=True)
+    mine = [per_core[c] for c in os.sched_getaffinity(0) if c < len(per_core)] or per_core
+    return sum(mine) / max(len(mine), 1) > BUSY_SHARE * 100
 
 
 STEP_PATHS = ("verify", "one_token")  # the probe's paths that decoding steps take (the rest: reading prompts)

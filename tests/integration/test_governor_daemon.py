@@ -155,8 +155,16 @@ def test_idle_time_re_measures_the_target_passes_and_changes_no_output(start_dae
     prompt = "# a small module\n" + "def area(width, height):\n    return width * height\n\n" * 3
     with d.client() as client:
         first = client.complete(prompt=prompt, max_tokens=32, temperature=0.0, ignore_eos=True)
-        deadline = time.monotonic() + 60
+        # (the idle time after a request waits while other processes keep the machine busy, and does not
+        # count a width timed while the machine changed: on a shared machine, the idle time after another
+        # request of the same turn tries again)
+        deadline = time.monotonic() + 150
+        retry = time.monotonic() + 10
         while "target passes re-measured in idle time" not in d.log() and time.monotonic() < deadline:
+            if time.monotonic() > retry:
+                again = client.complete(prompt=prompt, max_tokens=32, temperature=0.0, ignore_eos=True)
+                assert again.text == first.text
+                retry = time.monotonic() + 10
             time.sleep(0.2)
         assert "target passes re-measured in idle time: 2 tok" in d.log(), d.log()[-3000:]
         turn2 = prompt + first.text + "\n\ndef perimeter(width, height):\n"

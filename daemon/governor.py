@@ -176,6 +176,12 @@ class MovingRate:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
 
+def per_token(r: Optional[MovingRate], default: float) -> float:
+    """Seconds per token of a moving average (its mean seconds per round when each
+    round adds 1.0), or ``default`` before it has any."""
+    return r.seconds / r.tokens if r is not None and r.tokens > 0 else default
+
+
 MAX_DEBT = 1e6  # seconds: what a state file holds (it rejects 1e7 and more: see Governor.from_dict)
 MIN_SECONDS = 1e-9  # a cost floor: a round timed at 0 s (a coarse clock) never divides by zero
 
@@ -206,7 +212,7 @@ class PassCosts:
     window: int = 16
     plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
     read: Optional[float] = None  # seconds per token of the target reading a prompt, measured at load
-    seen: dict[int, MovingRate] = field(default_factory=dict)  # plain_width: seconds per pass, as plain rounds ran
+    seen: Optional[MovingRate] = None  # seconds per plain round's pass, as plain rounds ran (the level)
     shape: dict[int, MovingRate] = field(default_factory=dict)  # by width: a pass / a plain round's, as measured
     drafter_seen: Optional[MovingRate] = None
     read_seen: Optional[MovingRate] = None  # the drafter catching up: tokens read, seconds
@@ -229,9 +235,7 @@ class PassCosts:
         """Predicted seconds for the drafter to read ``tokens`` it lacks."""
         if tokens <= 0:
             return 0.0
-        r = self.read_seen
-        per_token = r.seconds / r.tokens if r is not None and r.tokens > 0 else self.read_prior()
-        return tokens * per_token
+        return tokens * per_token(self.read_seen, self.read_prior())
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         if tokens >= READ_MIN_TOKENS:
@@ -263,17 +267,11 @@ class PassCosts:
         """What a pass over ``w`` tokens costs relative to a plain round's pass."""
         if w == self.plain_width:
             return 1.0
-        shape = self.shape.get(w)
-        if shape is not None and shape.tokens > 0:
-            return shape.seconds / shape.tokens
-        return self._at_load(w) / self._at_load(self.plain_width)
+        return per_token(self.shape.get(w), self._at_load(w) / self._at_load(self.plain_width))
 
     def level(self) -> float:
         """Seconds of a plain round's pass now: as plain rounds ran, else at load."""
-        seen = self.seen.get(self.plain_width)
-        if seen is not None and seen.tokens > 0:
-            return max(seen.seconds / seen.tokens, MIN_SECONDS)
-        return self._at_load(self.plain_width)
+        return max(per_token(self.seen, self._at_load(self.plain_width)), MIN_SECONDS)
 
     def target(self, w: int) -> float:
         """Seconds of one target pass over ``w`` tokens, as this machine runs them now."""
@@ -283,8 +281,7 @@ class PassCosts:
         """Seconds each round spends outside the target's pass and the drafter's
         steps, plain or drafting alike (streaming its tokens, asking a lookup
         drafter, the Python between passes); 0 until rounds measured it."""
-        o = self.outside_seen
-        return o.seconds / o.tokens if o is not None and o.tokens > 0 else 0.0
+        return per_token(self.outside_seen, 0.0)
 
     def observe_outside(self, seconds: float) -> None:
         if self.outside_seen is None:
@@ -292,19 +289,20 @@ class PassCosts:
         self.outside_seen.add(1.0, max(seconds, 0.0))
 
     def drafter(self) -> float:
-        d = self.drafter_seen
-        return d.seconds / d.tokens if d is not None and d.tokens > 0 else self.drafter_prior
+        return per_token(self.drafter_seen, self.drafter_prior)
 
     def observe_target(self, w: int, seconds: float) -> None:
         """A round's pass over ``w`` tokens took ``seconds``: a plain round's moves
         the level; another's, that width's shape (relative to the level now, when
         plain rounds measured it lately)."""
         if w == self.plain_width:
-            self.seen.setdefault(w, MovingRate(self.window)).add(1.0, seconds)
+            if self.seen is None:
+                self.seen = MovingRate(self.window)
+            self.seen.add(1.0, seconds)
             self.since_level = 0
             return
         self.since_level += 1
-        if self.plain_width in self.seen and self.since_level <= self.window:
+        if self.seen is not None and self.since_level <= self.window:
             self.observe_shape(w, seconds / self.level())
 
     def observe_shape(self, w: int, ratio: float) -> None:

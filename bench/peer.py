@@ -2,6 +2,7 @@
 
     python -m bench --peer                        # SmolLM2-135M and Qwen2.5-Coder-1.5B, 3 runs: ~10 minutes here
     python -m bench --peer --models smollm2-135m --runs 5
+    python -m bench --peer --also-vendored        # a third system: llama-server built from tandem's own llama.cpp
 
 Both run as a user would start them, with their defaults: ``tandem serve --model M
 --ctx-size C`` (no drafter) and ``llama-server -m M -c C -t N -tb N`` (its prompt
@@ -24,6 +25,12 @@ Reported: median (min–max) over runs of each figure and of the tandem /
 llama-server ratio taken within a run. Goals (the performance issue): decode >=
 1.0x, TTFT <= 1.1x llama-server on every prompt kind. The report, with the
 machine and both builds' CPU features, goes to bench/results/<date>-<host>-peer/.
+
+``--also-vendored`` adds llama-server built from the llama.cpp vendored in the
+installed llama-cpp-python's sdist (``bench/build_llama_server.sh vendored``): the
+same llama.cpp tandem runs, served by llama.cpp's own server. tandem / that server
+is what tandem's own code costs or gains; that server / llama-server b11434 is what
+the llama.cpp version accounts for.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import random
 import re
 import socket as socketlib
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,7 +60,8 @@ from tandem.client import Client  # noqa: E402
 
 DEFAULT_MODELS = ["smollm2-135m", "qwen2.5-coder-1.5b"]
 KINDS = ["new", "repeated", "extended", "prefill"]
-SYSTEMS = ["tandem", "llama-server", "tandem fast"]
+VENDORED = "llama-server (vendored)"
+SYSTEMS = ["tandem", "llama-server", "tandem fast", VENDORED]
 GOALS = {"decode": 1.0, "ttft": 1.1}  # tandem / llama-server: decode at least, TTFT at most
 
 TOPICS = (
@@ -184,21 +193,57 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def server_system_info(log_path: str) -> str:
-    """llama-server's own 'system_info' line (its CPU features as built)."""
+def server_system_info(log_path: str, binary: Path) -> str:
+    """llama-server's CPU features as built: its log's 'system_info' line, which newer servers print only
+    at a higher verbosity, else ``llama_print_system_info`` from the libllama beside the binary, asked in
+    a child process (two libllamas in one process would clash)."""
     try:
-        text = Path(log_path).read_text(errors="replace")
+        m = re.search(r"system_info: (.*)", Path(log_path).read_text(errors="replace"))
+        if m:
+            return m.group(1).strip()
     except OSError:
+        pass
+    lib = binary.parent / "libllama.so"
+    code = (
+        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).llama_print_system_info; "
+        "f.restype = ctypes.c_char_p; print(f().decode())"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(lib)],
+            env={**os.environ, "LD_LIBRARY_PATH": str(binary.parent)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
         return "unknown"
-    m = re.search(r"system_info: (.*)", text)
-    return m.group(1).strip() if m else "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 # --------------------------------------------------------------------------- one model
 
 
+def vendored_server() -> Path:
+    """llama-server built from the llama.cpp in the installed llama-cpp-python's sdist."""
+    import llama_cpp
+
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "llama-server"
+    binary = root / f"llama-cpp-python-{llama_cpp.__version__}" / "bin" / "llama-server"
+    if not binary.is_file():
+        raise SystemExit(f"no llama-server at {binary}: build it with `bench/build_llama_server.sh vendored`")
+    return binary
+
+
 def bench_model(
-    name: str, server_bin: Path, runs: int, tokens: int, ctx: int, threads: int, also_fast: bool = False
+    name: str,
+    server_bin: Path,
+    runs: int,
+    tokens: int,
+    ctx: int,
+    threads: int,
+    also_fast: bool = False,
+    vendored_bin: Optional[Path] = None,
 ) -> dict:
     import llama_cpp
 
@@ -207,7 +252,7 @@ def bench_model(
     sock = temp_socket("tdm-peer-")
     serve_args = ["--model", str(path), "--ctx-size", str(ctx)]
     daemon = start_daemon(sock, *serve_args)
-    server = fast_daemon = None
+    server = fast_daemon = vendored = None
     try:
         server = LlamaServer(server_bin, path, ctx, threads, flash_attn=None)
         client = Client(sock)
@@ -220,6 +265,9 @@ def bench_model(
             fast_daemon = start_daemon(fast_sock, *serve_args, "--kernels", "fast")
             fast_client = Client(fast_sock)
             systems["tandem fast"] = lambda m, n: tandem_request(fast_client, m, n)
+        if vendored_bin is not None:
+            vendored = LlamaServer(vendored_bin, path, ctx, threads, flash_attn=None)
+            systems[VENDORED] = lambda m, n, port=vendored.port: server_request(port, m, n)
         for fn in systems.values():  # warm up: first-request costs are not what is compared
             fn([{"role": "user", "content": "Say hi."}], 4)
         rows: list[dict] = []
@@ -242,7 +290,8 @@ def bench_model(
                         n = tokens
                     else:
                         messages, n = long_prompt, 2
-                    waited = wait_quiet([p.pid for p in (daemon, fast_daemon, server.proc) if p is not None])
+                    procs = (daemon, fast_daemon, server.proc, vendored.proc if vendored else None)
+                    waited = wait_quiet([p.pid for p in procs if p is not None])
                     s = systems[system](messages, n)
                     s["waited_before"] = waited
                     if kind == "new":
@@ -263,10 +312,12 @@ def bench_model(
                 "tandem": "tandem serve " + " ".join(serve_args),
                 "llama-server": " ".join(server.command),
                 **({"tandem fast": "tandem serve " + " ".join(serve_args) + " --kernels fast"} if also_fast else {}),
+                **({VENDORED: " ".join(vendored.command)} if vendored else {}),
             },
             "builds": {
                 "tandem": llama_cpp.llama_print_system_info().decode().strip(),
-                "llama-server": server_system_info(server.log.name),
+                "llama-server": server_system_info(server.log.name, server_bin),
+                **({VENDORED: server_system_info(vendored.log.name, vendored_bin)} if vendored else {}),
             },
             "tandem_settings": {
                 "flash_attn": status.model.flash_attn if status.model else None,
@@ -275,8 +326,9 @@ def bench_model(
             "rows": rows,
         }
     finally:
-        if server is not None:
-            server.stop()
+        for srv in (server, vendored):
+            if srv is not None:
+                srv.stop()
         for proc in (daemon, fast_daemon):
             if proc is not None:
                 proc.terminate()
@@ -317,6 +369,9 @@ def figures(result: dict) -> dict:
     for fig in out.values():
         for system in [s for s in fig if s.startswith("tandem")]:
             fig[f"{system} ratio"] = [a / b for a, b in zip(fig[system], fig["llama-server"])]
+        if VENDORED in fig:
+            fig["tandem / vendored"] = [a / b for a, b in zip(fig["tandem"], fig[VENDORED])]
+            fig["vendored / llama-server"] = [a / b for a, b in zip(fig[VENDORED], fig["llama-server"])]
     return out
 
 
@@ -341,9 +396,12 @@ def write_report(results: dict, out_dir: Path) -> Path:
         f"- machine: {m['cpu']}, {m['cores']} cores; CPU flags: {', '.join(m['cpu_flags'])}",
         f"- tandem {m['tandem']}, llama-cpp-python {m['llama_cpp_python']}; llama-server {results['server']}",
     ]
+    if results.get("builds_note"):
+        lines.append(f"- {results['builds_note']}")
     for result in results["models"]:
         figs = figures(result)
         fast = "tandem fast" in result["commands"]
+        vend = VENDORED in result["commands"]
         lines += [
             "",
             f"## {result['model']} ({result['file']}, {result['bytes'] / 2**20:,.0f} MiB)",
@@ -354,10 +412,18 @@ def write_report(results: dict, out_dir: Path) -> Path:
             f"- llama-server: `{result['commands']['llama-server']}`",
             f"- tandem's llama.cpp build: `{result['builds']['tandem']}`",
             f"- llama-server's build: `{result['builds']['llama-server']}`",
+        ]
+        if vend:
+            lines += [
+                f"- llama-server from tandem's own llama.cpp (the vendored one): `{result['commands'][VENDORED]}`, "
+                f"build `{result['builds'][VENDORED]}`",
+            ]
+        lines += [
             "",
             "| figure | tandem | llama-server | tandem / llama-server | goal | met |"
-            + (" tandem `--kernels fast` | fast / llama-server |" if fast else ""),
-            "|---|---|---|---|---|---|" + ("---|---|" if fast else ""),
+            + (" tandem `--kernels fast` | fast / llama-server |" if fast else "")
+            + (" llama-server (vendored) | tandem / vendored | vendored / llama-server |" if vend else ""),
+            "|---|---|---|---|---|---|" + ("---|---|" if fast else "") + ("---|---|---|" if vend else ""),
         ]
         for name, fig in figs.items():
             goal = goal_of(name)
@@ -370,6 +436,12 @@ def write_report(results: dict, out_dir: Path) -> Path:
                 f"| {name} | {med(fig['tandem'], digits)} | {med(fig['llama-server'], digits)} | "
                 f"{med(fig['tandem ratio'])} | {f'{goal[0]} {goal[1]:.1f}×' if goal else '–'} | {met} |"
                 + (f" {med(fig['tandem fast'], digits)} | {med(fig['tandem fast ratio'])} |" if fast else "")
+                + (
+                    f" {med(fig[VENDORED], digits)} | {med(fig['tandem / vendored'])} | "
+                    f"{med(fig['vendored / llama-server'])} |"
+                    if vend
+                    else ""
+                )
             )
         cached = [
             (r["kind"], r["system"], r["prompt_tokens"], r["cached_tokens"])
@@ -408,7 +480,8 @@ def run(args: argparse.Namespace, server_bin: Path, out: Optional[Path]) -> Path
     results = {
         "command": "python -m bench --peer"
         + (f" --models {','.join(args.models)}" if args.models else "")
-        + (" --also-fast" if args.also_fast else ""),
+        + (" --also-fast" if args.also_fast else "")
+        + (" --also-vendored" if args.also_vendored else ""),
         "started": datetime.datetime.now().isoformat(),
         "runs": args.runs,
         "tokens": args.tokens,
@@ -424,9 +497,12 @@ def run(args: argparse.Namespace, server_bin: Path, out: Optional[Path]) -> Path
         },
         "models": [],
     }
+    vendored_bin = vendored_server() if args.also_vendored else None
+    if vendored_bin is not None:
+        results["vendored_server"] = str(vendored_bin)
     for name in args.models or DEFAULT_MODELS:
         results["models"].append(
-            bench_model(name, server_bin, args.runs, args.tokens, args.ctx, threads, args.also_fast)
+            bench_model(name, server_bin, args.runs, args.tokens, args.ctx, threads, args.also_fast, vendored_bin)
         )
     results["finished"] = datetime.datetime.now().isoformat()
     out = out or BENCH / "results" / f"{datetime.date.today().isoformat()}-{socketlib.gethostname()}-peer"
@@ -449,4 +525,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--also-fast",
         action="store_true",
         help="with --peer: a third system, tandem with --kernels fast (not batch-invariant: what exactness costs)",
+    )
+    ap.add_argument(
+        "--also-vendored",
+        action="store_true",
+        help="with --peer: one more system, llama-server built from the llama.cpp that tandem runs "
+        "(bench/build_llama_server.sh vendored): separates what tandem's code costs from what the llama.cpp "
+        "version does",
     )

@@ -2,7 +2,10 @@
 tokens with extra buffers on (steps split into passes of at most 3 rows, as the
 daemon runs them), off, and on with a pass's rows in one llama_decode (as
 ``--kernels fast`` runs them, not exact), side by side in one process,
-alternating rounds.
+alternating rounds. A fourth setting, extra buffers off with the fast kernels and a
+pass's rows in one llama_decode (``--kernels fast --extra-buffers off``, not exact),
+shows llama.cpp's tiled K-quant kernel, which takes over from 8 rows: the one
+setting whose wide passes cost much less than their rows' steps.
 
 With repacking a one-token step is faster (Q4_K's repacked one-row kernel), but
 every row of a verify pass goes through that one-row kernel, so a pass over
@@ -11,6 +14,7 @@ settings' median (min-max) per width and what a round of ``w`` tokens that are
 all accepted would give per token, against the same setting's one-token step.
 
     python bench/verify_cost.py [--model qwen2.5-coder-1.5b] [--rounds 3] [--widths 1,2,3,5,8]
+    python bench/verify_cost.py --widths 1,2,3,5,8,12,16,24,32   # where the tiled kernel takes over
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ def main() -> int:
         # --kernels fast: repacked, a pass's rows in one llama_decode (4-row tiles: not exact, see Exact output)
         "repacked, one pass (--kernels fast)": LlamaModel(
             path, n_ctx=n_ctx, reference_kernels=False, extra_buffers=True
+        ),
+        # --kernels fast --extra-buffers off: K-quant rows tiled from 8 a pass (not exact either)
+        "not repacked, one pass (--kernels fast --extra-buffers off)": LlamaModel(
+            path, n_ctx=n_ctx, reference_kernels=False, extra_buffers=False
         ),
     }
     costs: dict[str, dict[int, list[float]]] = {name: {w: [] for w in args.widths} for name in models}

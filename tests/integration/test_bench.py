@@ -118,7 +118,7 @@ def test_the_tool_loop_and_mask_cost_benchmarks_run(smollm2_path):
     assert "median mask / median step" in cost.stdout, cost.stdout
 
 
-def test_the_verify_cost_benchmark_compares_three_settings_or_says_why_not(smollm2_path):
+def test_the_verify_cost_benchmark_compares_four_settings_or_says_why_not(smollm2_path):
     from tandem.daemon.llama_model import cpu_has_amx
 
     run = bench("verify_cost.py", "--model", str(smollm2_path), "--rounds", "1", "--widths", "1,2")
@@ -126,7 +126,12 @@ def test_the_verify_cost_benchmark_compares_three_settings_or_says_why_not(smoll
         assert "this CPU has AMX" in run.stdout, run.stdout
         return
     tables = [line for line in run.stdout.splitlines() if line.startswith("| ") and "setting" not in line]
-    settings = ["repacked (3-row passes)", "not repacked", "repacked, one pass (--kernels fast)"]
+    settings = [
+        "repacked (3-row passes)",
+        "not repacked",
+        "repacked, one pass (--kernels fast)",
+        "not repacked, one pass (--kernels fast --extra-buffers off)",
+    ]
     assert [line.split(" | ")[0][2:] for line in tables] == settings * 3, run.stdout
     for line in tables:
         assert all(float(cell.split()[0]) > 0 for cell in line.strip("| ").split(" | ")[1:3]), line

@@ -19,6 +19,16 @@ and the speedup the target's measured pass costs predict; its figures do not
 depend on the machine's load.
 
     python bench/lookup_drafters.py [--target qwen2.5-coder-1.5b] [--runs 3] [--tokens 160] [--kinds edit agent]
+    python bench/lookup_drafters.py --tokens 256 --also-fast 16
+
+``--also-fast K`` adds two systems that give up exact output for speed:
+``--kernels fast --exact off`` without a drafter, and with the suffix drafter
+governed at up to K tokens a round (``--draft-tokens K``). With the fast kernels
+a verify pass is one ``llama_decode`` and llama.cpp's tiled kernels make a pass
+of 16-32 rows cost a few one-token steps (``verify_cost.py``), so long copies pay;
+but greedy text can then differ from plain decoding's at near-ties (the
+identical-to-plain column counts it). Every request starts once all daemons are
+idle (``wait_quiet``).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
+from common import fmt, model_path, start_daemon, temp_socket, wait_quiet  # noqa: E402
 from governor import load_all_kinds  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
@@ -88,6 +98,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round (default %(default)s)")
     ap.add_argument("--kinds", nargs="+", default=["edit", "agent"])
     ap.add_argument("--ctx-size", default="4096")
+    ap.add_argument(
+        "--also-fast",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also --kernels fast --exact off, plain and with the suffix drafter governed at up to K tokens "
+        "a round (not exact)",
+    )
     args = ap.parse_args()
 
     target = model_path(args.target)
@@ -98,7 +116,18 @@ def main() -> None:
     for d in DRAFTERS:
         state = tempfile.mkdtemp(prefix="tdm-lk-state-")
         procs[d] = start_daemon(sockets[d], *common, "--drafter", d, "--state-dir", state)
-    print(f"target {target.name}; k {args.k}; {args.tokens} tokens; {args.runs} runs; kinds {' '.join(args.kinds)}")
+    if args.also_fast:
+        fast = ("--model", str(target), "--ctx-size", args.ctx_size, "--kernels", "fast", "--exact", "off")
+        for name, extra in (
+            ("fast plain", ()),
+            ("fast suffix", ("--drafter", "suffix", "--draft-tokens", str(args.also_fast))),
+        ):
+            sockets[name] = temp_socket("tdm-lk-fast-")
+            procs[name] = start_daemon(sockets[name], *fast, *extra, "--state-dir", tempfile.mkdtemp(prefix="tdm-lk-"))
+    print(
+        f"target {target.name}; k {args.k}; {args.tokens} tokens; {args.runs} runs; kinds {' '.join(args.kinds)}"
+        + (f"; fast systems: --kernels fast --exact off, suffix k {args.also_fast}" if args.also_fast else "")
+    )
     replays: dict[str, dict[str, list]] = {}
     try:
         clients = {s: Client(p) for s, p in sockets.items()}
@@ -108,6 +137,9 @@ def main() -> None:
         for d in DRAFTERS:
             systems[f"{d} forced"] = (clients[d], {"draft": "on"})
             systems[f"{d} governed"] = (clients[d], {})
+        if args.also_fast:
+            systems["fast plain"] = (clients["fast plain"], {})
+            systems[f"fast suffix k={args.also_fast} governed"] = (clients["fast suffix"], {})
         print()
         print("| task | plain decode tok/s | " + " | ".join(f"{s} / plain" for s in list(systems)[1:]) + " |")
         print("|---|---|" + "---|" * (len(systems) - 1))
@@ -121,6 +153,7 @@ def main() -> None:
                 order = list(systems)[r % len(systems) :] + list(systems)[: r % len(systems)]
                 for s in order:
                     client, params = systems[s]
+                    wait_quiet([proc.pid for proc in procs.values()])
                     res[s].append(run(client, prompts, args.tokens, **params))
             plain = [x["tps"] for x in res["plain"]]
             cells = [fmt([x["tps"] / p for x, p in zip(res[s], plain)]) for s in list(systems)[1:]]

@@ -192,3 +192,18 @@ def test_the_step_kernels_benchmark_compares_reference_and_fast_one_token_steps(
     assert "fast / reference: median " in run.stdout, run.stdout
     # (whether the two kinds round alike is this CPU's and llama.cpp's to say: it is reported, not asserted)
     assert "logits bit for bit the same in every step" in run.stdout or "logits first differ at step" in run.stdout
+
+
+def test_the_lookup_drafter_benchmark_adds_the_fast_systems(smollm2_path):
+    run = bench(
+        "lookup_drafters.py",
+        *("--target", str(smollm2_path), "--runs", "1", "--tokens", "12", "--kinds", "edit", "--also-fast", "6"),
+    )
+    header = next(line for line in run.stdout.splitlines() if line.startswith("| task | plain decode"))
+    assert header.endswith("| fast plain / plain | fast suffix k=6 governed / plain |"), run.stdout
+    edit = next(line for line in run.stdout.splitlines() if line.startswith("| edit | "))  # the speed table's row
+    assert len(edit.strip("|").split("|")) == 8 and float(edit.split(" | ")[-1].split()[0]) > 0, edit
+    details = {line.split(" | ")[1]: line for line in run.stdout.splitlines() if line.startswith("| edit | ")}
+    # the exact systems never change the output; the fast ones are listed, however they compare
+    assert details["suffix governed"].endswith("| 4/4 |"), run.stdout
+    assert "fast plain" in details and "fast suffix k=6 governed" in details, run.stdout

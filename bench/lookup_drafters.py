@@ -25,7 +25,7 @@ depend on the machine's load.
 ``--kernels fast --exact off`` without a drafter, and with the suffix drafter
 governed at up to K tokens a round (``--draft-tokens K``). With the fast kernels
 a verify pass is one ``llama_decode`` and llama.cpp's tiled kernels make a pass
-of 16-32 rows cost a few one-token steps (``verify_cost.py``), so long copies pay;
+of 16-32 rows cost 9–15 one-token steps, not 16–32 (``verify_cost.py``), so long copies pay;
 but greedy text can then differ from plain decoding's at near-ties (the
 identical-to-plain column counts it). Every request starts once all daemons are
 idle (``wait_quiet``).

@@ -4,8 +4,8 @@ daemon runs them), off, and on with a pass's rows in one llama_decode (as
 ``--kernels fast`` runs them, not exact), side by side in one process,
 alternating rounds. A fourth setting, extra buffers off with the fast kernels and a
 pass's rows in one llama_decode (``--kernels fast --extra-buffers off``, not exact),
-shows llama.cpp's tiled K-quant kernel, which takes over from 8 rows: the one
-setting whose wide passes cost much less than their rows' steps.
+shows llama.cpp's tiled K-quant kernel, which takes over from 8 rows; both
+one-pass settings make passes of 16-32 rows cost much less than their rows' steps.
 
 With repacking a one-token step is faster (Q4_K's repacked one-row kernel), but
 every row of a verify pass goes through that one-row kernel, so a pass over

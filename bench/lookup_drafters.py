@@ -110,26 +110,29 @@ def main() -> None:
 
     target = model_path(args.target)
     corpus = load_all_kinds(agent=True)
-    common = ("--model", str(target), "--ctx-size", args.ctx_size, "--draft-tokens", str(args.k))
+    model = ("--model", str(target), "--ctx-size", args.ctx_size)
+    common = (*model, "--draft-tokens", str(args.k))
     sockets = {"plain": temp_socket("tdm-lk-plain-"), **{d: temp_socket(f"tdm-lk-{d}-") for d in DRAFTERS}}
-    procs = {"plain": start_daemon(sockets["plain"], *common)}
-    for d in DRAFTERS:
-        state = tempfile.mkdtemp(prefix="tdm-lk-state-")
-        procs[d] = start_daemon(sockets[d], *common, "--drafter", d, "--state-dir", state)
-    if args.also_fast:
-        fast = ("--model", str(target), "--ctx-size", args.ctx_size, "--kernels", "fast", "--exact", "off")
-        for name, extra in (
-            ("fast plain", ()),
-            ("fast suffix", ("--drafter", "suffix", "--draft-tokens", str(args.also_fast))),
-        ):
-            sockets[name] = temp_socket("tdm-lk-fast-")
-            procs[name] = start_daemon(sockets[name], *fast, *extra, "--state-dir", tempfile.mkdtemp(prefix="tdm-lk-"))
-    print(
-        f"target {target.name}; k {args.k}; {args.tokens} tokens; {args.runs} runs; kinds {' '.join(args.kinds)}"
-        + (f"; fast systems: --kernels fast --exact off, suffix k {args.also_fast}" if args.also_fast else "")
-    )
+    procs = {}
     replays: dict[str, dict[str, list]] = {}
-    try:
+    try:  # every daemon started is stopped, also when a later one fails to start
+        procs["plain"] = start_daemon(sockets["plain"], *common)
+        for d in DRAFTERS:
+            state = tempfile.mkdtemp(prefix="tdm-lk-state-")
+            procs[d] = start_daemon(sockets[d], *common, "--drafter", d, "--state-dir", state)
+        if args.also_fast:
+            fast = (*model, "--kernels", "fast", "--exact", "off")
+            for name, extra in (
+                ("fast plain", ()),
+                ("fast suffix", ("--drafter", "suffix", "--draft-tokens", str(args.also_fast))),
+            ):
+                sockets[name] = temp_socket("tdm-lk-fast-")
+                state = tempfile.mkdtemp(prefix="tdm-lk-state-")
+                procs[name] = start_daemon(sockets[name], *fast, *extra, "--state-dir", state)
+        print(
+            f"target {target.name}; k {args.k}; {args.tokens} tokens; {args.runs} runs; kinds {' '.join(args.kinds)}"
+            + (f"; fast systems: --kernels fast --exact off, suffix k {args.also_fast}" if args.also_fast else "")
+        )
         clients = {s: Client(p) for s, p in sockets.items()}
         for c in clients.values():
             c.complete(prompt="warm up", max_tokens=4, draft="off")

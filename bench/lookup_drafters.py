@@ -19,7 +19,7 @@ and the speedup the target's measured pass costs predict; its figures do not
 depend on the machine's load.
 
     python bench/lookup_drafters.py [--target qwen2.5-coder-1.5b] [--runs 3] [--tokens 160] [--kinds edit agent]
-    python bench/lookup_drafters.py --tokens 256 --also-fast 16
+    python bench/lookup_drafters.py --tokens 256 --also-fast 16 [--fresh]
 
 ``--also-fast K`` adds two systems that give up exact output for speed:
 ``--kernels fast --exact off`` without a drafter, and with the suffix drafter
@@ -29,6 +29,13 @@ of 16-32 rows cost 9–15 one-token steps, not 16–32 (``verify_cost.py``), so 
 but greedy text can then differ from plain decoding's at near-ties (the
 identical-to-plain column counts it). Every request starts once all daemons are
 idle (``wait_quiet``).
+
+``--fresh`` sends every request with ``cache: false``: after each one a daemon
+forgets what it read and what its drafter remembers of earlier prompts and
+replies (the suffix drafter's reply memory), so a drafter can copy only from
+the request's own prompt and what it has written so far, not from its own
+answer to the same prompt in an earlier run. Decode tok/s does not include
+the prefill, so plain decoding is measured the same way.
 """
 
 from __future__ import annotations
@@ -106,6 +113,12 @@ def main() -> None:
         help="also --kernels fast --exact off, plain and with the suffix drafter governed at up to K tokens "
         "a round (not exact)",
     )
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="send every request with cache: false, so no daemon keeps anything of one request for the next "
+        "(the drafters copy only from the request itself)",
+    )
     args = ap.parse_args()
 
     target = model_path(args.target)
@@ -132,17 +145,19 @@ def main() -> None:
         print(
             f"target {target.name}; k {args.k}; {args.tokens} tokens; {args.runs} runs; kinds {' '.join(args.kinds)}"
             + (f"; fast systems: --kernels fast --exact off, suffix k {args.also_fast}" if args.also_fast else "")
+            + ("; fresh: every request with cache: false" if args.fresh else "")
         )
         clients = {s: Client(p) for s, p in sockets.items()}
         for c in clients.values():
             c.complete(prompt="warm up", max_tokens=4, draft="off")
-        systems = {"plain": (clients["plain"], {})}
+        fresh = {"cache": False} if args.fresh else {}
+        systems = {"plain": (clients["plain"], fresh)}
         for d in DRAFTERS:
-            systems[f"{d} forced"] = (clients[d], {"draft": "on"})
-            systems[f"{d} governed"] = (clients[d], {})
+            systems[f"{d} forced"] = (clients[d], {"draft": "on", **fresh})
+            systems[f"{d} governed"] = (clients[d], fresh)
         if args.also_fast:
-            systems["fast plain"] = (clients["fast plain"], {})
-            systems[f"fast suffix k={args.also_fast} governed"] = (clients["fast suffix"], {})
+            systems["fast plain"] = (clients["fast plain"], fresh)
+            systems[f"fast suffix k={args.also_fast} governed"] = (clients["fast suffix"], fresh)
         print()
         print("| task | plain decode tok/s | " + " | ".join(f"{s} / plain" for s in list(systems)[1:]) + " |")
         print("|---|---|" + "---|" * (len(systems) - 1))
@@ -199,6 +214,8 @@ def main() -> None:
             passes = drafted = tokens = 0
             cost = 0.0
             for prompt, output in zip(data["prompts"], data["outputs"]):
+                if args.fresh:
+                    drafter.forget()  # as cache: false leaves it
                 p, d, widths = replay(drafter, prompt, output, args.k)
                 passes, drafted, tokens = passes + p, drafted + d, tokens + len(output) - 1
                 cost += sum(costs[w] for w in widths)

@@ -80,6 +80,16 @@ LOOKUP = ("ngram", "suffix")  # drafters without a model, each in its own daemon
 # against plain there, the noise floor a governed row is read against (an A/A test).
 CONTROL = "control"
 CONTROL_COLUMN = "control (plain)"
+# The opt-in mode that gives up exact output for speed on copy-heavy text (README: "Copying fast, not exact"):
+# llama.cpp's fast kernels, one-pass verification, the suffix drafter governed at up to 16 tokens a round.
+# Its daemon runs "fast plain" (draft: off) and "fast suffix governed"; their outputs may differ from plain's.
+FAST = "fast"
+FAST_ARGS = ("--kernels", "fast", "--exact", "off", "--drafter", "suffix", "--draft-tokens", "16")
+# The decoding table's requests to the daemons with a lookup drafter (and the fast one) go with cache: false:
+# the daemon forgets the request afterwards, the suffix drafter's memory of replies included, so a drafter
+# copies only from the request itself, not from its own answer to the same prompt a moment before.
+FRESH = {"cache": False}
+FAST_GOVERNED = "fast suffix governed"  # its name as a system, in the decoding table and the bracketed section
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama-server" / "b11434" / "bin" / "llama-server"
 
 
@@ -286,6 +296,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
         "params": p,
         "machine": machine(),
         "started": datetime.datetime.now().isoformat(),
+        "fresh_lookup": True,  # the decoding table's lookup and fast requests went with cache: false
     }
     results["models"] = {
         "target": {"name": p["target"], "file": target.name, "bytes": target.stat().st_size, "sha256": sha256(target)},
@@ -319,6 +330,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
         base = ("--model", str(target), "--ctx-size", ctx)
         # plain; the bracketed section's control (a plain daemon started as the drafters' are); the drafters'
         clients = bracketed_daemons(("plain", CONTROL, "model", *LOOKUP), base, drafter, "tdm-b", procs)
+        clients[FAST] = fast_daemon(base, procs)
         for name, c in clients.items():
             st = c.status()
             rss.pids[f"{name} daemon"] = st.pid
@@ -330,6 +342,7 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
                     *base,
                     *(["--drafter", str(drafter)] if name == "model" else []),
                     *(["--drafter", name] if name in LOOKUP else []),
+                    *(FAST_ARGS if name == FAST else []),
                     *(["--cache-bytes", "0", "--state-dir", "<a new directory>"] if name != "plain" else []),
                 ]
             )
@@ -340,8 +353,12 @@ def run(preset: str, out_dir: Path, llama_server: Optional[Path], runs: Optional
             )
         systems["model governed"] = lambda m, n: tandem_request(clients["model"], m, n, draft="auto")
         for name in LOOKUP:
-            systems[f"{name} k=4"] = lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="on", draft_tokens=4)
-            systems[f"{name} governed"] = lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto")
+            systems[f"{name} k=4"] = lambda m, n, c=clients[name]: tandem_request(
+                c, m, n, draft="on", draft_tokens=4, **FRESH
+            )
+            systems[f"{name} governed"] = lambda m, n, c=clients[name]: tandem_request(c, m, n, draft="auto", **FRESH)
+        systems["fast plain"] = lambda m, n: tandem_request(clients[FAST], m, n, draft="off", **FRESH)
+        systems[FAST_GOVERNED] = lambda m, n: tandem_request(clients[FAST], m, n, draft="auto", **FRESH)
         inproc = InProcess(target, int(ctx))
         systems["llama-cpp-python"] = inproc.request
         commands["llama-cpp-python"] = (
@@ -461,6 +478,8 @@ def governed_systems(clients: dict, hello: list) -> dict:
     }
     if CONTROL in clients:
         out[CONTROL_COLUMN] = lambda m, n, c=clients[CONTROL]: tandem_request(c, m, n, draft="auto")
+    if FAST in clients:  # not exact: its outputs are counted apart (identical_outputs)
+        out[FAST_GOVERNED] = lambda m, n, c=clients[FAST]: tandem_request(c, m, n, draft="auto")
     return out
 
 
@@ -480,6 +499,16 @@ def bracketed_daemons(names, base: tuple, drafter: Path, prefix: str, procs: lis
         procs.append(start_daemon(sock, *base, *extra, *fresh, stderr=(logs or {}).get(name)))
         clients[name] = Client(sock)
     return clients
+
+
+def fast_daemon(base: tuple, procs: list) -> Client:
+    """The daemon of the opt-in fast, not exact mode (FAST_ARGS), started as the
+    drafters' daemons are (no prefix cache, a fresh state directory); added to
+    ``procs`` as it starts. Returns its client."""
+    sock = temp_socket("tdm-bfast-")
+    fresh = ("--cache-bytes", "0", "--state-dir", str(sock.parent / "state"))
+    procs.append(start_daemon(sock, *base, *FAST_ARGS, *fresh))
+    return Client(sock)
 
 
 def bracketed(kinds: dict, plain, governed: dict, reps: int, tokens: int, quiet) -> dict:
@@ -606,6 +635,13 @@ def bracketed_section(data: dict, p: dict) -> list[str]:
             "is not 1.00, neither is a governed cell that did not draft)."
             if CONTROL_COLUMN in names
             else ""
+        )
+        + (
+            f" {FAST_GOVERNED}: the opt-in mode that is not exact (`{' '.join(FAST_ARGS)}`), on a daemon of its "
+            "own started as the drafters' are; its ratio is against exact plain, so it holds what the fast kernels "
+            "change as well as what drafting gains; its outputs are counted apart."
+            if FAST_GOVERNED in names
+            else ""
         ),
         "",
         "| task | prompts | " + " | ".join(names) + " |",
@@ -638,8 +674,10 @@ def identical_outputs(rows: list[dict], names: list[str]) -> str:
         same = sum(row["governed"][n]["text"] == row["plain"][0]["text"] for row in rows for n in systems)
         return f"{same}/{len(rows) * len(systems)}"
 
-    out = f"governed outputs identical to plain's: {count([n for n in names if n != CONTROL_COLUMN])}"
-    return out + (f"; the control's: {count([CONTROL_COLUMN])}" if CONTROL_COLUMN in names else "")
+    exact = [n for n in names if n not in (CONTROL_COLUMN, FAST_GOVERNED)]
+    out = f"governed outputs identical to plain's: {count(exact)}"
+    out += f"; the control's: {count([CONTROL_COLUMN])}" if CONTROL_COLUMN in names else ""
+    return out + (f"; the fast mode's (not exact): {count([FAST_GOVERNED])}" if FAST_GOVERNED in names else "")
 
 
 def write_report(results: dict, out_dir: Path) -> None:
@@ -685,6 +723,21 @@ def write_report(results: dict, out_dir: Path) -> None:
         "Each cell is one request per prompt and run, taken up to minutes apart from plain's: this resolves what "
         "forced drafting costs or gains, not a governed row's 2% (the machine's speed drifts by more between "
         "requests); the governed rows are measured in the bracketed section below.",
+    ]
+    if results.get("fresh_lookup"):
+        lines.append(
+            "The requests to the daemons with a lookup drafter (ngram, suffix, fast) go with `cache: false`: the "
+            "daemon forgets each request afterwards, the suffix drafter's memory of earlier replies included, so "
+            "it copies only from the request's own prompt and output, not from its answer to the same prompt in "
+            "the system before or the run before."
+        )
+    if any(name.startswith("fast ") for name in systems):
+        lines.append(
+            "**Not exact:** `fast plain` and `fast suffix governed` are the opt-in mode that gives up exact output "
+            f"for speed (`{' '.join(FAST_ARGS)}`, README: Copying fast, not exact); `fast plain` is its daemon "
+            "with `draft: off`. Their text may differ from plain's (the identical column counts it)."
+        )
+    lines += [
         "",
         "| task | system | tok/s | speedup | α | tokens/round | identical to plain | predicted (lab / passes) |",
         "|---|---|---|---|---|---|---|---|",
@@ -722,9 +775,16 @@ def write_report(results: dict, out_dir: Path) -> None:
     lines += [
         "",
         "Per-token latency of a drafting system is bursty: a round's accepted tokens arrive together. "
-        "TTFT: the systems that share a daemon (model k=1 … governed, ngram k=4 and governed, suffix k=4 and "
-        "governed) run one after another on the same prompt, so all but the first of them get a re-sent "
-        "prompt, whose KV and logits the model still holds (a few ms); llama-server keeps its prompt cache too. "
+        "TTFT: the systems that share a daemon (model k=1 … governed"
+        + ("" if results.get("fresh_lookup") else ", ngram k=4 and governed, suffix k=4 and governed")
+        + ") run one after another on the same prompt, so all but the first of them get a re-sent "
+        "prompt, whose KV and logits the model still holds (a few ms)"
+        + (
+            "; the lookup and fast daemons' requests forget theirs (cache: false)"
+            if results.get("fresh_lookup")
+            else ""
+        )
+        + "; llama-server keeps its prompt cache too. "
         "New and cached prompts' TTFT are measured by `python -m bench --peer` and in the prefix cache section.",
         "",
     ]

@@ -46,6 +46,8 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
         "suffix k=4",
         "suffix governed",
         "llama-cpp-python",
+        "fast plain",
+        "fast suffix governed",
     }
     assert set(results["decoding"]) == {"json", "support", "story", "code", "edit"}
     # every request produced tokens; the speculative ones drafted; greedy outputs equal plain's in the table
@@ -56,7 +58,7 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     assert set(results["bracketed"]) == {"json", "support", "story", "code", "edit"}
     for rows in results["bracketed"].values():
         assert rows and all(len(row["plain"]) == 2 for row in rows)
-        governed = {"model governed", "ngram governed", "suffix governed", "control (plain)"}
+        governed = {"model governed", "ngram governed", "suffix governed", "control (plain)", "fast suffix governed"}
         assert all(set(row["ratio"]) == governed for row in rows)
         assert all(row["governed"]["control (plain)"]["rounds"] == 0 for row in rows)  # the control never drafts
         assert all(ratio > 0 for row in rows for ratio in row["ratio"].values())
@@ -70,6 +72,12 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     assert results["peak_rss"]["control target"] > 0 and "control drafter" not in results["peak_rss"]
     control = results["commands"]["tandem (control)"]
     assert "--drafter" not in control and "--cache-bytes 0 --state-dir" in control
+    # the opt-in fast mode: a daemon of its own, its draft: off system never drafts, and the report says it is not exact
+    fast = results["commands"]["tandem (fast)"]
+    assert "--kernels fast --exact off --drafter suffix --draft-tokens 16 --cache-bytes 0" in fast, fast
+    assert all(s["rounds"] == 0 for kind in results["decoding"].values() for run in kind["fast plain"] for s in run)
+    assert results["fresh_lookup"] and "**Not exact:**" in report and "cache: false" in report
+    assert "; the fast mode's (not exact): " in report  # its outputs are not counted with the exact governors
     assert "control (plain)" in report.split("## Governed against plain, bracketed")[1].split("\n## ")[0]
     # --rewrite writes the same report again from results.json, measuring nothing
     (out / "REPORT.md").unlink()
@@ -198,7 +206,9 @@ def test_the_lookup_drafter_benchmark_adds_the_fast_systems(smollm2_path):
     run = bench(
         "lookup_drafters.py",
         *("--target", str(smollm2_path), "--runs", "1", "--tokens", "12", "--kinds", "edit", "--also-fast", "6"),
+        "--fresh",
     )
+    assert "; fresh: every request with cache: false" in run.stdout, run.stdout
     header = next(line for line in run.stdout.splitlines() if line.startswith("| task | plain decode"))
     assert header.endswith("| fast plain / plain | fast suffix k=6 governed / plain |"), run.stdout
     edit = next(line for line in run.stdout.splitlines() if line.startswith("| edit | "))  # the speed table's row
@@ -206,4 +216,6 @@ def test_the_lookup_drafter_benchmark_adds_the_fast_systems(smollm2_path):
     details = {line.split(" | ")[1]: line for line in run.stdout.splitlines() if line.startswith("| edit | ")}
     # the exact systems never change the output; the fast ones are listed, however they compare
     assert details["suffix governed"].endswith("| 4/4 |"), run.stdout
+    # the edit re-emits a file of its prompt: the forced suffix drafter drafts from it, even with nothing remembered
+    assert int(details["suffix forced"].split(" | ")[4]) > 0, run.stdout
     assert "fast plain" in details and "fast suffix k=6 governed" in details, run.stdout

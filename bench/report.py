@@ -129,6 +129,7 @@ class Sample:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    cached: int = 0  # prompt tokens the daemon did not prefill (restored from pages, or kept from the request before)
 
 
 def tandem_request(client: Client, messages, tokens: int, **params) -> Sample:
@@ -157,6 +158,7 @@ def tandem_request(client: Client, messages, tokens: int, **params) -> Sample:
         drafted=d.drafted if d else 0,
         accepted=d.accepted if d else 0,
         rounds=d.rounds if d else 0,
+        cached=done.usage.cached_tokens,
     )
 
 
@@ -725,18 +727,22 @@ def write_report(results: dict, out_dir: Path) -> None:
         "requests); the governed rows are measured in the bracketed section below.",
     ]
     if results.get("fresh_lookup"):
-        lines.append(
-            "The requests to the daemons with a lookup drafter (ngram, suffix, fast) go with `cache: false`: the "
-            "daemon forgets each request afterwards, the suffix drafter's memory of earlier replies included, so "
-            "it copies only from the request's own prompt and output, not from its answer to the same prompt in "
-            "the system before or the run before."
-        )
+        lines += [
+            "",
+            "The requests to the daemons with a lookup drafter (ngram, suffix, fast) go with `cache: false`: after "
+            "each one the daemon forgets what its model read and what its drafter remembers (the suffix drafter's "
+            "memory of earlier replies), so a drafter copies only from the request's own prompt and output, not "
+            "from its answer to the same prompt in the system or the run before. Their governors still learn from "
+            "these requests; with nothing left in the KV cache they do not re-measure pass costs in idle time "
+            "between them (they keep the costs of the bracketed section's requests or of the load).",
+        ]
     if any(name.startswith("fast ") for name in systems):
-        lines.append(
+        lines += [
+            "",
             "**Not exact:** `fast plain` and `fast suffix governed` are the opt-in mode that gives up exact output "
             f"for speed (`{' '.join(FAST_ARGS)}`, README: Copying fast, not exact); `fast plain` is its daemon "
-            "with `draft: off`. Their text may differ from plain's (the identical column counts it)."
-        )
+            "with `draft: off`. Their text may differ from plain's (the identical column counts it).",
+        ]
     lines += [
         "",
         "| task | system | tok/s | speedup | α | tokens/round | identical to plain | predicted (lab / passes) |",

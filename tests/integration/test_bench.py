@@ -77,6 +77,12 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
     assert "--kernels fast --exact off --drafter suffix --draft-tokens 16 --cache-bytes 0" in fast, fast
     assert all(s["rounds"] == 0 for kind in results["decoding"].values() for run in kind["fast plain"] for s in run)
     assert results["fresh_lookup"] and "**Not exact:**" in report and "cache: false" in report
+    # cache: false reached the daemons: a lookup or fast daemon kept nothing of the request before, the same prompt
+    # a moment earlier included, while the model daemon's systems, sharing a daemon as they do, reuse its KV
+    decoding = results["decoding"].values()
+    fresh = ("ngram k=4", "ngram governed", "suffix k=4", "suffix governed", "fast plain", "fast suffix governed")
+    assert all(s["cached"] == 0 for kind in decoding for n in fresh for run in kind[n] for s in run)
+    assert any(s["cached"] > 0 for kind in decoding for run in kind["model governed"] for s in run)
     assert "; the fast mode's (not exact): " in report  # its outputs are not counted with the exact governors
     assert "control (plain)" in report.split("## Governed against plain, bracketed")[1].split("\n## ")[0]
     # --rewrite writes the same report again from results.json, measuring nothing

@@ -2,7 +2,7 @@
 llama-cpp-python in-process and llama.cpp's llama-server, on this machine.
 
     python -m bench --quick            # a few minutes (SmolLM2 F16 target, Q4_1 drafter); CI runs it
-    python -m bench --full             # Qwen2.5-Coder 1.5B target, 0.5B drafter, 3 runs: about 75 minutes here
+    python -m bench --full             # Qwen2.5-Coder 1.5B target, 0.5B drafter, 3 runs: about 90 minutes here
     python -m bench --full --llama-server PATH   # include llama-server (bench/build_llama_server.sh builds it)
     python -m bench --peer             # tandem vs llama-server alone, SmolLM2 and Qwen2.5-Coder-1.5B (bench/peer.py)
 

@@ -57,14 +57,16 @@ DRAFTERS = ("ngram", "suffix")
 
 
 def run(client: Client, prompts, tokens: int, **params) -> dict:
-    """Decode tok/s over the prompts, drafted and accepted tokens, rounds, token ids per prompt."""
-    decode_tokens, seconds, drafted, accepted, rounds, ids = 0, 0.0, 0, 0, 0, []
+    """Decode tok/s over the prompts, drafted and accepted tokens, rounds, token ids per prompt,
+    and the prompt tokens the daemon did not read (kept or restored from an earlier request)."""
+    decode_tokens, seconds, drafted, accepted, rounds, ids, cached = 0, 0.0, 0, 0, 0, [], 0
     for messages in prompts:
         stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, **params)
         ids.append([t for c in stream for t in c.token_ids])
         done = stream.done
         decode_tokens += max(done.usage.completion_tokens - 1, 0)
         seconds += done.timings.generation_seconds
+        cached += done.usage.cached_tokens
         if done.draft:
             drafted += done.draft.drafted
             accepted += done.draft.accepted
@@ -76,6 +78,7 @@ def run(client: Client, prompts, tokens: int, **params) -> dict:
         "rounds": rounds,
         "decode_tokens": decode_tokens,
         "ids": ids,
+        "cached": cached,
     }
 
 
@@ -161,7 +164,7 @@ def main() -> None:
         print()
         print("| task | plain decode tok/s | " + " | ".join(f"{s} / plain" for s in list(systems)[1:]) + " |")
         print("|---|---|" + "---|" * (len(systems) - 1))
-        details = []
+        details, cached = [], 0
         for kind in args.kinds:
             prompts = corpus[kind]
             res: dict[str, list[dict]] = {s: [] for s in systems}
@@ -173,6 +176,7 @@ def main() -> None:
                     client, params = systems[s]
                     wait_quiet([proc.pid for proc in procs.values()])
                     res[s].append(run(client, prompts, args.tokens, **params))
+            cached += sum(x["cached"] for runs in res.values() for x in runs)
             plain = [x["tps"] for x in res["plain"]]
             cells = [fmt([x["tps"] / p for x, p in zip(res[s], plain)]) for s in list(systems)[1:]]
             print(f"| {kind} | {fmt(plain, 1)} | " + " | ".join(cells) + " |")
@@ -194,6 +198,8 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|")
         print("\n".join(details))
+        print()
+        print(f"Prompt tokens not read again (kept or restored from an earlier request), timed requests: {cached}")
     finally:
         for proc in procs.values():
             proc.terminate()

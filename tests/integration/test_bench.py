@@ -215,6 +215,9 @@ def test_the_lookup_drafter_benchmark_adds_the_fast_systems(smollm2_path):
         "--fresh",
     )
     assert "; fresh: every request with cache: false" in run.stdout, run.stdout
+    # cache: false reached the daemons: each timed request follows the same prompt on the same daemon, whose KV
+    # it would otherwise keep
+    assert "Prompt tokens not read again (kept or restored from an earlier request), timed requests: 0" in run.stdout
     header = next(line for line in run.stdout.splitlines() if line.startswith("| task | plain decode"))
     assert header.endswith("| fast plain / plain | fast suffix k=6 governed / plain |"), run.stdout
     edit = next(line for line in run.stdout.splitlines() if line.startswith("| edit | "))  # the speed table's row

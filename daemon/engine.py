@@ -89,6 +89,7 @@ class RequestState:
     # start is what a round costs outside its pass (PassCosts.outside); None: not timed
     round_ended: Optional[float] = None
     finish: Optional[FinishReason] = None
+    draft_off: Optional[str] = None  # drafting asked for but off: it would change greedy output here
 
     def context(self) -> list[int]:
         return self.tokens + self.completion
@@ -121,6 +122,8 @@ class Engine:
         self.batch_invariant: Optional[bool] = None  # the model's load probe (LlamaModel.batch_invariance)
         self.grammars = grammars  # compiles response_format into a Constraint (constraint.Grammars); None: refused
         self.jump_forward = jump_forward  # grammar-forced tokens are read as drafts
+        # why drafting and jump-forward would change greedy output here ("": they do not; target_worker)
+        self.draft_off = ""
         self.refreshed_at: Optional[float] = None  # the last idle re-measurement of the passes (refresh_pass_costs)
         # the tool-call syntax the chat template teaches (tools.py)
         self.tool_format = detect_format(chat_template.template if chat_template is not None else None)
@@ -353,6 +356,9 @@ class Engine:
         k = self.draft_tokens if req.draft_tokens is None else req.draft_tokens
         drafter = self.drafter if k > 0 and req.draft != "off" else None
         constraint, pending = self._constraint(req, plan)
+        draft_off = None
+        if self.draft_off and (drafter is not None or (self.jump_forward and (constraint or pending) is not None)):
+            drafter, draft_off = None, self.draft_off  # it would change greedy output here: decoded plainly
         if isinstance(req, Complete):
             stream = TextStream(req.stop, req.stop_at_blank_line, req.max_lines)
         else:
@@ -372,6 +378,7 @@ class Engine:
             constraint=constraint,
             parser=plan.parser() if plan is not None else None,
             pending=pending,
+            draft_off=draft_off,
         )
 
     def _constraint(self, req: Decoding, plan: Optional[ToolPlan]) -> tuple[Optional[Constraint], Optional[CallOpener]]:
@@ -505,6 +512,8 @@ class Engine:
         if state.parser is not None:
             text, deltas = state.parser.feed(text)
             state.content += text
+            if state.parser.repeated and state.finish is None:
+                state.finish = FinishReason.STOP  # the same call again: the turn ends with the calls made
         if req.stream and accepted_ids:
             emit(Chunk(id=req.id, text=text, token_ids=accepted_ids, tool_calls=deltas))
 
@@ -534,6 +543,13 @@ class Engine:
         deltas: list[ToolCallDelta] = []
         text = state.stream.text
         finish = state.finish
+        # a grammar that did not get to its end (max_tokens, a stop string): the output is not complete
+        constraint = state.constraint
+        incomplete = (
+            constraint is not None
+            and finish in (FinishReason.LENGTH, FinishReason.STOP)
+            and not (constraint.stopped or constraint.accepting)
+        )
         if state.parser is not None:
             tail, deltas = state.parser.feed(tail)
             rest, more = state.parser.finish()
@@ -565,6 +581,8 @@ class Engine:
             stop_sequence=state.stream.stopped_by if state.stream.stopped_by in (req.stop or ()) else None,
             batch_invariant=self.batch_invariant,
             tool_calls=list(state.parser.calls) if state.parser is not None else [],
+            draft_off=state.draft_off,
+            incomplete=incomplete,
         )
 
     def _governor(self, req: Decoding, tokens: list[int], k: int) -> Optional[Governor]:
@@ -684,7 +702,9 @@ class Engine:
         dists = None
         constraint = state.constraint
         forced = (
-            constraint.forced()[: max(min(MAX_FORCED, left), 0)] if constraint is not None and self.jump_forward else []
+            constraint.forced()[: max(min(MAX_FORCED, left), 0)]
+            if constraint is not None and self.jump_forward and not self.draft_off
+            else []
         )
         if forced:
             # jump-forward: the grammar's only continuation, verified as drafts (no drafter needed)

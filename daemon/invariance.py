@@ -19,7 +19,7 @@ from .worker_config import WorkerConfig
 
 log = logging.getLogger("tandem.worker")
 
-PROBE_PATHS = {"restore", "verify", "one_token", "small_batches"}  # LlamaModel.batch_invariance's keys
+PROBE_PATHS = {"restore", "verify", "one_token", "small_batches", "exact_steps"}  # LlamaModel.batch_invariance's keys
 
 
 def probe_key(model, config: WorkerConfig) -> str:

@@ -456,8 +456,11 @@ class LlamaModel:
 
         - ``restore``: a page of 16 tokens first, then the rest (a prefix-cache hit)
         - ``verify``: all but 5 tokens, then 5 in one pass (a verify pass, k = 4)
-        - ``one_token``: the same 5 one at a time (plain decoding), against the verify rows
+        - ``one_token``: the same 5 one at a time (plain decoding), against the verify rows;
+          and one-token steps against verify passes of widths 2..17 (``step_passes``)
         - ``small_batches``: 7 tokens per call (a prompt longer than --batch-size)
+        - ``exact_steps``: what exact mode runs: two-position steps against verify passes
+          of widths 2..17, each cut back to what its round accepts (``step_passes``)
 
         Returns each path's verdict; all True means batch-invariant here. Leaves the cache empty."""
         text = (
@@ -486,12 +489,61 @@ class LlamaModel:
             self.clear()
             for start in range(0, n, 7):
                 small = self.decode(tokens[start : start + 7])[0]
+            one_token = all(np.array_equal(a, b) for a, b in zip(rows, singles))
+            one_token = one_token and self.step_passes(tokens, step=1)
+            exact_steps = self.step_passes(tokens, step=2)
             return {
                 "restore": bool(np.array_equal(restore, whole)),
                 "verify": bool(np.array_equal(rows[-1], whole)),
-                "one_token": all(np.array_equal(a, b) for a, b in zip(rows, singles)),
+                "one_token": one_token,
                 "small_batches": bool(np.array_equal(small, whole)),
+                "exact_steps": exact_steps,
             }
+        finally:
+            self.clear()
+
+    # (width, accepted) of the verify passes ``step_passes`` runs: widths 2 to k + 1 = 17
+    # (--draft-tokens up to 16; 8 is where ggml's tiled K-quant matmul starts), each
+    # round accepting some of its drafts
+    PROBE_ROUNDS = ((5, 1), (2, 0), (17, 3), (3, 2), (9, 8), (8, 0), (4, 3))
+
+    def step_passes(self, tokens: Sequence[int], step: int = 2) -> bool:
+        """What drafting rests on, measured: does a verify pass of w positions give, row
+        for row, the logits a plain step gives at each of those positions, for widths
+        2..17, with the passes cut back after each round as the engine cuts them
+        (rejected drafts dropped, the next pass written into the cells they held)?
+        ``step`` is the plain step's width: 1, or 2 in exact mode (the token and a
+        guess, the guess then dropped). tinyBLAS and ggml's tiled K-quant matmul start
+        at 2 and 8 rows and round each row alike whatever the width; this checks it,
+        and whatever else could differ, on the CPU the daemon runs on. Leaves the
+        cache empty."""
+        need = sum(a + 1 for _, a in self.PROBE_ROUNDS)
+        text = list(tokens)
+        while len(text) < 24 + need + 17:
+            text = text + list(tokens[1:])
+        if len(text) > self.n_ctx - 2:
+            return True  # (a context too small to probe in: the other paths' verdicts stand)
+        base, rest = text[:24], text[24:]
+        try:
+            self.clear()
+            self.decode(base)
+            steps = []
+            for i in range(need + 17):
+                if step == 1:
+                    steps.append(self.decode([rest[i]])[0])
+                else:  # an exact step: [token, guess], logits for both, the guess (the token again) dropped
+                    steps.append(self.decode([rest[i], rest[i]], logits_for=(0, 1))[0])
+                    self.truncate(self.n_past - 1)
+            self.clear()
+            self.decode(base)
+            at = 0
+            for width, accepted in self.PROBE_ROUNDS:
+                rows = self.decode(rest[at : at + width], logits_for=range(width))
+                if not all(np.array_equal(rows[j], steps[at + j]) for j in range(width)):
+                    return False
+                at += accepted + 1
+                self.truncate(len(base) + at)
+            return True
         finally:
             self.clear()
 

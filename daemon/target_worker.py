@@ -86,10 +86,9 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     choose_prompt_reader(model, c)
     check_fast_prefill(model, info, c)
     probe(model, c, info)
-    min_batch = 1
-    if c.drafter != "none" and (c["exact"] == "on" or (c["exact"] == "auto" and info.batch_invariant is not True)):
-        min_batch = 2
-        info.exact_steps = True
+    min_batch = 2 if wants_exact_steps(c, info) else 1
+    info.exact_steps = min_batch > 1
+    info.draft_off = draft_off_reason(c, info, min_batch)
     governors, costs = None, None
     if c.governed:
         from .governor import GovernorBank
@@ -105,6 +104,8 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         )
     if min_batch > 1:
         say_exact_steps(c, costs.load if costs is not None else {})
+    if info.draft_off:
+        log.warning("drafting and jump-forward are off for every request: %s", info.draft_off)
     engine = Engine(
         model,
         template,
@@ -118,7 +119,40 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         jump_forward=c["jump_forward"],
     )
     engine.batch_invariant = info.batch_invariant
+    engine.draft_off = info.draft_off
     return engine, info
+
+
+def wants_exact_steps(config: WorkerConfig, info: ModelInfo) -> bool:
+    """Exact steps (every step reads two positions): ``--exact on``; with ``auto``,
+    where the probe found one-token steps rounding differently from wider passes
+    (and, with a drafter, where it found no verdict). Not only with a drafter: a
+    daemon without one, or a constrained request's jump-forward pass, would
+    otherwise write other text than the same model with a drafter."""
+    if config["exact"] == "on":
+        return True
+    if config["exact"] != "auto":
+        return False
+    return info.batch_invariant is False or (config.drafter != "none" and info.batch_invariant is None)
+
+
+def draft_off_reason(config: WorkerConfig, info: ModelInfo, min_batch: int) -> str:
+    """Why drafting (and jump-forward) must stay off for every request: a verify pass
+    gives other logits than the steps the engine takes between them (exact steps with
+    ``min_batch`` 2, one-token steps otherwise), so drafting would change greedy
+    output. "" where it does not, where nothing was measured, or with ``--exact off``
+    (which drafts whatever the probe says)."""
+    if config["exact"] == "off":
+        return ""
+    path = "exact_steps" if min_batch > 1 else "one_token"
+    if path not in info.batch_variant_paths:
+        return ""
+    steps = "two-position (exact) steps" if min_batch > 1 else "one-token steps"
+    return (
+        f"on this CPU, with these settings, a verify pass rounds differently from {steps} (load probe: "
+        f"{path}), so drafting would change greedy output; --exact off drafts anyway, and output may then change "
+        "at near-ties"
+    )
 
 
 def say_exact_steps(config: WorkerConfig, load: dict[int, float]) -> None:
@@ -130,10 +164,11 @@ def say_exact_steps(config: WorkerConfig, load: dict[int, float]) -> None:
             f"about {load[1] / load[2]:.2f}x a daemon without a drafter, drafting or not)"
         )
     log.warning(
-        "exact steps on: %s is not batch-invariant here, so with a drafter every step reads two positions%s. "
-        "A quantized target (Q4_K, Q4_1, Q8_0) is usually batch-invariant and decodes one token a step; "
-        "--exact off gives one-token steps back, and with them greedy output that can change with drafting at "
-        "near-ties",
+        "exact steps on: %s is not batch-invariant here, so every step reads two positions, with a drafter "
+        "or without one (a daemon with a drafter and one without then write the same text)%s. "
+        "A K-quant or Q4_1 target is usually batch-invariant and decodes one token a step; "
+        "--exact off gives one-token steps back, and with them greedy output that can change with drafting, "
+        "jump-forward and the daemon's drafter at near-ties",
         config.model_name,
         price,
     )
@@ -216,9 +251,12 @@ def probe(model, config: WorkerConfig, info: ModelInfo) -> None:
         log.warning("the batch-invariance probe failed (%s: %s); exactness unknown", type(exc).__name__, exc)
         paths = {}
     # (jump-forward for constrained output runs several tokens in a pass too, drafter or not)
-    judged = {k: v for k, v in paths.items() if k in STEP_PATHS} if model.prefill_chunk else paths
+    judged = {k: v for k, v in paths.items() if k in STEP_PATHS} if model.prefill_chunk else dict(paths)
+    judged.pop("exact_steps", None)  # (what exact mode's steps rest on: judged apart, draft_off_reason)
     info.batch_invariant = all(judged.values()) if paths else None
     info.batch_variant_paths = [name for name, same in judged.items() if not same]
+    if paths.get("exact_steps") is False:
+        info.batch_variant_paths.append("exact_steps")
     if info.batch_invariant:
         verdict = "every path that applies gives identical logits"
     elif info.batch_invariant is None:

@@ -18,9 +18,11 @@ llguidance whose calls are the tools' JSON Schemas: with ``tool_choice``
 ``auto`` the model writes freely until it opens a call (the single token that
 opens one, or a first token that opens a JSON object: ``CallOpener``), and
 from there the call is constrained. Its ``parser`` turns the output into the
-answer's text and streamed tool-call pieces; a call that names no tool or has
-no arguments object (possible only where the output was not constrained) is
-not reported. The arguments are compact JSON (``", "`` and ``": "``), exactly what the
+answer's text and tool calls, each streamed whole once it closes; a call that
+names no tool or has no arguments object (possible only where the output was
+not constrained), or that was cut off (``max_tokens``, a stop string), is not
+reported, and a call identical to one already made ends the turn. The
+arguments are compact JSON (``", "`` and ``": "``), exactly what the
 templates' ``tojson`` writes back, so a history that re-sends the calls
 renders the tokens the model generated and the prefix cache keeps hitting.
 """
@@ -286,11 +288,28 @@ class CallOpener:
 
 
 class ToolCallParser(abc.ABC):
-    """Splits the streamed output into the answer's text and tool-call pieces; ``calls``
-    holds the complete calls so far."""
+    """Splits the streamed output into the answer's text and tool calls; ``calls``
+    holds the complete calls so far. A call is streamed whole when it closes (its
+    name, id and arguments in one piece), never before: a client that adds up
+    streamed pieces must not see a call that was then cut off (max_tokens, a stop
+    string). ``repeated`` is set when the model closes a call identical to one it
+    already made in this answer (the engine ends the turn there: a small model
+    can otherwise repeat one call until max_tokens)."""
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
+        self.repeated = False
+
+    def _add(self, call: ToolCall, deltas: list[ToolCallDelta]) -> None:
+        """A complete call: reported and streamed, unless it repeats one already made."""
+        if any(
+            c.function.name == call.function.name and c.function.arguments == call.function.arguments
+            for c in self.calls
+        ):
+            self.repeated = True
+            return
+        deltas.append(ToolCallDelta(len(self.calls), call.function.arguments, call.id, call.function.name))
+        self.calls.append(call)
 
     @abc.abstractmethod
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -381,14 +400,11 @@ class HermesParser(ToolCallParser):
             except ValueError:
                 self.name = m.group(1)  # not a valid JSON string; it will not match a tool's name
             self.call_id = new_call_id()
-            deltas.append(ToolCallDelta(index=len(self.calls), id=self.call_id, name=self.name))
             self.buf = self.buf[m.end() :]
         if not self.args_done:
             n = self._scan(self.buf)
             piece, self.buf = self.buf[:n], self.buf[n:]
             self.args += piece
-            if piece:
-                deltas.append(ToolCallDelta(index=len(self.calls), arguments=piece))
             if not self.args_done:
                 return False
         end, word = (self.buf.find("}"), "}") if self.bare else (self.buf.find(CLOSE), CLOSE)
@@ -396,18 +412,18 @@ class HermesParser(ToolCallParser):
             return False
         self.buf = self.buf[end + len(word) :]
         self.in_call = self.bare = False
-        self._close()
+        self._close(deltas)
         return True
 
-    def _close(self) -> None:
-        """A finished call is reported if it calls a tool with an arguments object (unconstrained
-        output may not; its streamed pieces then belong to no call in done)."""
+    def _close(self, deltas: list[ToolCallDelta]) -> None:
+        """A closed call is reported if it calls a tool with an arguments object (unconstrained
+        output may not; it is then neither streamed nor in done)."""
         try:
             args = json.loads(self.args)
         except (ValueError, RecursionError):
             args = None
         if isinstance(args, dict) and (self.names is None or self.name in self.names):
-            self.calls.append(ToolCall(id=self.call_id, function=FunctionCall(self.name, self.args)))
+            self._add(ToolCall(id=self.call_id, function=FunctionCall(self.name, self.args)), deltas)
 
     def _scan(self, text: str) -> int:
         """How much of ``text`` belongs to the arguments value (a JSON object)."""
@@ -444,20 +460,19 @@ class HermesParser(ToolCallParser):
             and (self.names is None or name in self.names)
             and isinstance(obj.get("arguments"), dict)
         ):
-            call = ToolCall(new_call_id(), FunctionCall(name, _dump(obj["arguments"])))
-            deltas.append(ToolCallDelta(len(self.calls), call.function.arguments, call.id, call.function.name))
-            self.calls.append(call)
+            self._add(ToolCall(new_call_id(), FunctionCall(name, _dump(obj["arguments"]))), deltas)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
         if self.in_call:
-            if self.name is not None and self.args_done:  # the model ended without the closing tag
-                self._close()
+            if self.name is None and not self.bare:
+                pass  # cut off before its name: not a call
             elif self.name is None:
                 self._whole(self.buf, deltas)
-                if self.bare and not self.calls:
+                if not self.calls:
                     content = self.buf  # an answer that is JSON, not a call
-            # else: cut off in the arguments (max_tokens); the pieces streamed so far stay incomplete
+            # else: cut off in its arguments or before its closing tag (max_tokens, a stop string): not a
+            # call, and nothing of it was streamed
         elif not self.started:
             content = self.buf  # only whitespace
         elif self.buf:
@@ -497,7 +512,7 @@ class Llama3Parser(ToolCallParser):
             obj = None
         args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
         if isinstance(obj, dict) and obj.get("name") in self.names and isinstance(args, dict):
-            call = ToolCall(new_call_id(), FunctionCall(obj["name"], _dump(args)))
-            self.calls.append(call)
-            return "", [ToolCallDelta(0, call.function.arguments, call.id, call.function.name)]
+            deltas: list[ToolCallDelta] = []
+            self._add(ToolCall(new_call_id(), FunctionCall(obj["name"], _dump(args))), deltas)
+            return "", deltas
         return text, []

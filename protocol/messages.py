@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 4)
+PROTOCOL_VERSION: tuple[int, int] = (1, 5)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
@@ -629,6 +629,12 @@ class Done(Message):
     tool_calls: list[ToolCall] = field(default_factory=list)  # the calls the model made (finish_reason tool_calls)
     drafter_died: bool = False  # the drafter worker died during the request: the rest was decoded plainly
     stop_sequence: Optional[str] = None  # the stop string that ended it (finish_reason stop); None otherwise
+    # drafting (and jump-forward) was off for this request because it would change greedy output on this
+    # CPU (the load probe's exact_steps or one_token path differs); None: it was not turned off for that
+    draft_off: Optional[str] = None
+    # a constrained output (response_format or a tool call) ended before its grammar was complete
+    # (max_tokens, a stop string): finish_reason says which; the cut-off call is not in tool_calls
+    incomplete: bool = False
 
     @classmethod
     def cancelled(
@@ -697,6 +703,9 @@ class ModelInfo:
     vocab_digests: list[str] = field(default_factory=list)  # sha256 (16 hex) of each 4,096-id block of token texts
     batch_invariant: Optional[bool] = None  # the load probe: every decoding path gives bit-identical logits here
     exact_steps: bool = False  # every step reads >= 2 positions so drafting never changes greedy output
+    # why drafting and jump-forward are off for every request (verify passes round differently from plain
+    # steps on this CPU, with these settings); "" when they draft as configured
+    draft_off: str = ""
     fim: bool = False  # the vocabulary has fill-in-the-middle tokens: ``complete`` works
     batch_variant_paths: list[str] = field(default_factory=list)  # the probe's paths whose logits differ
     kernels: str = ""  # "mixed" (fast prefill, reference steps), "reference" (ggml's batch-invariant kernels) or "fast"

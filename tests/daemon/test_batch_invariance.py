@@ -92,7 +92,13 @@ def test_the_default_settings_are_batch_invariant(which, smollm2_path, coder_pat
     model = LlamaModel(smollm2_path if which == "smollm2" else coder_path, n_ctx=1024)
     try:
         assert model.reference_kernels and model.flash_attn and not model.extra_buffers
-        assert model.batch_invariance() == {"restore": True, "verify": True, "one_token": True, "small_batches": True}
+        assert model.batch_invariance() == {
+            "restore": True,
+            "verify": True,
+            "one_token": True,
+            "small_batches": True,
+            "exact_steps": True,
+        }
         assert really_invariant(model)
     finally:
         model.close()
@@ -145,7 +151,7 @@ def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_p
     from tandem.daemon.invariance import probe_batch_invariance
 
     gguf, state, config = stand_in_config(tmp_path)
-    verdict = {"restore": True, "verify": False, "one_token": True, "small_batches": True}
+    verdict = {"restore": True, "verify": False, "one_token": True, "small_batches": True, "exact_steps": True}
     model = CountingModel(gguf, verdict)
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1  # kept
@@ -186,7 +192,13 @@ def test_repacked_weights_keep_steps_exact_in_passes_of_up_to_three_rows(coder_p
         repacked = "CPU_REPACK" in model.placement.weights  # (the Q4_K/Q8_0 tensors llama.cpp repacks)
         assert repacked is model.extra_buffers
         assert model.step_rows == (REPACK_STEP_ROWS if repacked else 0)
-        assert model.batch_invariance() == {"restore": True, "verify": True, "one_token": True, "small_batches": True}
+        assert model.batch_invariance() == {
+            "restore": True,
+            "verify": True,
+            "one_token": True,
+            "small_batches": True,
+            "exact_steps": True,
+        }
         assert really_invariant(model)
         model.step_rows = 0  # every pass in one llama_decode: repack's gemm for 4 rows and more
         assert all(model.batch_invariance().values()) == really_invariant(model)
@@ -201,7 +213,7 @@ def test_the_load_checks_verdicts_are_kept_beside_the_probes(tmp_path):
     from tandem.daemon.invariance import kept_check, probe_batch_invariance
 
     gguf, state, config = stand_in_config(tmp_path)
-    verdict = {"restore": True, "verify": True, "one_token": True, "small_batches": True}
+    verdict = {"restore": True, "verify": True, "one_token": True, "small_batches": True, "exact_steps": True}
     model = CountingModel(gguf, verdict)
     runs = []
 

@@ -65,16 +65,18 @@ def test_hermes_calls_parse_the_same_however_the_text_is_split(cut):
     assert [json.loads(a) for _, a in parser_calls] == [{"city": 'Par"is {x}'}, {}]
 
 
-def test_hermes_parser_streams_the_name_first_then_argument_pieces():
+def test_hermes_parser_streams_a_call_whole_once_it_closes():
+    """Nothing of a call is streamed before it closes: a client that adds up streamed
+    pieces (the OpenAI and Anthropic SDKs do) never holds a call that was then cut off."""
     parser = HermesParser()
     assert parser.feed("<tool_call>\n") == ("", [])
-    _, deltas = parser.feed('{"name": "get_weather", "arguments": {"ci')
-    assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", ""), (0, None, '{"ci')]
+    assert parser.feed('{"name": "get_weather", "arguments": {"ci') == ("", [])
+    assert parser.feed('ty": "Oslo"}}\n') == ("", [])
+    _, deltas = parser.feed("</tool_call>")
+    assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", '{"city": "Oslo"}')]
     assert deltas[0].id.startswith("call_")
-    _, deltas = parser.feed('ty": "Oslo"}}\n</tool_call>')
-    assert [d.arguments for d in deltas] == ['ty": "Oslo"}']
     assert parser.calls[0].function == FunctionCall("get_weather", '{"city": "Oslo"}')
-    assert parser.calls[0].id == _first_id(parser)
+    assert parser.calls[0].id == _first_id(parser) == deltas[0].id
 
 
 def _first_id(parser):
@@ -93,8 +95,31 @@ def _calls(deltas):
 def test_a_call_cut_off_by_max_tokens_is_not_a_call():
     parser = HermesParser()
     content, deltas = feed_all(parser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os', [])
-    assert content == "" and parser.calls == []
-    assert _calls(deltas) == [("get_weather", '{"city": "Os')]  # what was streamed stays streamed
+    assert content == "" and parser.calls == [] and deltas == []  # nothing of it streamed either
+
+
+@pytest.mark.parametrize("cut", ['{"city": "Oslo"}', '{"city": "Oslo"}}', '{"city": "Oslo"}}\n</tool_'])
+def test_a_call_cut_off_before_its_closing_tag_is_not_a_call(cut):
+    """Arguments that parse are not enough: the call ended (max_tokens, a stop string)
+    before the model closed it, so it is not reported, after a complete one that is."""
+    parser = HermesParser({"get_weather"})
+    whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+    content, deltas = feed_all(parser, whole + '<tool_call>\n{"name": "get_weather", "arguments": ' + cut, [7, 30])
+    assert content == ""
+    assert [c.function.arguments for c in parser.calls] == ['{"city": "Rome"}']
+    assert _calls(deltas) == [("get_weather", '{"city": "Rome"}')]
+
+
+def test_a_repeated_call_is_not_reported_again_and_says_so():
+    """The engine ends the turn when ``repeated`` is set (a small model can write the same
+    call until max_tokens); the repeat itself is neither reported nor streamed."""
+    parser = HermesParser({"read_file"})
+    call = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+    other = '<tool_call>\n{"name": "read_file", "arguments": {"path": "b.py"}}\n</tool_call>\n'
+    _, deltas = feed_all(parser, call + other, [5])
+    assert not parser.repeated and len(parser.calls) == 2
+    _, more = feed_all(parser, call, [3])
+    assert parser.repeated and len(parser.calls) == 2 and more == []
 
 
 def test_text_without_calls_passes_through_even_if_it_looks_like_a_tag():

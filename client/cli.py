@@ -606,15 +606,25 @@ def cmd_status(args) -> int:
             settings += ", repacked weights"
         if m.prompt_reader:
             settings += " (prompts read over the weights not repacked)"
+        differ = ", ".join(m.batch_variant_paths)
         if m.batch_invariant:
             print(f"exact:     yes, batch-invariant ({settings}): output does not depend on the cache or drafting")
-        else:
+        elif m.draft_off:
             print(
-                f"exact:     no, logits differ on {', '.join(m.batch_variant_paths)} ({settings}); see the daemon log"
+                f"exact:     yes, drafting and jump-forward off (logits differ on {differ}; {settings}): {m.draft_off}"
             )
+        elif m.exact_steps:
+            print(
+                f"exact:     yes, with exact steps (logits differ on {differ}; {settings}): every step reads two "
+                "positions, so output does not depend on the cache, drafting or the daemon's drafter"
+            )
+        else:
+            print(f"exact:     no, logits differ on {differ} ({settings}); see the daemon log")
     if st.drafter != "none":
         line = f"drafter:   {st.drafter}, {st.draft_tokens} tokens per draft"
-        if st.model and st.model.exact_steps:
+        if st.model and st.model.draft_off:
+            line += ", not drafting: it would change greedy output here (--exact off drafts anyway)"
+        elif st.model and st.model.exact_steps:
             line += ", exact steps" + ("" if st.model.batch_invariant else " (target is not batch-invariant)")
         if st.draft:
             d = st.draft

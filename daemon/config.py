@@ -196,10 +196,12 @@ OPTIONS: tuple[Option, ...] = (
         "exact",
         "choice",
         "auto",
-        "with a drafter: decode every step as a batch of >= 2 tokens, so drafting "
-        "never changes greedy output on a target whose one-token and batched kernels round differently "
-        "(probed at load); costs 25-45%% on steps without drafts. auto = on only where the probe finds the "
-        "target not batch-invariant",
+        "decode every step as a batch of >= 2 tokens, so that drafting, jump-forward and whether the daemon "
+        "has a drafter never change greedy output on a target whose one-token and batched kernels round "
+        "differently (probed at load; an F16 target, for one); costs 25-45%% on steps without drafts. "
+        "auto = on only where the probe finds the target not batch-invariant. Where the probe finds verify "
+        "passes rounding differently from these steps, drafting and jump-forward are turned off instead "
+        "(status and done say so); off = one-token steps and drafting whatever the probe says",
         choices=("auto", "on", "off"),
     ),
     Option(

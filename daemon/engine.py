@@ -543,12 +543,14 @@ class Engine:
         deltas: list[ToolCallDelta] = []
         text = state.stream.text
         finish = state.finish
-        # a grammar that did not get to its end (max_tokens, a stop string): the output is not complete
+        # a grammar that did not get to its end (max_tokens, a stop string): the output is not complete (a
+        # repeated call ends the turn where the calls before it were complete, whatever the round read after it)
         constraint = state.constraint
         incomplete = (
             constraint is not None
             and finish in (FinishReason.LENGTH, FinishReason.STOP)
             and not (constraint.stopped or constraint.accepting)
+            and not (state.parser is not None and state.parser.repeated)
         )
         if state.parser is not None:
             tail, deltas = state.parser.feed(tail)

@@ -517,9 +517,10 @@ class LlamaModel:
         at 2 and 8 rows and round each row alike whatever the width; this checks it,
         and whatever else could differ, on the CPU the daemon runs on. Leaves the
         cache empty."""
-        need = sum(a + 1 for _, a in self.PROBE_ROUNDS)
+        starts = [sum(a + 1 for _, a in self.PROBE_ROUNDS[:i]) for i in range(len(self.PROBE_ROUNDS))]
+        need = max(at + width for at, (width, _) in zip(starts, self.PROBE_ROUNDS))  # positions read: 27
         text = list(tokens)
-        while len(text) < 24 + need + 17:
+        while len(text) < 24 + need:
             text = text + list(tokens[1:])
         if len(text) > self.n_ctx - 2:
             return True  # (a context too small to probe in: the other paths' verdicts stand)
@@ -528,7 +529,7 @@ class LlamaModel:
             self.clear()
             self.decode(base)
             steps = []
-            for i in range(need + 17):
+            for i in range(need):
                 if step == 1:
                     steps.append(self.decode([rest[i]])[0])
                 else:  # an exact step: [token, guess], logits for both, the guess (the token again) dropped
@@ -536,13 +537,11 @@ class LlamaModel:
                     self.truncate(self.n_past - 1)
             self.clear()
             self.decode(base)
-            at = 0
-            for width, accepted in self.PROBE_ROUNDS:
+            for at, (width, accepted) in zip(starts, self.PROBE_ROUNDS):
+                self.truncate(len(base) + at)  # the round before kept its accepted drafts and its own token
                 rows = self.decode(rest[at : at + width], logits_for=range(width))
                 if not all(np.array_equal(rows[j], steps[at + j]) for j in range(width)):
                     return False
-                at += accepted + 1
-                self.truncate(len(base) + at)
             return True
         finally:
             self.clear()

@@ -89,6 +89,19 @@ def test_a_constrained_request_cut_by_max_tokens_says_length(daemon):
         item = CORPUS[0]
         done = extract(c, item, max_tokens=5)
         assert done.finish_reason == FinishReason.LENGTH and not valid(done.text, item["schema"])
+        assert done.incomplete
+        whole = extract(c, item)
+        assert valid(whole.text, item["schema"]) and not whole.incomplete
+
+
+def test_a_stop_string_inside_a_constrained_output_says_so_and_incomplete(daemon):
+    """The stop string ends the output where the grammar is not complete: finish stop with the string
+    that ended it, and incomplete, never an output that passes for a finished one."""
+    with daemon.client() as c:
+        item = CORPUS[0]
+        done = extract(c, item, stop=['":'])
+    assert done.finish_reason == FinishReason.STOP and done.stop_sequence == '":'
+    assert done.incomplete and not valid(done.text, item["schema"])
 
 
 @pytest.mark.parametrize(

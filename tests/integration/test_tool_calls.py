@@ -212,3 +212,59 @@ def test_a_call_cut_off_by_max_tokens_says_length_and_claims_no_call(coder_daemo
     with coder_daemon.client() as c:
         done = c.complete(messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=18)
     assert done.finish_reason == FinishReason.LENGTH and done.tool_calls == []
+
+
+def one_call(client, max_tokens: int, **kw):
+    """tool_choice required, one call: the grammar ends with the call's closing tag (one token in Qwen's
+    vocabulary). Streamed; (the call pieces streamed, done)."""
+    stream = client.generate(
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0.0,
+        max_tokens=max_tokens,
+        **kw,
+    )
+    deltas = [d for chunk in stream for d in chunk.tool_calls]
+    return deltas, stream.done
+
+
+def test_a_call_cut_off_before_it_closes_is_neither_streamed_nor_reported(coder_daemon):
+    """max_tokens before the closing tag (the arguments are whole and parse) or inside the arguments: the
+    call did not finish, so it is not a call, and no piece of it was streamed for a client to add up."""
+    with coder_daemon.client() as c:
+        deltas, whole = one_call(c, 120)
+        check_calls(whole)
+        n = whole.usage.completion_tokens
+        assert [(d.name, d.arguments) for d in deltas] == [
+            (t.function.name, t.function.arguments) for t in whole.tool_calls
+        ]  # a call is streamed whole, once it closed
+        assert not whole.incomplete
+        for cut in (n - 1, n - 4):
+            deltas, done = one_call(c, cut)
+            assert done.finish_reason == FinishReason.LENGTH and done.incomplete, (cut, done)
+            assert done.tool_calls == [] and deltas == [], cut
+
+
+def test_a_stop_string_inside_a_call_ends_it_and_it_is_not_a_call(coder_daemon):
+    with coder_daemon.client() as c:
+        deltas, done = one_call(c, 120, stop=['"city"'])
+    assert done.finish_reason == FinishReason.STOP and done.stop_sequence == '"city"'
+    assert done.incomplete and done.tool_calls == [] and deltas == []
+
+
+def test_a_repeated_call_ends_the_turn_instead_of_burning_max_tokens(coder_daemon):
+    """Qwen2.5-Coder-0.5B, calls required and parallel ones allowed, writes the same read_file call again
+    after its first calls (it did so until max_tokens before this rule): the turn ends at the repeat, with
+    the calls made before it, each once."""
+    messages = [
+        {"role": "system", "content": "You are a coding agent. Use the tools."},
+        {"role": "user", "content": "Read src/app.py and fix the bug in it."},
+    ]
+    with coder_daemon.client() as c:
+        done = c.complete(messages=messages, tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=200)
+    check_calls(done)
+    calls = [(t.function.name, t.function.arguments) for t in done.tool_calls]
+    assert len(set(calls)) == len(calls) and ("read_file", '{"path": "src/app.py"}') in calls
+    assert done.usage.completion_tokens < 200 and not done.incomplete

@@ -9,7 +9,9 @@ drafter, its cache and drafting off):
                  fresh disk tier, whose pages it writes); its exact steps, if any,
                  are its own load probe's decision
 - ``disk``       the prompt restored from disk pages that daemon wrote (the memory
-                 tier emptied first; ``restored`` counts how many restored any)
+                 tier emptied first; all prompts before any other mode, which empties
+                 the disk tier too; ``restored`` counts how many restored any: only
+                 whole 64-token chunks are kept, so only prompts at least that long)
 - ``cold``       cache on, emptied first (the prompt is prefilled and stored)
 - ``warm``       the same request again (its prompt restored from pages)
 - ``forced``     drafting every round (``draft: on``), cache off
@@ -104,13 +106,19 @@ def run(client: Client, corpus, tokens: int, kinds, engine, plain: dict):
     total = defaultdict(int)
     misses = []
     counts = defaultdict(int)  # restored: disk runs that restored pages; draft_off: drafted requests refused
+    refs, disk = {}, {}
+    # first, every prompt restored from the other daemon's files (before anything here clears the disk tier)
     for kind, i, messages in each_prompt(corpus, kinds):
-        total[kind] += 1
-        ref, ref_text = ids(client, messages, tokens, cache=False, draft="off")
+        refs[kind, i] = ids(client, messages, tokens, cache=False, draft="off")
         client.cache_clear(memory_only=True)  # what it restores comes from the other daemon's files
         dones: list = []
-        got = {"no_drafter": plain[(kind, i)], "disk": ids(client, messages, tokens, dones, draft="off")[0]}
+        disk[kind, i] = ids(client, messages, tokens, dones, draft="off")[0]
         counts["restored"] += dones[-1].usage.cached_tokens > 0
+    for kind, i, messages in each_prompt(corpus, kinds):
+        total[kind] += 1
+        ref, ref_text = refs[kind, i]
+        dones = []
+        got = {"no_drafter": plain[(kind, i)], "disk": disk[kind, i]}
         client.cache_clear()
         got["cold"] = ids(client, messages, tokens, draft="off")[0]
         got["warm"] = ids(client, messages, tokens, draft="off")[0]

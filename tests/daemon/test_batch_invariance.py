@@ -237,3 +237,40 @@ def test_the_load_checks_verdicts_are_kept_beside_the_probes(tmp_path):
     state.write_text("{not json")  # a corrupt file only means checking again
     assert kept_check(model, config, "grouping group=256", check(True)) is True and len(runs) == 6
     assert kept_check(model, None, "grouping group=256", check(True)) is True and len(runs) == 7  # no config: no file
+
+
+def exact_steps_agree_with_verify_passes(model, n_tokens: int = 300) -> bool:
+    """What drafting on a not-invariant target rests on, past 256 tokens of context:
+    verify passes of 2 to 9 rows give, row for row, the logits exact steps (the token
+    and a dropped guess, 2 rows) give at the same positions."""
+    tokens = model.tokenize(LONG_TEXT * 12, add_special=True)[:n_tokens]
+    base, rest = tokens[:270], tokens[270:]
+    model.clear()
+    model.decode(base)
+    steps = []
+    for t in rest:
+        steps.append(model.decode([t, t], logits_for=(0, 1))[0])
+        model.truncate(model.n_past - 1)
+    at, same = 0, True
+    for width in (2, 5, 9, 3):
+        model.truncate(len(base) + at)
+        rows = model.decode(rest[at : at + width], logits_for=range(width))
+        same = same and all(np.array_equal(rows[j], steps[at + j]) for j in range(width))
+        at += width
+    model.clear()
+    return same
+
+
+def test_the_exact_steps_verdict_agrees_with_a_long_check_on_an_f16_target(smollm2_path):
+    """An F16 target (llamafile's tinyBLAS for 2+ rows, ggml's dot product for one):
+    the probe's exact_steps verdict, which decides whether a daemon may draft on it,
+    is what 300 tokens of context show on this CPU, whichever it is."""
+    from tandem.daemon import models
+    from tandem.daemon.llama_model import LlamaModel
+
+    model = LlamaModel(models.derive_f16(smollm2_path), n_ctx=1024, flash_attn=True, reference_kernels=True)
+    try:
+        paths = model.batch_invariance()
+        assert paths["exact_steps"] is exact_steps_agree_with_verify_passes(model), paths
+    finally:
+        model.close()

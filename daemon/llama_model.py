@@ -537,7 +537,7 @@ class LlamaModel:
                     self.truncate(self.n_past - 1)
             self.clear()
             self.decode(base)
-            for at, (width, accepted) in zip(starts, self.PROBE_ROUNDS):
+            for at, (width, _) in zip(starts, self.PROBE_ROUNDS):
                 self.truncate(len(base) + at)  # the round before kept its accepted drafts and its own token
                 rows = self.decode(rest[at : at + width], logits_for=range(width))
                 if not all(np.array_equal(rows[j], steps[at + j]) for j in range(width)):

@@ -5,7 +5,7 @@
 llama.cpp's repacked Q4_K weights (``--extra-buffers on``) multiply 4 rows at a
 time (gemm) and a leftover row alone (gemv), which round differently, so a
 one-token step disagrees with a verify or jump-forward pass over several tokens
-(README, Exact output). The idea tried here: pad every pass with junk tokens
+(docs/exact-output.md). The idea tried here: pad every pass with junk tokens
 after the real ones to a multiple of 4 rows (then drop their KV), so every row
 goes through the gemm. For 20 positions after a 70-token prompt (read with fast
 prefill chunks, steps with the reference kernels, as the daemon does), it

@@ -81,7 +81,7 @@ HTTP_UNIT_NAME = "tandem-http.service"
 HTTP_UNIT_TEMPLATE = """\
 # tandem's HTTP bridge (OpenAI, Ollama and Anthropic APIs on 127.0.0.1), as a systemd user
 # service beside tandem.service, so an editor finds it after login. Installed by
-# `tandem service install --http`; it serves only your user (see README, Security).
+# `tandem service install --http`; it serves only your user (see docs/security-and-reliability.md).
 [Unit]
 Description=tandem HTTP bridge (OpenAI, Ollama, Anthropic APIs on loopback)
 Requires=tandem.service

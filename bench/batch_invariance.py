@@ -50,7 +50,7 @@ def schedules(n: int) -> dict[str, list[int]]:
 def run_one(model_path: str, flash: bool, extra_buffers, lengths: list[int], ref_kernels: bool) -> dict:
     import numpy as np
 
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     model = LlamaModel(
         model_path,

@@ -54,7 +54,7 @@ echo "rpc-server: $OUT/bin/rpc-server"
 if [ "$PYTHON" = 1 ]; then
   # the backends the installed one has besides the CPU and RPC (CUDA, Metal...): a rebuild without their
   # flags would drop them
-  OTHER=$(python -c "from tandem.daemon.devices import backends; print(' '.join(b for b in backends() if b not in ('CPU', 'BLAS') and not b.startswith('RPC')))" 2>/dev/null || true)
+  OTHER=$(python -c "from tandem.daemon.models.devices import backends; print(' '.join(b for b in backends() if b not in ('CPU', 'BLAS') and not b.startswith('RPC')))" 2>/dev/null || true)
   if python -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_rpc() else 1)" 2>/dev/null; then
     echo "llama-cpp-python $VERSION already has the RPC backend"
   elif [ -n "$OTHER" ] && [ -z "${CMAKE_ARGS:-}" ]; then

@@ -4,7 +4,7 @@ A task predicted not to gain from drafting starts plain, and its model drafter
 does not read its prompts. A probe then needs the drafter to read what it
 lacks first (the prompt and what was decoded before the probe). The governor
 has plain rounds pay for that in advance, at ``catch_up_share`` (1%) of their
-time (see daemon/governor.py). This runs many requests of one task (every
+time (see daemon/drafting/governor.py). This runs many requests of one task (every
 system message begins with the same sentence, so each prompt's first 16 tokens
 are the same and one governor serves them all), each bracketed as in `python -m bench --full`:
 plain, then the model drafter's daemon governed and a control (a second plain

@@ -98,9 +98,9 @@ def compare(client: Client, corpus, ks, tokens: int, engine=None, kinds=None) ->
 
 
 def reference_engine(target: str, flash_attn: bool, n_ctx: int = 2048, reference_kernels: bool = True):
-    from tandem.daemon.chat import ChatTemplate
-    from tandem.daemon.engine import Engine
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.models.chat import ChatTemplate
+    from tandem.daemon.worker.engine import Engine
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     model = LlamaModel(target, n_ctx=n_ctx, flash_attn=flash_attn, reference_kernels=reference_kernels)
     template = ChatTemplate(

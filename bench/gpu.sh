@@ -8,7 +8,7 @@ set -eu
 cd "$(dirname "$0")/.."
 VERSION=$(python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))" 2>/dev/null || echo 0.3.36)
 pip install -e . >/dev/null
-if ! python -c "from tandem.daemon.devices import list_devices; import sys; sys.exit(0 if any(d.kind in ('gpu', 'igpu') for d in list_devices()) else 1)" 2>/dev/null; then
+if ! python -c "from tandem.daemon.models.devices import list_devices; import sys; sys.exit(0 if any(d.kind in ('gpu', 'igpu') for d in list_devices()) else 1)" 2>/dev/null; then
   # native: only the installed GPU's architecture, which keeps the CUDA build to minutes
   CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native" \
     pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==$VERSION"

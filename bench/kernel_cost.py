@@ -56,7 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     import llama_cpp
 
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     path = model_path(args.model)
     models = {}

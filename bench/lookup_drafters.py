@@ -50,8 +50,8 @@ from common import fmt, model_path, start_daemon, temp_socket, wait_quiet  # noq
 from governor import load_all_kinds  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
-from tandem.daemon.ngram import NgramDrafter  # noqa: E402
-from tandem.daemon.suffix import SuffixDrafter  # noqa: E402
+from tandem.daemon.drafting.ngram import NgramDrafter  # noqa: E402
+from tandem.daemon.drafting.suffix import SuffixDrafter  # noqa: E402
 
 DRAFTERS = ("ngram", "suffix")
 

@@ -23,8 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_path  # noqa: E402
 
-from tandem.daemon.constraint import Grammars  # noqa: E402
-from tandem.daemon.llama_model import LlamaModel  # noqa: E402
+from tandem.daemon.constraints.constraint import Grammars  # noqa: E402
+from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
 from tandem.protocol import ResponseFormat  # noqa: E402
 
 CORPUS = json.loads((Path(__file__).resolve().parent / "corpus" / "extraction.json").read_text())

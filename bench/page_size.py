@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import fmt, model_path  # noqa: E402
 
-from tandem.daemon.llama_model import LlamaModel  # noqa: E402
-from tandem.daemon.page_store import PageStore  # noqa: E402
-from tandem.daemon.prefix_cache import ExtentAllocator, PageTree  # noqa: E402
+from tandem.daemon.cache.page_store import PageStore  # noqa: E402
+from tandem.daemon.cache.prefix_cache import ExtentAllocator, PageTree  # noqa: E402
+from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
 
 
 def main() -> int:

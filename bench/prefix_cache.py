@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fmt, free_port, model_path, start_daemon, temp_socket  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
-from tandem.daemon.llama_model import cpu_has_amx  # noqa: E402
+from tandem.daemon.worker.llama_model import cpu_has_amx  # noqa: E402
 
 TOOLS = [
     (
@@ -194,7 +194,7 @@ class Ideal:
     """The model in this process, keeping the previous prompt in its KV cache."""
 
     def __init__(self, path: Path, n_ctx: int, flash_attn: bool):
-        from tandem.daemon.llama_model import LlamaModel
+        from tandem.daemon.worker.llama_model import LlamaModel
 
         self.model = LlamaModel(path, n_ctx=n_ctx, flash_attn=flash_attn)
         self.tokens: list[int] = []

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_path, start_daemon, temp_socket, wait_quiet  # noqa: E402
 
 from tandem.client import Client  # noqa: E402
-from tandem.daemon.llama_model import LlamaModel  # noqa: E402
+from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

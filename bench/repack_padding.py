@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from tandem.daemon import models
-from tandem.daemon.llama_model import LlamaModel
+from tandem.daemon.worker.llama_model import LlamaModel
 
 
 class Probe:

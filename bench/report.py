@@ -80,7 +80,8 @@ LOOKUP = ("ngram", "suffix")  # drafters without a model, each in its own daemon
 # against plain there, the noise floor a governed row is read against (an A/A test).
 CONTROL = "control"
 CONTROL_COLUMN = "control (plain)"
-# The opt-in mode that gives up exact output for speed on copy-heavy text (docs/speculative-decoding.md: "Copying fast, not exact"):
+# The opt-in mode that gives up exact output for speed on copy-heavy text
+# (docs/speculative-decoding.md: "Copying fast, not exact"):
 # llama.cpp's fast kernels, one-pass verification, the suffix drafter governed at up to 16 tokens a round.
 # Its daemon runs "fast plain" (draft: off) and "fast suffix governed"; their outputs may differ from plain's.
 FAST = "fast"
@@ -181,7 +182,7 @@ class InProcess:
     """llama-cpp-python in this process: what a user would otherwise write."""
 
     def __init__(self, path: Path, n_ctx: int):
-        from tandem.daemon.llama_model import reference_llama
+        from tandem.daemon.worker.llama_model import reference_llama
 
         # the worker's threads, with --kernels reference's settings (reference kernels, no extra buffers)
         self.llm = reference_llama(path, n_ctx)
@@ -740,7 +741,8 @@ def write_report(results: dict, out_dir: Path) -> None:
         lines += [
             "",
             "**Not exact:** `fast plain` and `fast suffix governed` are the opt-in mode that gives up exact output "
-            f"for speed (`{' '.join(FAST_ARGS)}`, docs/speculative-decoding.md: Copying fast, not exact); `fast plain` is its daemon "
+            f"for speed (`{' '.join(FAST_ARGS)}`, docs/speculative-decoding.md: Copying fast, not exact); "
+            "`fast plain` is its daemon "
             "with `draft: off`. Their text may differ from plain's (the identical column counts it).",
         ]
     lines += [

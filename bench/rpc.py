@@ -26,7 +26,7 @@ import llama_cpp
 from common import cpu_model, fmt, free_port, model_path, start_daemon, temp_socket
 
 from tandem.client import Client
-from tandem.daemon.devices import rpc_server_binary, start_rpc_server
+from tandem.daemon.models.devices import rpc_server_binary, start_rpc_server
 
 PROMPTS = [
     [{"role": "user", "content": "Write a Python function that parses an ISO date."}],

@@ -38,8 +38,8 @@ def pass_costs_ms(path: Path, widths: list[int], n: int = 12, role: str = "targe
     with the daemon's settings for ``role`` (a target with --kernels mixed: fast
     prefill, repacked weights where the CPU allows them, steps of up to 3 rows
     over them; a drafter: the reference kernels, no repacking)."""
-    from tandem.daemon.governor import measure_pass_costs
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.drafting.governor import measure_pass_costs
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     m = LlamaModel(path, n_ctx=512, fast_prefill=role == "target")
     try:

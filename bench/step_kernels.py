@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_path  # noqa: E402
 
-from tandem.daemon.llama_model import LlamaModel  # noqa: E402
+from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
 
 FILLER = "The town kept its records in a tall stone building near the harbour, and every family had a drawer there. "
 

@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fmt, model_path  # noqa: E402
 
-from tandem.daemon.governor import measure_pass_costs  # noqa: E402
-from tandem.daemon.llama_model import LlamaModel, cpu_has_amx  # noqa: E402
+from tandem.daemon.drafting.governor import measure_pass_costs  # noqa: E402
+from tandem.daemon.worker.llama_model import LlamaModel, cpu_has_amx  # noqa: E402
 
 
 def main() -> int:

@@ -112,7 +112,7 @@ class _Gate(asyncio.Protocol):
         task.add_done_callback(bridge.tasks.discard)
 
     async def _admit(self, transport: asyncio.Transport) -> None:
-        from tandem.daemon.tcp_owner import refusal
+        from tandem.daemon.front.tcp_owner import refusal
 
         bridge = self.bridge
         peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")

@@ -767,7 +767,7 @@ def cmd_cache(args) -> int:
         if args.memory_only:
             print("no daemon is running: shared memory holds no pages")
             return 0
-        from tandem.daemon.disk_cache import clear_dir, default_dir
+        from tandem.daemon.cache.disk_cache import clear_dir, default_dir
 
         root = Path(args.settings.disk_cache_dir) if args.settings.disk_cache_dir else default_dir()
         pages, nbytes, held = clear_dir(root)
@@ -865,7 +865,7 @@ def _size(n: int) -> str:
 
 def cmd_list(args) -> int:
     from tandem.daemon import models
-    from tandem.daemon.gguf_meta import facts
+    from tandem.daemon.models.gguf_meta import facts
 
     rows, missing = [], []
     for name, path, _ in models.list_models():
@@ -885,7 +885,7 @@ def cmd_list(args) -> int:
 
 def cmd_show(args) -> int:
     from tandem.daemon import models
-    from tandem.daemon.gguf_meta import facts
+    from tandem.daemon.models.gguf_meta import facts
 
     try:
         name, path = models.resolve(args.name)
@@ -954,7 +954,7 @@ def _show_placement(socket, path: Path) -> dict:
                     "gpu_note": m.gpu_note,
                     "layers": f"{_where(m)} (as the daemon at {socket} serves it)",
                 }
-    from tandem.daemon.devices import gpu_note, list_devices
+    from tandem.daemon.models.devices import gpu_note, list_devices
 
     devices = list_devices()
     return {

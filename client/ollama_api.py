@@ -89,7 +89,7 @@ _FACTS: dict[tuple[str, float], dict] = {}
 
 def model_facts(path: Path) -> dict:
     """gguf_meta.facts, cached per file and mtime."""
-    from tandem.daemon.gguf_meta import facts
+    from tandem.daemon.models.gguf_meta import facts
 
     try:
         key = (str(path), path.stat().st_mtime)

@@ -10,11 +10,12 @@ from typing import Callable, Optional
 
 from tandem.protocol import default_socket_path
 
-from . import config, models, sdnotify
-from .arena import cache_budget
+from . import config, models
+from .cache.arena import cache_budget
 from .config import ServeError
-from .server import Daemon, ServeConfig
-from .worker_config import LOOKUP_DRAFTERS
+from .front import sdnotify
+from .front.server import Daemon, ServeConfig
+from .worker.worker_config import LOOKUP_DRAFTERS
 
 log = logging.getLogger("tandem.daemon")
 

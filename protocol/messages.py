@@ -546,7 +546,7 @@ class DraftStats:
 
 @dataclass
 class GovernorInfo:
-    """The governor's state for one task (see daemon/governor.py)."""
+    """The governor's state for one task (see daemon/drafting/governor.py)."""
 
     task: str  # which task: a hash of the prompt's first 16 tokens
     tasks: int  # tasks the governor remembers
@@ -574,7 +574,7 @@ class GovernorInfo:
 
 @dataclass
 class DiskCacheInfo:
-    """The prefix cache's disk tier (see daemon/disk_cache.py): the target's pages in files."""
+    """The prefix cache's disk tier (see daemon/cache/disk_cache.py): the target's pages in files."""
 
     path: str  # the directory of this model's pages
     state: str  # "on", or "off: <why>" (a full or read-only disk, say)
@@ -594,7 +594,7 @@ class DiskCacheInfo:
 
 @dataclass
 class CacheInfo:
-    """The prefix cache (see daemon/prefix_cache.py): the shared-memory tier, and the disk tier in ``disk``."""
+    """The prefix cache (see daemon/cache/prefix_cache.py): the shared-memory tier, and the disk tier in ``disk``."""
 
     page_tokens: int
     pages: int  # pages held (of every model)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.daemon.interfaces import DecodeAborted, Drafter
-from tandem.daemon.speculative import SparseDist
+from tandem.daemon.drafting.interfaces import DecodeAborted, Drafter
+from tandem.daemon.drafting.speculative import SparseDist
 
 EOS = 0
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.daemon.kv_pages import assemble, cut, parse
+from tandem.daemon.cache.kv_pages import assemble, cut, parse
 
 PAGE = 16
 LONG_TEXT = (
@@ -59,7 +59,7 @@ def really_invariant(model, n_tokens: int = 300) -> bool:
     ids=["reference-flash", "fast-flash", "reference-no-flash"],
 )
 def test_the_load_probe_agrees_with_a_long_prompt(smollm2_path, kernels, flash_attn):
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     model = LlamaModel(smollm2_path, n_ctx=1024, flash_attn=flash_attn, reference_kernels=kernels == "reference")
     try:
@@ -74,7 +74,7 @@ def test_the_load_probe_agrees_with_a_long_prompt(smollm2_path, kernels, flash_a
 def test_fast_kernels_with_flash_attention_are_not_invariant_and_the_probe_says_so(smollm2_path):
     """The probe can fail: llama.cpp's tiled flash attention (64+ query rows)
     rounds differently from its one-row kernel on every x86 build."""
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     model = LlamaModel(smollm2_path, n_ctx=512, flash_attn=True, reference_kernels=False)
     try:
@@ -87,7 +87,7 @@ def test_fast_kernels_with_flash_attention_are_not_invariant_and_the_probe_says_
 def test_the_default_settings_are_batch_invariant(which, smollm2_path, coder_path):
     """The defaults (reference kernels, flash attention, no repacking) on the
     default model (Q4_1) and on Qwen2.5-Coder-0.5B (Q4_K_M)."""
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     model = LlamaModel(smollm2_path if which == "smollm2" else coder_path, n_ctx=1024)
     try:
@@ -135,7 +135,7 @@ class CountingModel:
 def stand_in_config(tmp_path):
     """(a stand-in model file, the probe's state file, a target's WorkerConfig keeping verdicts there)"""
     from tandem.daemon import config as settings
-    from tandem.daemon.worker_config import WorkerConfig
+    from tandem.daemon.worker.worker_config import WorkerConfig
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not really a model")
@@ -148,7 +148,7 @@ def stand_in_config(tmp_path):
 
 
 def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_path):
-    from tandem.daemon.invariance import probe_batch_invariance
+    from tandem.daemon.worker.invariance import probe_batch_invariance
 
     gguf, state, config = stand_in_config(tmp_path)
     verdict = {"restore": True, "verify": False, "one_token": True, "small_batches": True, "exact_steps": True}
@@ -184,7 +184,7 @@ def test_repacked_weights_keep_steps_exact_in_passes_of_up_to_three_rows(coder_p
     repack's one-row gemv, so a verify pass, a restore and one-token steps agree
     bit for bit. Without the limit, the probe's verdict still agrees with the long
     check, whatever this CPU's 4-row gemm gives."""
-    from tandem.daemon.llama_model import REPACK_STEP_ROWS, LlamaModel, cpu_has_amx
+    from tandem.daemon.worker.llama_model import REPACK_STEP_ROWS, LlamaModel, cpu_has_amx
 
     model = LlamaModel(coder_path, n_ctx=1024, fast_prefill=True)
     try:
@@ -210,7 +210,7 @@ def test_the_load_checks_verdicts_are_kept_beside_the_probes(tmp_path):
     """The fast-prefill and grouping checks read several hundred tokens at every
     start unless their verdict is kept: kept per check name and probe key, never
     a None (a check that could not run), and the probe's own verdict survives them."""
-    from tandem.daemon.invariance import kept_check, probe_batch_invariance
+    from tandem.daemon.worker.invariance import kept_check, probe_batch_invariance
 
     gguf, state, config = stand_in_config(tmp_path)
     verdict = {"restore": True, "verify": True, "one_token": True, "small_batches": True, "exact_steps": True}
@@ -266,7 +266,7 @@ def test_the_exact_steps_verdict_agrees_with_a_long_check_on_an_f16_target(smoll
     the probe's exact_steps verdict, which decides whether a daemon may draft on it,
     is what 300 tokens of context show on this CPU, whichever it is."""
     from tandem.daemon import models
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     model = LlamaModel(models.derive_f16(smollm2_path), n_ctx=1024, flash_attn=True, reference_kernels=True)
     try:

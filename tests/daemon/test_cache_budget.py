@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.daemon.arena import DEFAULT_CACHE_BYTES, cache_budget
+from tandem.daemon.cache.arena import DEFAULT_CACHE_BYTES, cache_budget
 from tandem.daemon.config import ServeError
 
 

@@ -10,9 +10,9 @@ import collections
 import numpy as np
 import pytest
 
-from tandem.daemon.engine import Engine, RequestError
-from tandem.daemon.interfaces import Drafter
-from tandem.daemon.speculative import SparseDist
+from tandem.daemon.drafting.interfaces import Drafter
+from tandem.daemon.drafting.speculative import SparseDist
+from tandem.daemon.worker.engine import Engine, RequestError
 from tandem.protocol import ErrorCode, FinishReason, Generate, ResponseFormat
 
 EOS = 0
@@ -73,7 +73,7 @@ class StepConstraint:
 class StepGrammars:
     def compile(self, rf):
         if rf.pattern == "bad":
-            from tandem.daemon.constraint import ConstraintError
+            from tandem.daemon.constraints.constraint import ConstraintError
 
             raise ConstraintError("response_format.pattern does not compile: bad")
         return StepConstraint()
@@ -229,7 +229,7 @@ def test_a_constraint_that_does_not_compile_is_a_typed_error_before_decoding():
 def test_a_model_drafter_drafts_constrained_sampling_with_its_q_masked():
     runs = [run(drafter=SamplingDrafter(), seed=seed)[0] for seed in range(20)]
     assert sum(done.draft.drafted for done in runs) > 0  # it is not switched off (its forbidden drafts are cut)
-    from tandem.daemon.engine import _restricted
+    from tandem.daemon.worker.engine import _restricted
 
     q = SparseDist(np.arange(4), np.array([0.1, 0.2, 0.3, 0.4]))
     masked = _restricted(q, np.array([True, False, True, False]))

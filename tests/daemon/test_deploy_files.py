@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tandem.daemon.config import LOOPBACK_METRICS
-from tandem.daemon.metrics import Metrics
+from tandem.daemon.front.metrics import Metrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana-dashboard.json"

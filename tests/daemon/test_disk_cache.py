@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (daemon/disk_cache.py) on its own: page files
+"""The prefix cache's disk tier (daemon/cache/disk_cache.py) on its own: page files
 written and read back, every kind of bad file ignored with a warning, the
 index across reopening, the budget under a random workload, one daemon per
 bucket, a disk that fails. (Through the daemon: tests/integration/test_disk_tier.py.)"""
@@ -13,8 +13,8 @@ import struct
 
 import pytest
 
-from tandem.daemon import disk_cache
-from tandem.daemon.disk_cache import HEADER, DiskTier, child_key
+from tandem.daemon.cache import disk_cache
+from tandem.daemon.cache.disk_cache import HEADER, DiskTier, child_key
 
 PT = 4  # tokens per page
 PB = 64  # bytes per page
@@ -313,9 +313,9 @@ def test_pages_spilled_to_disk_restore_bit_identical_logits_into_an_empty_arena(
 
     import numpy as np
 
-    from tandem.daemon.llama_model import LlamaModel
-    from tandem.daemon.page_store import PageStore
-    from tandem.daemon.prefix_cache import ExtentAllocator, PageTree
+    from tandem.daemon.cache.page_store import PageStore
+    from tandem.daemon.cache.prefix_cache import ExtentAllocator, PageTree
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     model = LlamaModel(smollm2_path, n_ctx=512)
     shms = [shared_memory.SharedMemory(create=True, size=8 << 20) for _ in range(2)]

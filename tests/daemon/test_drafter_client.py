@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import zmq
 
-from tandem.daemon import drafter_client
-from tandem.daemon.drafter_client import ModelDrafterClient
-from tandem.daemon.page_store import PageStore
-from tandem.daemon.prefix_cache import ExtentAllocator, PageTree
-from tandem.daemon.sampler import Sampler
-from tandem.daemon.speculative import SparseDist
+from tandem.daemon.cache.page_store import PageStore
+from tandem.daemon.cache.prefix_cache import ExtentAllocator, PageTree
+from tandem.daemon.drafting import drafter_client
+from tandem.daemon.drafting.drafter_client import ModelDrafterClient
+from tandem.daemon.drafting.sampler import Sampler
+from tandem.daemon.drafting.speculative import SparseDist
 from tandem.protocol import Error, ErrorCode, encode, unpackb
 from tandem.protocol.internal import Drafted
 

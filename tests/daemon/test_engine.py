@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.daemon.engine import Engine, RequestError
+from tandem.daemon.worker.engine import Engine, RequestError
 from tandem.protocol import ChatMessage, Complete, ErrorCode, FinishReason, Generate
 
 

@@ -19,9 +19,9 @@ TEXT = (
 
 @pytest.fixture(scope="module", params=["smollm2", "coder-reader"])
 def model(request, smollm2_path, coder_path):
-    from tandem.daemon.llama_model import PREFILL_CHUNK as chunk
-    from tandem.daemon.llama_model import LlamaModel, cpu_has_amx
-    from tandem.daemon.target_worker import check_prefill_grouping
+    from tandem.daemon.worker.llama_model import PREFILL_CHUNK as chunk
+    from tandem.daemon.worker.llama_model import LlamaModel, cpu_has_amx
+    from tandem.daemon.worker.target_worker import check_prefill_grouping
 
     assert chunk == PREFILL_CHUNK
     reader = request.param == "coder-reader"
@@ -49,7 +49,7 @@ def test_the_check_the_worker_runs_at_load_passes(model):
 
 
 def test_whole_chunks_are_read_several_per_pass_only_where_that_measures_exact(model):
-    from tandem.daemon.llama_model import PREFILL_GROUP
+    from tandem.daemon.worker.llama_model import PREFILL_GROUP
 
     c, g, chosen = PREFILL_CHUNK, PREFILL_GROUP, model.prefill_group
     tokens = model.tokenize(TEXT * 2, add_special=True)[: g + c + 20]
@@ -92,7 +92,7 @@ def test_the_checks_read_chunk_by_chunk_and_keep_the_group(model):
             seen.append(len(tokens))
         return real(tokens, *args, **kwargs)
 
-    from tandem.daemon.llama_model import PREFILL_GROUP
+    from tandem.daemon.worker.llama_model import PREFILL_GROUP
 
     reads.decode = spy
     model.prefill_group = PREFILL_GROUP  # (whatever this CPU's grouping check chose: the group a check must not use)
@@ -106,8 +106,8 @@ def test_the_checks_read_chunk_by_chunk_and_keep_the_group(model):
 
 
 def test_a_context_too_small_for_the_group_checks_and_uses_a_smaller_one(model):
-    from tandem.daemon.llama_model import PREFILL_GROUP, LlamaModel
-    from tandem.daemon.target_worker import check_prefill_grouping
+    from tandem.daemon.worker.llama_model import PREFILL_GROUP, LlamaModel
+    from tandem.daemon.worker.target_worker import check_prefill_grouping
 
     c = PREFILL_CHUNK
     grouping = model.prefill_group == PREFILL_GROUP  # this CPU's verdict on grouping, at the full group
@@ -155,7 +155,7 @@ def test_logits_do_not_depend_on_what_was_kept_restored_or_read_before(model, to
 
 
 def test_what_a_later_request_may_reuse(model, tokens):
-    from tandem.daemon.llama_model import DecodeError
+    from tandem.daemon.worker.llama_model import DecodeError
 
     c = PREFILL_CHUNK
     model.clear()
@@ -187,7 +187,7 @@ def test_a_re_sent_prompt_gets_its_logits_back_without_reading(model, tokens):
 
 
 def test_reference_kernels_everywhere_keep_every_position(smollm2_path):
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     m = LlamaModel(smollm2_path, n_ctx=256)
     try:
@@ -299,7 +299,7 @@ def test_the_prompt_reader_computes_the_prompt_and_the_steps_are_this_contexts(m
     weights not repacked computes, and the steps after it are this context's own:
     a step over the repacked weights. Without one (SmolLM2 has no weights llama.cpp
     repacks; a CPU with AMX repacks none), there is nothing to measure."""
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     if model.reader is None:
         assert model.prompt_reader_pays() is None and model.add_prompt_reader() is (model.step_rows > 0)
@@ -323,7 +323,7 @@ def test_the_prompt_reader_computes_the_prompt_and_the_steps_are_this_contexts(m
 
 
 def test_a_prompt_stopped_between_passes_keeps_what_was_read(model, tokens):
-    from tandem.daemon.llama_model import DecodeAborted
+    from tandem.daemon.worker.llama_model import DecodeAborted
 
     c = PREFILL_CHUNK
     model.clear()

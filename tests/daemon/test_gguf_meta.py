@@ -10,7 +10,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.daemon.gguf_meta import GGUFError, facts, read_metadata
+from tandem.daemon.models.gguf_meta import GGUFError, facts, read_metadata
 
 
 def test_the_real_models_facts(smollm2_path):

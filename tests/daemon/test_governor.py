@@ -11,8 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from tandem.daemon.engine import Engine
-from tandem.daemon.governor import (
+from tandem.daemon.drafting.governor import (
     DRAFTING,
     MAX_DEBT,
     MEASURING,
@@ -28,6 +27,7 @@ from tandem.daemon.governor import (
     state_file,
     task_key,
 )
+from tandem.daemon.worker.engine import Engine
 from tandem.protocol import Generate
 
 
@@ -401,7 +401,7 @@ def test_a_task_known_to_be_plain_does_not_make_the_drafter_read_the_prompt(
 
 # ---------------------------------------------------------------------------- predicting from pass costs
 
-from tandem.daemon.governor import PassCosts, measure_pass_costs, measure_read_cost  # noqa: E402
+from tandem.daemon.drafting.governor import PassCosts, measure_pass_costs, measure_read_cost  # noqa: E402
 
 # the TimedModel's passes: 10 ms for one token, +3.75 ms per extra token
 TIMED_COSTS = {w: 0.010 + 0.00375 * (w - 1) for w in range(1, 6)}
@@ -845,7 +845,7 @@ def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_nev
     """A load-time measurement that put wide passes at 3x what they cost keeps a
     lookup governor from ever verifying, so no round measures them again; idle
     time does, at the end of what the model holds, and leaves that as it was."""
-    from tandem.daemon.engine import REFRESH_SECONDS
+    from tandem.daemon.worker.engine import REFRESH_SECONDS
 
     Remembering = remembering
     inflated = {w: cost * (1 if w == 1 else 3) for w, cost in TIMED_COSTS.items()}
@@ -888,7 +888,7 @@ def test_the_machine_is_busy_while_other_processes_compute():
     import subprocess
     import sys
 
-    from tandem.daemon.target_worker import machine_busy
+    from tandem.daemon.worker.target_worker import machine_busy
 
     cores = sorted(os.sched_getaffinity(0))
     spinners = [
@@ -918,7 +918,7 @@ def test_what_another_process_does_while_idle_time_re_measures_moves_no_width(cl
     another process is busy are all slower, and what idle time keeps is each
     width relative to the one-token passes beside it. A width timed while the
     machine changed is not counted."""
-    from tandem.daemon.engine import REFRESH_SECONDS
+    from tandem.daemon.worker.engine import REFRESH_SECONDS
 
     costs = PassCosts(TIMED_COSTS, drafter_prior=2e-5)
     bank = GovernorBank("x", clock=clock, costs=costs, k_max=4)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.daemon.kv_pages import StateFormatError, assemble, cut, parse
+from tandem.daemon.cache.kv_pages import StateFormatError, assemble, cut, parse
 
 PAGE = 16
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["v-transposed", "flash-attn"])
 def model(request, smollm2_path):
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     m = LlamaModel(smollm2_path, n_ctx=256, flash_attn=request.param)
     yield m

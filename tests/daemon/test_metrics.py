@@ -10,7 +10,7 @@ import urllib.request
 import prometheus_client
 import pytest
 
-from tandem.daemon.metrics import MAX_POSITIONS, REASONS, ROLES, TOKEN_BUCKETS, Metrics
+from tandem.daemon.front.metrics import MAX_POSITIONS, REASONS, ROLES, TOKEN_BUCKETS, Metrics
 from tandem.protocol import CacheInfo, Done, DraftStats, FinishReason, GovernorInfo, Timings, Usage
 
 

@@ -8,15 +8,15 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from tandem.daemon.page_store import PageStore
-from tandem.daemon.prefix_cache import ExtentAllocator, PageTree
+from tandem.daemon.cache.page_store import PageStore
+from tandem.daemon.cache.prefix_cache import ExtentAllocator, PageTree
 
 PAGE = 16
 
 
 @pytest.fixture(scope="module")
 def model(smollm2_path):
-    from tandem.daemon.llama_model import LlamaModel
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     m = LlamaModel(smollm2_path, n_ctx=512)
     yield m

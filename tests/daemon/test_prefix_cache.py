@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tandem.daemon.prefix_cache import ExtentAllocator, PageTree
+from tandem.daemon.cache.prefix_cache import ExtentAllocator, PageTree
 
 
 class Clock:

@@ -15,28 +15,28 @@ PURE = [
     "tandem.protocol",
     "tandem.protocol.internal",
     "tandem.client",
-    "tandem.daemon.engine",
-    "tandem.daemon.interfaces",
-    "tandem.daemon.scheduler",
-    "tandem.daemon.supervisor",
-    "tandem.daemon.server",
+    "tandem.daemon.worker.engine",
+    "tandem.daemon.drafting.interfaces",
+    "tandem.daemon.front.scheduler",
+    "tandem.daemon.front.supervisor",
+    "tandem.daemon.front.server",
     "tandem.daemon.serve",
-    "tandem.daemon.restart_policy",
-    "tandem.daemon.governor",
-    "tandem.daemon.speculative",
-    "tandem.daemon.sampler",
-    "tandem.daemon.ngram",
-    "tandem.daemon.drafter_client",
-    "tandem.daemon.prefix_cache",
-    "tandem.daemon.page_store",
-    "tandem.daemon.kv_pages",
-    "tandem.daemon.metrics",
+    "tandem.daemon.front.restart_policy",
+    "tandem.daemon.drafting.governor",
+    "tandem.daemon.drafting.speculative",
+    "tandem.daemon.drafting.sampler",
+    "tandem.daemon.drafting.ngram",
+    "tandem.daemon.drafting.drafter_client",
+    "tandem.daemon.cache.prefix_cache",
+    "tandem.daemon.cache.page_store",
+    "tandem.daemon.cache.kv_pages",
+    "tandem.daemon.front.metrics",
     "tandem.daemon.config",
-    "tandem.daemon.worker_config",
-    "tandem.daemon.worker_main",
-    "tandem.daemon.target_worker",
-    "tandem.daemon.drafter_worker",
-    "tandem.daemon.chat",
+    "tandem.daemon.worker.worker_config",
+    "tandem.daemon.worker.worker_main",
+    "tandem.daemon.worker.target_worker",
+    "tandem.daemon.drafting.drafter_worker",
+    "tandem.daemon.models.chat",
 ]
 
 BLOCK = """
@@ -61,7 +61,7 @@ def test_the_logic_modules_import_with_llama_cpp_blocked():
 
 def test_the_blocker_blocks():
     out = subprocess.run(
-        [sys.executable, "-c", BLOCK, "tandem.daemon.llama_model"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", BLOCK, "tandem.daemon.worker.llama_model"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode != 0 and "llama_cpp is blocked" in out.stderr
 

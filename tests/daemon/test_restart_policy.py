@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.daemon.restart_policy import BACKOFF_SECONDS, RestartPolicy
+from tandem.daemon.front.restart_policy import BACKOFF_SECONDS, RestartPolicy
 
 
 def test_each_death_waits_longer_until_the_window_holds_max_deaths():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tandem.daemon.sampler import Sampler
+from tandem.daemon.drafting.sampler import Sampler
 
 LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], dtype=np.float32))
 

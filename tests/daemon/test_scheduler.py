@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.daemon.metrics import Metrics
-from tandem.daemon.scheduler import Scheduler
+from tandem.daemon.front.metrics import Metrics
+from tandem.daemon.front.scheduler import Scheduler
 from tandem.protocol import (
     Busy,
     CacheClear,
@@ -293,7 +293,7 @@ def test_tokenize_ids_never_collide_with_requests(h):
 
 
 def test_tokenize_is_bounded_and_answered_when_the_target_dies(h):
-    from tandem.daemon.scheduler import MAX_TOKENIZING
+    from tandem.daemon.front.scheduler import MAX_TOKENIZING
     from tandem.protocol import Tokenize
 
     for i in range(MAX_TOKENIZING + 1):

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tandem.daemon import sdnotify
+from tandem.daemon.front import sdnotify
 
 
 @pytest.fixture

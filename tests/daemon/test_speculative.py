@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.daemon.engine import Engine
-from tandem.daemon.ngram import NgramDrafter
-from tandem.daemon.sampler import Sampler
-from tandem.daemon.speculative import SparseDist, residual, verify
+from tandem.daemon.drafting.ngram import NgramDrafter
+from tandem.daemon.drafting.sampler import Sampler
+from tandem.daemon.drafting.speculative import SparseDist, residual, verify
+from tandem.daemon.worker.engine import Engine
 from tandem.protocol import FinishReason, Generate
 
 # ---------------------------------------------------------------- acceptance rule
@@ -179,7 +179,7 @@ def test_draft_p_min_keeps_the_target_distribution_at_temperature_above_zero():
     proposals no longer follow q and the output drifts from p (0.55 instead of 0.5 here)."""
     from scipy.stats import binomtest
 
-    from tandem.daemon.drafter_worker import Drafting
+    from tandem.daemon.drafting.drafter_worker import Drafting
     from tandem.protocol.internal import DraftRequest, SamplingParams
 
     p_logits = np.log(np.array([0.5, 0.5], dtype=np.float32))

@@ -1,4 +1,4 @@
-"""The suffix drafter (daemon/suffix.py): its automaton against brute force,
+"""The suffix drafter (daemon/drafting/suffix.py): its automaton against brute force,
 what it drafts, its memory of earlier replies, and its index across requests."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tandem.daemon.engine import Engine
-from tandem.daemon.suffix import RECENCY_WALK, ReplyMemory, SuffixAutomaton, SuffixDrafter
+from tandem.daemon.drafting.suffix import RECENCY_WALK, ReplyMemory, SuffixAutomaton, SuffixDrafter
+from tandem.daemon.worker.engine import Engine
 from tandem.protocol import Generate
 
 

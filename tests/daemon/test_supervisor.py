@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tandem.daemon import config as settings
-from tandem.daemon.metrics import Metrics
-from tandem.daemon.restart_policy import RestartPolicy
-from tandem.daemon.scheduler import Scheduler
-from tandem.daemon.sdnotify import Notifier
-from tandem.daemon.server import ServeConfig
-from tandem.daemon.supervisor import DRAFTER_MAX_DEATHS, TARGET_MAX_DEATHS, Supervisor
+from tandem.daemon.front.metrics import Metrics
+from tandem.daemon.front.restart_policy import RestartPolicy
+from tandem.daemon.front.scheduler import Scheduler
+from tandem.daemon.front.sdnotify import Notifier
+from tandem.daemon.front.server import ServeConfig
+from tandem.daemon.front.supervisor import DRAFTER_MAX_DEATHS, TARGET_MAX_DEATHS, Supervisor
 from tandem.protocol import Done, ErrorCode, FinishReason, Generate, ModelInfo, Timings, Usage, encode
 from tandem.protocol.internal import DrafterState, Ready
 
@@ -213,7 +213,7 @@ def test_a_death_while_the_models_load_fails_the_daemon_and_stops_it():
 def test_the_openmp_spin_is_short_only_for_a_model_drafter(monkeypatch, tmp_path, drafter_name, drafter_path, spins):
     """The target always gets libgomp's default spin (faster rounds of its own); a
     model drafter, whose idle spinning would steal the target's cores, the short one."""
-    from tandem.daemon import supervisor as sup_module
+    from tandem.daemon.front import supervisor as sup_module
 
     started = []
 

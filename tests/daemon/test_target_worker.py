@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from tandem.daemon import config as settings
-from tandem.daemon import target_worker
-from tandem.daemon.engine import Engine
-from tandem.daemon.target_worker import TargetLoop
-from tandem.daemon.worker_config import WorkerConfig
+from tandem.daemon.worker import target_worker
+from tandem.daemon.worker.engine import Engine
+from tandem.daemon.worker.target_worker import TargetLoop
+from tandem.daemon.worker.worker_config import WorkerConfig
 from tandem.protocol import (
     CacheClear,
     CacheCleared,
@@ -179,7 +179,7 @@ def test_drafter_state_messages_reach_any_drafter_and_the_ngram_drafter_serves_o
 
 
 def test_each_placement_of_the_layers_keeps_its_own_governor_state(tmp_path):
-    from tandem.daemon.governor import state_file
+    from tandem.daemon.drafting.governor import state_file
 
     defaults = {o.key: o.default for o in settings.OPTIONS}
     base = state_file(tmp_path, "target=t.gguf drafter=d.gguf k=4")
@@ -208,7 +208,7 @@ def test_each_placement_of_the_layers_keeps_its_own_governor_state(tmp_path):
 
 
 def test_a_prompt_read_that_cannot_be_measured_leaves_the_pass_costs_standing(scripted_model, monkeypatch, caplog):
-    from tandem.daemon import governor
+    from tandem.daemon.drafting import governor
 
     defaults = {o.key: o.default for o in settings.OPTIONS}
     config = WorkerConfig(

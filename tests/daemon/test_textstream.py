@@ -2,7 +2,7 @@
 
 import pytest
 
-from tandem.daemon.textstream import BLANK_LINE, LINE_LIMIT, TextStream
+from tandem.daemon.worker.textstream import BLANK_LINE, LINE_LIMIT, TextStream
 
 
 def feed(stream: TextStream, pieces):

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tandem.daemon.interfaces import RequestError
-from tandem.daemon.tools import (
+from tandem.daemon.constraints.tools import (
     GENERIC,
     HERMES,
     LLAMA3,
@@ -20,6 +19,7 @@ from tandem.daemon.tools import (
     message_dicts,
     with_generic_prompt,
 )
+from tandem.daemon.drafting.interfaces import RequestError
 from tandem.protocol import ChatMessage, FunctionCall, FunctionSpec, Generate, Tool, ToolCall
 
 WEATHER = Tool(

@@ -10,9 +10,9 @@ import pytest
 import zmq
 
 from tandem.daemon import config as settings
-from tandem.daemon.restart_policy import RestartPolicy
-from tandem.daemon.worker_config import WorkerConfig
-from tandem.daemon.worker_handle import WorkerHandle
+from tandem.daemon.front.restart_policy import RestartPolicy
+from tandem.daemon.front.worker_handle import WorkerHandle
+from tandem.daemon.worker.worker_config import WorkerConfig
 from tandem.protocol import Error, ErrorCode, decode
 from tandem.protocol.internal import WORKER_REPLIES
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import llama_cpp
 
-from tandem.daemon.devices import LoadLog, list_devices, rpc_server_binary
+from tandem.daemon.models.devices import LoadLog, list_devices, rpc_server_binary
 
 RPC_BUILD = bool(llama_cpp.llama_supports_rpc())
 # the GPUs llama.cpp has in a process like the workers' (none on a build without a GPU backend)

@@ -10,7 +10,7 @@ import os
 import struct
 import time
 
-from tandem.daemon import disk_cache
+from tandem.daemon.cache import disk_cache
 
 SYSTEM = (
     "You are the build assistant of a small software team. You read tool output and say what failed, in one "

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tandem.daemon import gguf_meta, models
+from tandem.daemon import models
+from tandem.daemon.models import gguf_meta
 
 
 @pytest.fixture

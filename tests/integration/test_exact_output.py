@@ -43,7 +43,7 @@ def greedy(client, messages, **params) -> list[int]:
 
 
 def test_the_daemon_reports_its_defaults_batch_invariant(exact_daemon):
-    from tandem.daemon.llama_model import cpu_has_amx
+    from tandem.daemon.worker.llama_model import cpu_has_amx
 
     with exact_daemon.client() as client:
         st = client.status()
@@ -112,7 +112,7 @@ def test_repacked_weights_give_the_same_greedy_text_cached_drafted_or_not(repack
     """Steps over repacked weights run in passes of at most 3 rows, so a verify pass
     of 5 tokens (n-gram drafts, k = 4) and a restore from pages give the tokens plain
     decoding gives; the load probe finds the target invariant."""
-    from tandem.daemon.llama_model import cpu_has_amx
+    from tandem.daemon.worker.llama_model import cpu_has_amx
 
     messages = with_house_style(CORPUS[kind][0])
     with repacked_daemon.client() as client:

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.client import Client, RequestFailed
-from tandem.daemon import sdnotify
+from tandem.daemon.front import sdnotify
 from tandem.protocol import ErrorCode
 
 SYSTEM = "You are a terse assistant for a build system. Answer in one short sentence. " * 3

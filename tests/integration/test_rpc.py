@@ -20,7 +20,7 @@ import llama_cpp
 import pytest
 
 from tandem.client import RequestFailed
-from tandem.daemon.devices import rpc_server_binary, start_rpc_server
+from tandem.daemon.models.devices import rpc_server_binary, start_rpc_server
 from tandem.protocol import ErrorCode
 
 SYSTEM = "You are a terse assistant for a small software team. Answer in one or two sentences. " * 4

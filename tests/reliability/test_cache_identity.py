@@ -9,7 +9,7 @@ import os
 import shutil
 
 from tandem.daemon import models
-from tandem.daemon.page_store import model_identity
+from tandem.daemon.cache.page_store import model_identity
 
 PROMPT = "Notes for the next turn, kept in the prefix cache. " * 6
 

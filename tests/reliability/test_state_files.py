@@ -11,9 +11,9 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.daemon.governor import STATE_VERSION, GovernorBank
-from tandem.daemon.page_store import INDEX_VERSION, PageStore
-from tandem.daemon.prefix_cache import ExtentAllocator, PageTree
+from tandem.daemon.cache.page_store import INDEX_VERSION, PageStore
+from tandem.daemon.cache.prefix_cache import ExtentAllocator, PageTree
+from tandem.daemon.drafting.governor import STATE_VERSION, GovernorBank
 
 IDENTITY = "target|drafter|k4"
 JSON = st.recursive(

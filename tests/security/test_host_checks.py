@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tandem.daemon.config import is_loopback_host
-from tandem.daemon.metrics import Metrics
+from tandem.daemon.front.metrics import Metrics
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_the_metrics_endpoint_refuses_a_rebound_host(listen):
 def test_the_owner_of_a_loopback_connection_is_read_from_the_kernels_table(tmp_path):
     import socket
 
-    from tandem.daemon.tcp_owner import NOT_FOUND, owner_uid
+    from tandem.daemon.front.tcp_owner import NOT_FOUND, owner_uid
 
     srv = socket.socket(socket.AF_INET)
     srv.bind(("127.0.0.1", 0))
@@ -100,7 +100,7 @@ def test_a_dual_stack_client_to_an_ipv4_listener_is_found_in_tcp6():
     tcp6 as ::ffff:127.0.0.1 while the listener sees an IPv4 peer."""
     import socket
 
-    from tandem.daemon.tcp_owner import owner_uid
+    from tandem.daemon.front.tcp_owner import owner_uid
 
     srv = socket.socket(socket.AF_INET)
     srv.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tandem.daemon.metrics import Metrics
+from tandem.daemon.front.metrics import Metrics
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="acting as another user (uid 65534) needs root")
 

@@ -16,7 +16,7 @@ import struct
 import llama_cpp
 import pytest
 
-from tandem.daemon.devices import DeviceError, _reachable
+from tandem.daemon.models.devices import DeviceError, _reachable
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="acting as another user (uid 65534) needs root")
 
@@ -92,8 +92,8 @@ def test_the_daemon_will_not_start_on_another_users_rpc_server(server_of, daemon
 def test_the_owner_check_reads_the_kernels_table(tmp_path):
     """Without root: the same check against a /proc/net/tcp that lists the
     server's end of our connection as another uid's, then as ours."""
-    from tandem.daemon.devices import _same_user
-    from tandem.daemon.tcp_owner import _hex_address
+    from tandem.daemon.front.tcp_owner import _hex_address
+    from tandem.daemon.models.devices import _same_user
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

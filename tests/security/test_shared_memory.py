@@ -24,8 +24,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from tandem.daemon.arena import UntrustedFile, create_arena, destroy_arena, index_path, remove_stale_arenas
-from tandem.daemon.page_store import map_arena
+from tandem.daemon.cache.arena import UntrustedFile, create_arena, destroy_arena, index_path, remove_stale_arenas
+from tandem.daemon.cache.page_store import map_arena
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="files of another user (uid 65534) and mounts need root")
@@ -128,7 +128,7 @@ def test_the_worker_maps_only_this_users_private_arena(shm):
 LIVE = """
 import sys, time
 from pathlib import Path
-from tandem.daemon.arena import create_arena
+from tandem.daemon.cache.arena import create_arena
 a = create_arena(1 << 20, Path(sys.argv[1]))
 print(a.path, flush=True)
 time.sleep(60)

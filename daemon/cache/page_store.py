@@ -16,7 +16,7 @@ Page contents go between the model and the arena only, never through a socket.
   drafter worker reads and writes the bytes (``read_pages``/``write_pages``).
 - ``save_index``/``load_index``: the tree, written atomically to a file next to
   the arena after each request, so a restarted worker finds its pages again.
-- the disk tier (``disk``, a ``DiskTier``; daemon/disk_cache.py): the target's
+- the disk tier (``disk``, a ``DiskTier``; daemon/cache/disk_cache.py): the target's
   pages are queued when stored and written to files between requests
   (``spill``, one page per call); ``restore`` reads the pages that continue
   what the arena holds of a prompt from disk into the arena first.

@@ -39,9 +39,9 @@ from tandem.protocol import (
 )
 from tandem.protocol.internal import WORKER_REQUESTS, CacheState, DrafterHung, DrafterState, Progress, Ready
 
-from .constraint import Grammars
+from ..constraints.constraint import Grammars
+from ..drafting.interfaces import Drafter, RequestError
 from .engine import Engine
-from .interfaces import Drafter, RequestError
 from .invariance import invariance_fix, kept_check, probe_batch_invariance
 from .worker_config import WorkerConfig, describe_model, load_model
 
@@ -55,8 +55,8 @@ NARROW_REPORT_DRAFTS = 64  # a 4-bit drafter's acceptance is logged once it has 
 def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engine, ModelInfo]:
     """Load the target model, probe it, and build its engine (with its governors
     and prefix-cache pages, where the daemon has them)."""
-    from .chat import ChatTemplate, ChatTemplateError
-    from .page_store import model_identity
+    from ..cache.page_store import model_identity
+    from ..models.chat import ChatTemplate, ChatTemplateError
 
     c = config
     identity = model_identity(c.model_path) if c.cache_shm else ""  # of the file as it is loaded
@@ -91,7 +91,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     info.draft_off = draft_off_reason(c, info, min_batch)
     governors, costs = None, None
     if c.governed:
-        from .governor import GovernorBank
+        from ..drafting.governor import GovernorBank
 
         identity, path = governor_keys(c, model.placement.key(), model.step_rows)
         costs = pass_costs(model, c, min_batch)
@@ -183,7 +183,7 @@ def pass_costs(model, config: WorkerConfig, min_batch: int):
     is Python lookups; a model drafter's, the target's one-token pass scaled by
     the two files' sizes (a decode step reads every weight once). None when the
     context is too small to measure in (the governors then measure only)."""
-    from .governor import PassCosts, measure_pass_costs, measure_read_cost
+    from ..drafting.governor import PassCosts, measure_pass_costs, measure_read_cost
 
     started = time.perf_counter()
     widths = range(1, max(config.draft_tokens, 1) + 2)
@@ -390,7 +390,7 @@ def governor_keys(config: WorkerConfig, placed: str, step_rows: int = 0) -> tupl
     devices.Placement.key: speeds measured on a GPU are not the CPU's), and the
     rows per pass of a step over repacked weights (``step_rows``: a verify pass
     then costs about a step per row). Each of those keeps its own file."""
-    from .governor import state_file
+    from ..drafting.governor import state_file
 
     path = Path(config.governor_state) if config.governor_state else None
     extra = " ".join(part for part in (placed, f"step_rows={step_rows}" if step_rows else "") if part)
@@ -404,9 +404,9 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
     """The target's view of the daemon's prefix-cache arena (None: no prefix cache)."""
     if not config.cache_shm:
         return None
-    from .arena import index_path
-    from .page_store import PageStore, map_arena
-    from .prefix_cache import ExtentAllocator, PageTree
+    from ..cache.arena import index_path
+    from ..cache.page_store import PageStore, map_arena
+    from ..cache.prefix_cache import ExtentAllocator, PageTree
 
     try:
         arena = map_arena(config.cache_shm, config.cache_bytes)  # a memoryview of it keeps it mapped
@@ -439,14 +439,14 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
 
 
 def disk_dir(config: WorkerConfig) -> Path:
-    from .disk_cache import default_dir
+    from ..cache.disk_cache import default_dir
 
     return Path(config["disk_cache_dir"]) if config["disk_cache_dir"] else default_dir()
 
 
 def disk_tier(store, config: WorkerConfig, identity: str):
     """The prefix cache's disk tier for this model (None: off, or unusable, with a warning)."""
-    from .disk_cache import DiskTier, disk_budget
+    from ..cache.disk_cache import DiskTier, disk_budget
 
     root = disk_dir(config)
     budget = disk_budget(config["disk_cache_bytes"], root)
@@ -545,15 +545,15 @@ class TargetLoop:
     def _drafter(self) -> Optional[Drafter]:
         kind = self.config.drafter
         if kind == "ngram":
-            from .ngram import NgramDrafter
+            from ..drafting.ngram import NgramDrafter
 
             return NgramDrafter()
         if kind == "suffix":
-            from .suffix import SuffixDrafter
+            from ..drafting.suffix import SuffixDrafter
 
             return SuffixDrafter()
         if kind == "model":
-            from .drafter_client import ModelDrafterClient
+            from ..drafting.drafter_client import ModelDrafterClient
 
             timeout = self.config["worker_timeout"]
             client = ModelDrafterClient(self.sock.context, self.config.draft_endpoint, timeout=timeout)
@@ -600,7 +600,7 @@ class TargetLoop:
     def _report_narrow_drafter(self, done) -> None:
         """A drafter of 4 bits or fewer: once it has drafted enough to say, log the
         acceptance it gets here (the warning at start could only cite others')."""
-        from .models import NARROW_PREFIXES
+        from ..models import NARROW_PREFIXES
 
         q = self.config.drafter_quantization
         if self.narrow_reported or not q.startswith(NARROW_PREFIXES) or done.draft is None:
@@ -707,7 +707,7 @@ class TargetLoop:
         )
 
     def _clear_disk_dir(self) -> tuple[int, int]:
-        from .disk_cache import clear_dir
+        from ..cache.disk_cache import clear_dir
 
         try:
             pages, nbytes, _ = clear_dir(disk_dir(self.config))
@@ -717,7 +717,7 @@ class TargetLoop:
         return pages, nbytes
 
     def _save_cache_index(self) -> None:
-        from .arena import index_path
+        from ..cache.arena import index_path
 
         try:
             self.engine.cache.save_index(index_path(self.config.cache_shm))

@@ -19,7 +19,7 @@ import llama_cpp as llama
 import numpy as np
 from llama_cpp import _logger as llama_logger
 
-from .interfaces import DecodeAborted
+from ..drafting.interfaces import DecodeAborted
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _install_kernel_hook() -> None:
     CPU backend it creates gets the reference kernels while they are on, and is
     listed in ``_REFERENCE_KERNELS["created"]`` while a context is being created,
     so that its model can switch them per pass (``LlamaModel.prefill``)."""
-    from .devices import DeviceError, libs
+    from ..models.devices import DeviceError, libs
 
     try:
         ggml = base = libs().ggml
@@ -216,7 +216,7 @@ class LlamaModel:
     def _load_model(self) -> None:
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
-        from .devices import DeviceError, LoadLog, select_devices
+        from ..models.devices import DeviceError, LoadLog, select_devices
 
         params = llama.llama_model_default_params()
         params.use_extra_bufts = self.extra_buffers

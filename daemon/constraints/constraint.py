@@ -23,7 +23,7 @@ import numpy as np
 
 from tandem.protocol import ErrorCode, ResponseFormat
 
-from .interfaces import RequestError
+from ..drafting.interfaces import RequestError
 
 log = logging.getLogger("tandem.worker")
 

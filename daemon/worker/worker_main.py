@@ -1,4 +1,4 @@
-"""``python -m tandem.daemon.worker_main``: the entry of every worker process.
+"""``python -m tandem.daemon.worker.worker_main``: the entry of every worker process.
 
 The daemon starts it (see worker_handle.py) with a ``WorkerConfig`` as JSON on
 stdin. It arranges to die with the daemon, sets the process environment before
@@ -35,9 +35,10 @@ def _die_with_parent() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m tandem.daemon.worker_main --sentinel-fd N --parent-pid P`` with a WorkerConfig as JSON on stdin."""
+    """``python -m tandem.daemon.worker.worker_main --sentinel-fd N --parent-pid P``, a WorkerConfig as
+    JSON on stdin."""
     ap = argparse.ArgumentParser(
-        prog="tandem.daemon.worker_main", description="a tandem model worker (started by the daemon)"
+        prog="tandem.daemon.worker.worker_main", description="a tandem model worker (started by the daemon)"
     )
     ap.add_argument("--sentinel-fd", type=int, required=True, help="a pipe's write end, held open while we live")
     ap.add_argument("--parent-pid", type=int, required=True, help="the daemon: we exit if it is gone")
@@ -63,7 +64,7 @@ def run_worker_process(config: WorkerConfig) -> None:
     sock.connect(config.endpoint)
     try:
         if config.role == "drafter":
-            from .drafter_worker import DrafterLoop
+            from ..drafting.drafter_worker import DrafterLoop
 
             DrafterLoop(config, sock).run()
         else:

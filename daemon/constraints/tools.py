@@ -38,9 +38,9 @@ from typing import Any, Optional, Sequence
 
 from tandem.protocol import ChatMessage, ErrorCode, FunctionCall, Generate, Tool, ToolCall, ToolCallDelta
 
+from ..drafting.interfaces import RequestError
+from ..worker.textstream import held_suffix
 from .constraint import JSON_OPTIONS
-from .interfaces import RequestError
-from .textstream import held_suffix
 
 HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

@@ -23,13 +23,13 @@ import zmq
 from tandem.protocol import Error, ErrorCode, Message, ProtocolError, Shutdown, decode, endpoint
 from tandem.protocol.internal import WORKER_REPLIES, CacheState, DrafterHung, DrafterState, Progress, Ready
 
-from .governor import state_file
+from ..drafting.governor import state_file
+from ..models.vocab import vocab_mismatch
+from ..worker.worker_config import WorkerConfig, spin_count_for
 from .metrics import Metrics
 from .restart_policy import RestartPolicy
 from .scheduler import Scheduler
 from .sdnotify import Notifier
-from .vocab import vocab_mismatch
-from .worker_config import WorkerConfig, spin_count_for
 from .worker_handle import WorkerHandle
 
 log = logging.getLogger("tandem.daemon")
@@ -418,6 +418,6 @@ def _size(path: Optional[Path]) -> int:
 
 
 def _quantization(path: Optional[Path]) -> str:
-    from .gguf_meta import facts
+    from ..models.gguf_meta import facts
 
     return str(facts(path).get("quantization", "")) if path is not None else ""

@@ -38,7 +38,7 @@ from typing import Optional
 
 import psutil
 
-from .config import ServeError
+from ..config import ServeError
 
 log = logging.getLogger("tandem.daemon")
 

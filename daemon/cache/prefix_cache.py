@@ -130,7 +130,7 @@ class Node:
     last_used: float = 0.0
     locks: int = 0
     serial: int = 0  # creation order, for stable tie-breaking
-    disk_key: Optional[bytes] = None  # its key in the disk tier, once computed (daemon/disk_cache.py)
+    disk_key: Optional[bytes] = None  # its key in the disk tier, once computed (daemon/cache/disk_cache.py)
     to_disk: bool = False  # queued to be written to the disk tier
 
     @property

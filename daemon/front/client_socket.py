@@ -24,7 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 from tandem.protocol import Message, encode, endpoint
 from tandem.protocol.paths import MAX_SOCKET_PATH_BYTES
 
-from .config import ServeError
+from ..config import ServeError
 
 log = logging.getLogger("tandem.daemon")
 

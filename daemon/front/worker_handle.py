@@ -3,7 +3,7 @@
 Each start gets a fresh PAIR socket on a fresh ipc path, so nothing a dead
 worker left queued can reach its successor.
 
-A worker is a plain ``python -m tandem.daemon.worker_main`` subprocess that reads its
+A worker is a plain ``python -m tandem.daemon.worker.worker_main`` subprocess that reads its
 configuration as JSON on stdin: no multiprocessing, so nothing is pickled, not
 even on the way into a child. Its death is noticed through a pipe whose write
 end only the worker holds: the read end (the "sentinel") becomes readable, at
@@ -25,8 +25,8 @@ import zmq
 
 from tandem.protocol import ModelInfo, encode, endpoint
 
+from ..worker.worker_config import WorkerConfig
 from .restart_policy import RestartPolicy
-from .worker_config import WorkerConfig
 
 
 class WorkerProcess:
@@ -39,7 +39,7 @@ class WorkerProcess:
                 [
                     sys.executable,
                     "-m",
-                    "tandem.daemon.worker_main",
+                    "tandem.daemon.worker.worker_main",
                     "--sentinel-fd",
                     str(write_end),
                     "--parent-pid",

@@ -45,14 +45,14 @@ from tandem.protocol import (
     decode,
 )
 
-from .arena import create_arena, destroy_arena, remove_stale_arenas
+from ..cache.arena import create_arena, destroy_arena, remove_stale_arenas
+from ..config import RELOADABLE, ConfigError, ServeError, Settings
+from ..version import __version__
 from .client_socket import ClientSocket, InstanceLock, prepare_socket
-from .config import RELOADABLE, ConfigError, ServeError, Settings
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .sdnotify import Notifier
 from .supervisor import Supervisor
-from .version import __version__
 
 log = logging.getLogger("tandem.daemon")
 

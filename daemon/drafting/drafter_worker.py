@@ -24,8 +24,8 @@ import zmq
 from tandem.protocol import Error, ErrorCode, ProtocolError, Shutdown, decode, encode
 from tandem.protocol.internal import DRAFTER_REQUESTS, Drafted, DraftRequest, Ready
 
+from ..worker.worker_config import WorkerConfig, describe_model, load_model
 from .sampler import Sampler
-from .worker_config import WorkerConfig, describe_model, load_model
 
 log = logging.getLogger("tandem.drafter")
 
@@ -45,13 +45,13 @@ class Drafting:
         self.layout = None
         self.page_bytes = 0
         if arena is not None:
-            from .page_store import probe_layout
+            from ..cache.page_store import probe_layout
 
             self.layout = probe_layout(model)
             self.page_bytes = self.layout.page_bytes(page_tokens)
 
     def _pages(self, req: DraftRequest) -> None:
-        from .page_store import read_pages, write_pages
+        from ..cache.page_store import read_pages, write_pages
 
         if not (req.store or req.restore):
             return
@@ -144,7 +144,7 @@ class DrafterLoop:
             info = describe_model(model, c, has_chat_template=False, vocab_digests=model.vocab_digests())
             arena = None
             if c.cache_shm:
-                from .page_store import map_arena
+                from ..cache.page_store import map_arena
 
                 try:
                     arena = memoryview(map_arena(c.cache_shm, c.cache_bytes))

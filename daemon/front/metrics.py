@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from tandem.protocol import CacheInfo, Done, DraftStats, GovernorInfo
 
-from .config import is_loopback, is_loopback_host
+from ..config import is_loopback, is_loopback_host
 from .tcp_owner import refusal
 
 log = logging.getLogger("tandem.daemon")

@@ -33,20 +33,29 @@ from tandem.protocol import (
     Usage,
 )
 
-from .chat import ChatTemplate, ChatTemplateError
-from .constraint import Constraint, ConstraintError, field_name
-from .governor import MIN_SECONDS, PLAIN, READ_MIN_TOKENS, Governor, GovernorBank, task_key
-from .interfaces import DecodeAborted, Drafter, Model, RequestError
-from .sampler import Sampler
-from .speculative import SparseDist, verify
+from ..constraints.constraint import Constraint, ConstraintError, field_name
+from ..constraints.tools import (
+    GENERIC,
+    CallOpener,
+    ToolCallParser,
+    ToolPlan,
+    detect_format,
+    make_plan,
+    message_dicts,
+    tool_dict,
+)
+from ..constraints.tools import with_generic_prompt as _generic_prompt
+from ..drafting.governor import MIN_SECONDS, PLAIN, READ_MIN_TOKENS, Governor, GovernorBank, task_key
+from ..drafting.interfaces import DecodeAborted, Drafter, Model, RequestError
+from ..drafting.sampler import Sampler
+from ..drafting.speculative import SparseDist, verify
+from ..models.chat import ChatTemplate, ChatTemplateError
 from .textstream import TextStream
-from .tools import GENERIC, CallOpener, ToolCallParser, ToolPlan, detect_format, make_plan, message_dicts, tool_dict
-from .tools import with_generic_prompt as _generic_prompt
 
 log = logging.getLogger("tandem.engine")
 
 if TYPE_CHECKING:
-    from .page_store import PageStore
+    from ..cache.page_store import PageStore
 
 
 MAX_FORCED = 16  # grammar-forced tokens read in one round

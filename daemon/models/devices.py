@@ -318,7 +318,7 @@ def _same_user(endpoint: str, sock, proc: Optional[Path] = None) -> None:
     import ipaddress
     import os
 
-    from .tcp_owner import NOT_FOUND, owner_uid
+    from ..front.tcp_owner import NOT_FOUND, owner_uid
 
     peer, local = sock.getpeername(), sock.getsockname()
     if not ipaddress.ip_address(peer[0]).is_loopback:

@@ -58,7 +58,7 @@ class WorkerConfig:
 
 def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
     """What a worker tells the daemon about its loaded model; ``more``: its role's own fields."""
-    from .devices import gpu_backend, gpu_note, list_devices
+    from ..models.devices import gpu_backend, gpu_note, list_devices
 
     placement = model.placement
     devices = list_devices()
@@ -101,7 +101,7 @@ def placement_settings(config: WorkerConfig) -> tuple[int, list[str]]:
 def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
-    from .config import is_loopback, rpc_servers
+    from ..config import is_loopback, rpc_servers
     from .llama_model import LlamaModel
 
     if config.role == "target" and config["rpc"]:
@@ -148,7 +148,7 @@ def _add_rpc_servers(servers: list[str], wait: float, other_users: bool) -> None
     a server restarted meanwhile brings the daemon back without a restart."""
     import time
 
-    from .devices import DeviceError, add_rpc_servers
+    from ..models.devices import DeviceError, add_rpc_servers
     from .llama_model import ModelLoadError
 
     deadline = time.monotonic() + wait
@@ -168,7 +168,7 @@ def _add_rpc_servers(servers: list[str], wait: float, other_users: bool) -> None
 
 def _say_where(model, config: WorkerConfig) -> None:
     """Log where the layers went, and why not where they were asked to go."""
-    from .devices import gpu_note, list_devices
+    from ..models.devices import gpu_note, list_devices
 
     p = model.placement
     where = ", ".join(f"{n} on {d}" for d, n in sorted(p.layers.items(), key=lambda kv: -kv[1])) or "unknown"

@@ -16,7 +16,7 @@ import numpy as np
 if TYPE_CHECKING:
     from tandem.protocol import ErrorCode
 
-    from .page_store import PageStore
+    from ..cache.page_store import PageStore
     from .sampler import Sampler
     from .speculative import SparseDist
 

@@ -1,0 +1,1 @@
+"""Grammar-constrained output (llguidance) and tool calls."""

@@ -6,7 +6,7 @@
 #   2. llama-cpp-python reinstalled with CMAKE_ARGS="-DGGML_RPC=on" (the same version; it replaces the installed
 #      one in this Python environment: nothing else about it changes)
 #   3. with --test: the RPC test (tests/integration/test_rpc.py: two rpc-servers on 127.0.0.1, SmolLM2 split
-#      across them, output compared with a local run) and the loopback benchmark (bench/rpc.py)
+#      across them, output compared with a local run) and the loopback benchmark (bench/experiments/rpc.py)
 # Usage: [CMAKE_ARGS="-DGGML_CUDA=on"] bench/build_rpc.sh [--test] [--no-python]
 # CMAKE_ARGS (a GPU backend's flags) go to both builds; run it on each machine that runs an rpc-server
 # (GGML_NATIVE builds for the CPU it runs on).
@@ -70,5 +70,5 @@ fi
 if [ "$TEST" = 1 ]; then
   cd "$HERE/.."
   TANDEM_RPC_SERVER="$OUT/bin/rpc-server" python -m pytest -q tests/integration/test_rpc.py
-  TANDEM_RPC_SERVER="$OUT/bin/rpc-server" python bench/rpc.py
+  TANDEM_RPC_SERVER="$OUT/bin/rpc-server" python -m bench.experiments.rpc
 fi

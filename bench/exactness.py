@@ -25,7 +25,7 @@ logit gap on the reference path there (computed in process with the daemon's
 settings). A daemon whose probe found drafting inexact here decodes plainly and
 says so (``draft_off``); the report counts those requests.
 
-    python bench/exactness.py --target PRESET|PATH --drafter PRESET|PATH|ngram [--tokens 48]
+    python -m bench.exactness --target PRESET|PATH --drafter PRESET|PATH|ngram [--tokens 48]
         [--corpus main|heldout] [--serve-args "--kernels fast"] [--kinds json story]
 """
 
@@ -38,9 +38,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from common import model_path, start_daemon, temp_socket
-from fidelity import reference_engine, top2_gap
-
+from bench.common import model_path, start_daemon, temp_socket
+from bench.fidelity import reference_engine, top2_gap
 from tandem.client import Client
 
 CORPORA = {"main": Path(__file__).with_name("corpus.json"), "heldout": Path(__file__).with_name("corpus_heldout.json")}

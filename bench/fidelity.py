@@ -7,7 +7,7 @@ compare the token ids. For each divergence, report the position and the
 target's top-2 logit gap there on the plain path (small gap = a near-tie that
 batched and single-token kernels may round differently).
 
-    python bench/fidelity.py --target PATH --drafter PATH|ngram [--k 1 2 4 6] [--flash-attn on|off]
+    python -m bench.fidelity --target PATH --drafter PATH|ngram [--k 1 2 4 6] [--flash-attn on|off]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from common import start_daemon, temp_socket
 
+from bench.common import start_daemon, temp_socket
 from tandem.client import Client
 from tandem.protocol import ChatMessage, Generate
 

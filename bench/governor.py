@@ -23,7 +23,7 @@ identical to plain.
 (A B A B ...), on a governed daemon with one state per task and on one with a
 single state for all requests, against plain.
 
-    python bench/governor.py --target PRESET|PATH --drafter PRESET|PATH|ngram|suffix [--runs 3] [--prompts 3]
+    python -m bench.governor --target PRESET|PATH --drafter PRESET|PATH|ngram|suffix [--runs 3] [--prompts 3]
         [--tokens 64]
         [--kinds json support story code edit] [--alternate edit,story --cycles 4]
 """
@@ -36,9 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import fmt, model_path, start_daemon, temp_socket, wait_quiet
-from fidelity import load_corpus
-
+from bench.common import fmt, model_path, start_daemon, temp_socket, wait_quiet
+from bench.fidelity import load_corpus
 from tandem.client import Client
 
 EDIT_CORPUS = Path(__file__).with_name("corpus_edit.json")
@@ -46,7 +45,7 @@ EDIT_CORPUS = Path(__file__).with_name("corpus_edit.json")
 
 def load_all_kinds(agent: bool = False) -> dict[str, list]:
     """The task corpus and the copy-heavy edit; ``agent``: also the agent's turns
-    (bench/lookup_drafters.py's second task)."""
+    (bench/experiments/lookup_drafters.py's second task)."""
     corpus = load_corpus()
     corpus.update(json.loads(EDIT_CORPUS.read_text()))
     if not agent:

@@ -1,9 +1,9 @@
 #!/bin/sh
 # The GPU run of issue 23, as one script for a machine with an NVIDIA GPU and the CUDA toolkit:
 # llama-cpp-python (the pinned version) rebuilt with CUDA, tandem installed, the models pulled, then
-# bench/gpu.py (plain, forced and governed speculative decoding at k = 2, 4, 6 with every layer on the GPU,
+# bench/experiments/gpu.py (plain, forced and governed speculative decoding at k = 2, 4, 6 with every layer on the GPU,
 # greedy output equality, the prefix cache's restore) writing to bench/results/<date>-gpu.
-# Usage: bench/gpu.sh [bench/gpu.py arguments]
+# Usage: bench/gpu.sh [bench/experiments/gpu.py arguments]
 set -eu
 cd "$(dirname "$0")/.."
 VERSION=$(python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))" 2>/dev/null || echo 0.3.36)
@@ -16,4 +16,4 @@ fi
 python -m tandem.client.cli models pull qwen2.5-coder-1.5b
 python -m tandem.client.cli models pull qwen2.5-coder-0.5b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
-exec python bench/gpu.py "$@"
+exec python -m bench.experiments.gpu "$@"

@@ -50,14 +50,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from bench.common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet
+from bench.prefix_cache import LlamaServer
+from tandem.client import Client
+
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-from common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet  # noqa: E402
-from prefix_cache import LlamaServer  # noqa: E402
-
-from tandem.client import Client  # noqa: E402
-
 DEFAULT_MODELS = ["smollm2-135m", "qwen2.5-coder-1.5b"]
 KINDS = ["new", "repeated", "extended", "prefill"]
 VENDORED = "llama-server (vendored)"

@@ -25,7 +25,7 @@ Every run uses fresh prompts (a salt in the first line), so nothing carries
 over between runs. Reports median (min–max) over ``--runs``.
 
     bench/build_llama_server.sh     # once, ~10 minutes
-    python bench/prefix_cache.py --model qwen2.5-coder-0.5b --runs 3 \\
+    python -m bench.prefix_cache --model qwen2.5-coder-0.5b --runs 3 \\
         --llama-server ~/.cache/tandem/llama-server/b11434/bin/llama-server
 """
 
@@ -39,17 +39,13 @@ import random
 import shlex
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import fmt, free_port, model_path, start_daemon, temp_socket  # noqa: E402
-
-from tandem.client import Client  # noqa: E402
-from tandem.daemon.worker.llama_model import cpu_has_amx  # noqa: E402
+from bench.common import fmt, free_port, model_path, start_daemon, temp_socket
+from tandem.client import Client
+from tandem.daemon.worker.llama_model import cpu_has_amx
 
 TOOLS = [
     (

@@ -32,17 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import psutil
+
+from bench import peer
+from bench.common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet
+from bench.governor import load_all_kinds
+from bench.prefix_cache import Ideal, LlamaServer, agent_loop, interleaved
+from bench.speculative import pass_costs_ms
+from tandem.client import Client
+
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-import peer  # noqa: E402
-import psutil  # noqa: E402
-from common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet  # noqa: E402
-from governor import load_all_kinds  # noqa: E402
-from prefix_cache import Ideal, LlamaServer, agent_loop, interleaved  # noqa: E402
-from speculative import pass_costs_ms  # noqa: E402
-
-from tandem.client import Client  # noqa: E402
 
 PRESETS = {
     "quick": dict(

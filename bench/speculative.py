@@ -15,7 +15,7 @@ exact mode costs on steps without drafts).
   a refined one with the measured cost of one target pass over k+1 tokens:
   tokens per round * t(1) / (t(k+1) + k * t_draft)
 
-    python bench/speculative.py --target PRESET|PATH --drafter PRESET|PATH|ngram [--runs 3] [--prompts 3] [--tokens 48]
+    python -m bench.speculative --target PRESET|PATH --drafter PRESET|PATH|ngram [--runs 3] [--prompts 3] [--tokens 48]
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import argparse
 import time
 from pathlib import Path
 
-from common import fmt, model_path, start_daemon, temp_socket
-from fidelity import load_corpus
-
+from bench.common import fmt, model_path, start_daemon, temp_socket
+from bench.fidelity import load_corpus
 from tandem.client import Client
 
 KS = [1, 2, 4, 6]

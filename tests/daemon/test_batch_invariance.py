@@ -6,7 +6,7 @@ repacking), so these tests do not encode one machine's rounding: the first
 asserts that the probe's answer agrees with what a long prompt shows on *this*
 CPU, whatever that answer is; the second asserts the product's default, which
 was measured invariant on an AVX-512/AMX Xeon and on an AVX2-only build
-(bench/batch_invariance.py, bench/README.md).
+(bench/experiments/batch_invariance.py, bench/README.md).
 """
 
 from __future__ import annotations

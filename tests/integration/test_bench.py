@@ -102,8 +102,8 @@ def test_quick_benchmark_writes_a_report_with_tables_and_plots(tmp_path, smollm2
 
 def test_the_structured_output_benchmark_runs_and_every_constrained_output_validates(smollm2_path):
     run = subprocess.run(
-        [sys.executable, "bench/structured.py", "--model", str(smollm2_path), *"--runs 1 --prompts 2".split()]
-        + ["--llama-server", "/nonexistent/llama-server"],
+        [sys.executable, "-m", "bench.experiments.structured", "--model", str(smollm2_path)]
+        + ["--runs", "1", "--prompts", "2", "--llama-server", "/nonexistent/llama-server"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -115,27 +115,32 @@ def test_the_structured_output_benchmark_runs_and_every_constrained_output_valid
     assert all("| 2/2 |" in row for row in rows.values()), run.stdout
 
 
-def bench(script: str, *args: str) -> subprocess.CompletedProcess:
+def bench(experiment: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m bench.experiments.EXPERIMENT ARGS...` from the repository root"""
     run = subprocess.run(
-        [sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", f"bench.experiments.{experiment}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
 
 def test_the_tool_loop_and_mask_cost_benchmarks_run(smollm2_path):
-    loop = bench("tool_loop.py", "--model", str(smollm2_path), "--turns", "2")
+    loop = bench("tool_loop", "--model", str(smollm2_path), "--turns", "2")
     turns = [line.split() for line in loop.stdout.splitlines() if line[:4].strip().isdigit()]
     assert [t[0] for t in turns] == ["1", "2"] and int(turns[1][2]) > 0, loop.stdout  # turn 2 hit the cache
     assert "reusable tokens from the cache" in loop.stdout
-    cost = bench("mask_cost.py", "--model", str(smollm2_path), "--schemas", "1")
+    cost = bench("mask_cost", "--model", str(smollm2_path), "--schemas", "1")
     assert "median mask / median step" in cost.stdout, cost.stdout
 
 
 def test_the_verify_cost_benchmark_compares_four_settings_or_says_why_not(smollm2_path):
     from tandem.daemon.worker.llama_model import cpu_has_amx
 
-    run = bench("verify_cost.py", "--model", str(smollm2_path), "--rounds", "1", "--widths", "1,2")
+    run = bench("verify_cost", "--model", str(smollm2_path), "--rounds", "1", "--widths", "1,2")
     if cpu_has_amx():  # extra buffers stay off on AMX CPUs (they crash there): nothing to compare, and it says so
         assert "this CPU has AMX" in run.stdout, run.stdout
         return
@@ -153,7 +158,7 @@ def test_the_verify_cost_benchmark_compares_four_settings_or_says_why_not(smollm
 
 def test_the_cold_governor_benchmark_makes_every_request_a_new_task(smollm2_path):
     run = bench(
-        "cold_governor.py",
+        "cold_governor",
         *("--target", str(smollm2_path), "--drafter", str(smollm2_path)),
         *"--prompts 2 --tokens 8 --ctx-size 2048".split(),
     )
@@ -173,7 +178,7 @@ def test_the_cold_governor_benchmark_makes_every_request_a_new_task(smollm2_path
 def test_the_catch_up_benchmark_runs_one_task_bracketed_and_reports_the_drafters_catch_ups(tmp_path, smollm2_path):
     out = tmp_path / "catch-up"
     run = bench(
-        "catch_up.py",
+        "catch_up",
         *("--target", str(smollm2_path), "--drafter", str(smollm2_path)),
         *"--prompts 3 --tokens 8 --ctx-size 2048 --out".split(),
         str(out),
@@ -192,14 +197,14 @@ def test_the_catch_up_benchmark_runs_one_task_bracketed_and_reports_the_drafters
 
 
 def test_the_prompt_overhead_benchmark_compares_the_daemon_with_in_process_prefill(smollm2_path):
-    run = bench("prompt_overhead.py", "--model", str(smollm2_path), "--prompts", "2", "--words", "20")
+    run = bench("prompt_overhead", "--model", str(smollm2_path), "--prompts", "2", "--words", "20")
     rows = [line.strip("| ").split(" | ") for line in run.stdout.splitlines() if line[:3].strip("| ").isdigit()]
     assert len(rows) == 2 and all(int(r[0]) > 20 and float(r[3]) > 0 for r in rows), run.stdout
     assert "daemon / in-process: median " in run.stdout, run.stdout
 
 
 def test_the_step_kernels_benchmark_compares_reference_and_fast_one_token_steps(smollm2_path):
-    run = bench("step_kernels.py", "--model", str(smollm2_path), "--rounds", "2", "--tokens", "8", "--context", "80")
+    run = bench("step_kernels", "--model", str(smollm2_path), "--rounds", "2", "--tokens", "8", "--context", "80")
     speeds = [line for line in run.stdout.splitlines() if " kernels: " in line]
     assert [line.split(" kernels:")[0] for line in speeds] == ["reference", "fast"], run.stdout
     assert all(float(line.split(": ")[1].split()[0]) > 0 for line in speeds), run.stdout
@@ -210,7 +215,7 @@ def test_the_step_kernels_benchmark_compares_reference_and_fast_one_token_steps(
 
 def test_the_lookup_drafter_benchmark_adds_the_fast_systems(smollm2_path):
     run = bench(
-        "lookup_drafters.py",
+        "lookup_drafters",
         *("--target", str(smollm2_path), "--runs", "1", "--tokens", "12", "--kinds", "edit", "--also-fast", "6"),
         "--fresh",
     )

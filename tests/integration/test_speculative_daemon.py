@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from fidelity import compare, load_corpus, reference_engine  # noqa: E402
+from bench.fidelity import compare, load_corpus, reference_engine
 
 
 @pytest.fixture(scope="module")

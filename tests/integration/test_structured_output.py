@@ -5,17 +5,13 @@ greedy output, and a constraint that does not compile is a typed error."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
 
+from bench.experiments.structured import CORPUS, SYSTEM, valid  # the benchmark's corpus, prompt and validity test
 from tandem.client import RequestFailed
 from tandem.protocol import ErrorCode, FinishReason
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from structured import CORPUS, SYSTEM, valid  # noqa: E402 - the benchmark's corpus, prompt and validity test
 
 
 def extract(client, item: dict, constrained: bool = True, **kw):

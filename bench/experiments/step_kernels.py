@@ -12,7 +12,7 @@ several tokens in a pass, but they are not the kernels a verify pass's rows
 agree with, so a daemon with a drafter and one without would write different
 text; this measures what keeping one kind of step everywhere costs.
 
-    python bench/step_kernels.py [--model smollm2-135m] [--rounds 8] [--tokens 96] [--context 200]
+    python -m bench.experiments.step_kernels [--model smollm2-135m] [--rounds 8] [--tokens 96] [--context 200]
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import model_path  # noqa: E402
-
-from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
+from bench.common import model_path
+from tandem.daemon.worker.llama_model import LlamaModel
 
 FILLER = "The town kept its records in a tall stone building near the harbour, and every family had a drawer there. "
 

@@ -5,7 +5,7 @@ rounds alternate between them so that the shared machine's noise falls on all
 alike. A round prefills a prompt of --prompt tokens in one call and then
 decodes --tokens tokens one at a time (greedy), as the daemon's plain path does.
 
-    python bench/kernel_cost.py --model smollm2-135m [--rounds 5] [--prompt 512] [--tokens 64]
+    python -m bench.experiments.kernel_cost --model smollm2-135m [--rounds 5] [--prompt 512] [--tokens 64]
         [--settings new old fast-flash]
 
 Settings: new = the defaults (reference kernels, flash attention, no extra
@@ -21,7 +21,8 @@ import statistics
 import time
 
 import numpy as np
-from common import fmt, model_path
+
+from bench.common import fmt, model_path
 
 SETTINGS = {
     "new": dict(reference_kernels=True, flash_attn=True, extra_buffers=None),

@@ -1,6 +1,6 @@
 """Can repacked weights keep output exact if every pass is padded to a multiple of 4 rows?
 
-    python bench/repack_padding.py [--model qwen2.5-coder-1.5b]
+    python -m bench.experiments.repack_padding [--model qwen2.5-coder-1.5b]
 
 llama.cpp's repacked Q4_K weights (``--extra-buffers on``) multiply 4 rows at a
 time (gemm) and a leftover row alone (gemv), which round differently, so a

@@ -9,19 +9,15 @@ turn, the prompt, the tokens restored from the cache, and the share of what
 the previous turn had read and written (the most the cache can hold of it,
 to the last full page).
 
-    python bench/tool_loop.py [--model qwen2.5-coder-0.5b] [--turns 6] [--choice required]
+    python -m bench.experiments.tool_loop [--model qwen2.5-coder-0.5b] [--turns 6] [--choice required]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import model_path, start_daemon, temp_socket  # noqa: E402
-
-from tandem.client import Client, assistant_message  # noqa: E402
+from bench.common import model_path, start_daemon, temp_socket
+from tandem.client import Client, assistant_message
 
 TOOLS = [
     {

@@ -14,7 +14,7 @@ Each generates up to --tokens tokens greedily after the same prompt (the
 prompts are chosen so the model does not stop early); throughput = generated
 tokens / wall time from request to the last token, prefill included. Prints per-run ratios, then medians and ranges.
 
-    python bench/plain_decoding.py [--model PATH|PRESET] [--runs 5] [--tokens 128]
+    python -m bench.experiments.plain_decoding [--model PATH|PRESET] [--runs 5] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import llama_cpp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import start_daemon, temp_socket  # noqa: E402
 
+from bench.common import start_daemon, temp_socket  # noqa: E402
 from tandem.client import Client  # noqa: E402
 from tandem.daemon import models  # noqa: E402
 from tandem.daemon.worker.llama_model import LlamaModel, reference_llama  # noqa: E402

@@ -8,14 +8,13 @@ would (deploy/prometheus.yml: 5 s). Every request streams, so the daemon does
 its per-chunk metric work. Reports generated tok/s of each (median and range),
 the per-pair ratio, the time a scrape takes, and the daemon processes' RSS.
 
-    python bench/metrics_overhead.py [--model PRESET|PATH] [--runs 20] [--tokens 96] [--scrape-interval 0.5]
+    python -m bench.experiments.metrics_overhead [--model PRESET|PATH] [--runs 20] [--tokens 96] [--scrape-interval 0.5]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 import urllib.request
@@ -23,10 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from bench.common import fmt, model_path, start_daemon, temp_socket
 from tandem.client import Client
-
-sys.path.insert(0, str(Path(__file__).parent))
-from common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a map.",

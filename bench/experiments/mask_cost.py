@@ -6,7 +6,7 @@ the extraction corpus's JSON Schemas, taking a random allowed token at each
 step (so string bodies, numbers and keys are all visited), times every mask,
 and times one-token decoding steps of the same model.
 
-    python bench/mask_cost.py [--model qwen2.5-coder-1.5b] [--schemas 6]
+    python -m bench.experiments.mask_cost [--model qwen2.5-coder-1.5b] [--schemas 6]
 """
 
 from __future__ import annotations
@@ -14,20 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import model_path  # noqa: E402
+from bench.common import model_path
+from tandem.daemon.constraints.constraint import Grammars
+from tandem.daemon.worker.llama_model import LlamaModel
+from tandem.protocol import ResponseFormat
 
-from tandem.daemon.constraints.constraint import Grammars  # noqa: E402
-from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
-from tandem.protocol import ResponseFormat  # noqa: E402
-
-CORPUS = json.loads((Path(__file__).resolve().parent / "corpus" / "extraction.json").read_text())
+CORPUS = json.loads((Path(__file__).resolve().parents[1] / "corpus" / "extraction.json").read_text())
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ k+1 tokens costs about k+1 steps and drafting pays less. This prints both
 settings' median (min-max) per width and what a round of ``w`` tokens that are
 all accepted would give per token, against the same setting's one-token step.
 
-    python bench/verify_cost.py [--model qwen2.5-coder-1.5b] [--rounds 3] [--widths 1,2,3,5,8]
-    python bench/verify_cost.py --widths 1,2,3,5,8,12,16,24,32   # where the tiled kernel takes over
+    python -m bench.experiments.verify_cost [--model qwen2.5-coder-1.5b] [--rounds 3] [--widths 1,2,3,5,8]
+    python -m bench.experiments.verify_cost --widths 1,2,3,5,8,12,16,24,32   # where the tiled kernel takes over
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, model_path  # noqa: E402
-
-from tandem.daemon.drafting.governor import measure_pass_costs  # noqa: E402
-from tandem.daemon.worker.llama_model import LlamaModel, cpu_has_amx  # noqa: E402
+from bench.common import fmt, model_path
+from tandem.daemon.drafting.governor import measure_pass_costs
+from tandem.daemon.worker.llama_model import LlamaModel, cpu_has_amx
 
 
 def main() -> int:

@@ -1,8 +1,8 @@
 """One drafter model at three widths: acceptance (α), its step cost, and the speedup
 it gives, side by side through the daemon's socket.
 
-    python bench/drafter_quant.py                                   # SmolLM2: F16 target, drafters Q4_1 / F16 / Q8_0
-    python bench/drafter_quant.py --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b
+    python -m bench.experiments.drafter_quant      # SmolLM2: F16 target, drafters Q4_1 / F16 / Q8_0
+    python -m bench.experiments.drafter_quant --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b
 
 The drafter file as pulled (4 bits here), its F16 copy (``models.derive_f16``)
 and the Q8_0 copy that ``--drafter-quantize auto`` makes of a 16-bit drafter
@@ -20,14 +20,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
-from governor import load_all_kinds  # noqa: E402
-from speculative import pass_costs_ms  # noqa: E402
-
-from tandem.client import Client  # noqa: E402
-from tandem.daemon import gguf_meta, models  # noqa: E402
+from bench.common import fmt, model_path, start_daemon, temp_socket
+from bench.governor import load_all_kinds
+from bench.speculative import pass_costs_ms
+from tandem.client import Client
+from tandem.daemon import models
+from tandem.daemon.models import gguf_meta
 
 
 def target_of(name: str) -> Path:

@@ -16,8 +16,8 @@ One request is too noisy to resolve 2% on a shared machine (two requests
 seconds apart differ by more): the figure is the geometric mean over all
 prompts with ±2 standard errors.
 
-    python bench/cold_governor.py [--target qwen2.5-coder-1.5b] [--drafter qwen2.5-coder-0.5b]
-                                  [--prompts 20] [--tokens 48] [--out results/cold.json]
+    python -m bench.experiments.cold_governor [--target qwen2.5-coder-1.5b] [--drafter qwen2.5-coder-0.5b]
+        [--prompts 20] [--tokens 48] [--out results/cold.json]
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import wait_quiet  # noqa: E402
-from governor import load_all_kinds  # noqa: E402
-from report import (  # noqa: E402
+from bench.common import wait_quiet
+from bench.governor import load_all_kinds
+from bench.report import (
     CONTROL,
     LOOKUP,
     bracketed,

@@ -16,7 +16,7 @@ layer of both models offloaded (``--gpu-layers all --drafter-gpu-layers all``):
 Writes report.md and results.json to ``--out``. Runs on a CPU too (there the
 flags place nothing and the figures are this machine's, as bench/governor.py).
 
-    python bench/gpu.py [--target qwen2.5-coder-1.5b] [--drafter qwen2.5-coder-0.5b] [--ks 2 4 6]
+    python -m bench.experiments.gpu [--target qwen2.5-coder-1.5b] [--drafter qwen2.5-coder-0.5b] [--ks 2 4 6]
         [--runs 2] [--tokens 64] [--kinds json code story edit] [--out bench/results/DATE-gpu]
 """
 
@@ -30,9 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import fmt, model_path, start_daemon, temp_socket
-from governor import load_all_kinds, run_prompts
-
+from bench.common import fmt, model_path, start_daemon, temp_socket
+from bench.governor import load_all_kinds, run_prompts
 from tandem.client import Client
 
 OFFLOAD = ("--gpu-layers", "all", "--drafter-gpu-layers", "all")

@@ -8,25 +8,20 @@ assemble per restore (per-page, per-layer slicing) and a bigger tree. This
 measures both, in process with tandem's own PageStore on a real model:
 restore + prefill of the remainder, for each page size, the same cut points.
 
-    python bench/page_size.py --model qwen2.5-coder-0.5b --tokens 4000 --samples 5
+    python -m bench.experiments.page_size --model qwen2.5-coder-0.5b --tokens 4000 --samples 5
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from multiprocessing import shared_memory
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import fmt, model_path  # noqa: E402
-
-from tandem.daemon.cache.page_store import PageStore  # noqa: E402
-from tandem.daemon.cache.prefix_cache import ExtentAllocator, PageTree  # noqa: E402
-from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
+from bench.common import fmt, model_path
+from tandem.daemon.cache.page_store import PageStore
+from tandem.daemon.cache.prefix_cache import ExtentAllocator, PageTree
+from tandem.daemon.worker.llama_model import LlamaModel
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ alternating which goes first each step, so drift on a shared machine hits both.
 The first step of each way starts from an empty cache and is reported apart;
 the summary is over the later (warm) steps: median (min–max).
 
-    python bench/fim.py --model qwen2.5-coder-1.5b --steps 6
+    python -m bench.experiments.fim --model qwen2.5-coder-1.5b --steps 6
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
-from tandem.client import Client  # noqa: E402
+from bench.common import fmt, model_path, start_daemon, temp_socket
+from tandem.client import Client
 
 NOUNS = ["order", "invoice", "user", "session", "record", "packet", "event", "metric", "token", "account"]
 VERBS = ["parse", "validate", "merge", "render", "load", "store", "filter", "count", "encode", "normalize"]

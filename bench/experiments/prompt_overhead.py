@@ -10,7 +10,7 @@ alternating, each once the daemon is idle. The daemon's figure is its
 and the prefill); the ratio near 1.0 means a TTFT gap to another server is in
 llama.cpp's kernels, not in tandem.
 
-    python bench/prompt_overhead.py [--model qwen2.5-coder-1.5b] [--prompts 6] [--words 60]
+    python -m bench.experiments.prompt_overhead [--model qwen2.5-coder-1.5b] [--prompts 6] [--words 60]
 """
 
 from __future__ import annotations
@@ -19,13 +19,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import model_path, start_daemon, temp_socket, wait_quiet  # noqa: E402
-
-from tandem.client import Client  # noqa: E402
-from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
+from bench.common import model_path, start_daemon, temp_socket, wait_quiet
+from tandem.client import Client
+from tandem.daemon.worker.llama_model import LlamaModel
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

@@ -18,8 +18,9 @@ and adds one more). It gives tokens per target pass, drafted tokens per pass,
 and the speedup the target's measured pass costs predict; its figures do not
 depend on the machine's load.
 
-    python bench/lookup_drafters.py [--target qwen2.5-coder-1.5b] [--runs 3] [--tokens 160] [--kinds edit agent]
-    python bench/lookup_drafters.py --tokens 256 --also-fast 16 [--fresh]
+    python -m bench.experiments.lookup_drafters [--target qwen2.5-coder-1.5b] [--runs 3] [--tokens 160]
+        [--kinds edit agent]
+    python -m bench.experiments.lookup_drafters --tokens 256 --also-fast 16 [--fresh]
 
 ``--also-fast K`` adds two systems that give up exact output for speed:
 ``--kernels fast --exact off`` without a drafter, and with the suffix drafter
@@ -41,17 +42,13 @@ the prefill, so plain decoding is measured the same way.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, model_path, start_daemon, temp_socket, wait_quiet  # noqa: E402
-from governor import load_all_kinds  # noqa: E402
-
-from tandem.client import Client  # noqa: E402
-from tandem.daemon.drafting.ngram import NgramDrafter  # noqa: E402
-from tandem.daemon.drafting.suffix import SuffixDrafter  # noqa: E402
+from bench.common import fmt, model_path, start_daemon, temp_socket, wait_quiet
+from bench.governor import load_all_kinds
+from tandem.client import Client
+from tandem.daemon.drafting.ngram import NgramDrafter
+from tandem.daemon.drafting.suffix import SuffixDrafter
 
 DRAFTERS = ("ngram", "suffix")
 
@@ -205,7 +202,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
 
-    from speculative import pass_costs_ms
+    from bench.speculative import pass_costs_ms
 
     costs = pass_costs_ms(target, list(range(1, args.k + 2)))
     print()

@@ -15,7 +15,7 @@ cells, where llama.cpp's CPU flash attention splits one-token steps across
 threads). A setting is batch-invariant for a model when every schedule gives
 the reference's logits exactly.
 
-    python bench/batch_invariance.py [--models smollm2-135m qwen2.5-coder-1.5b ...]
+    python -m bench.experiments.batch_invariance [--models smollm2-135m qwen2.5-coder-1.5b ...]
         [--flash on off] [--tiled-mm on off] [--extra-buffers auto off]
 
 Each setting runs in its own process (llama.cpp reads GGML_CPU_TILED_MM once).
@@ -100,8 +100,7 @@ def main() -> None:
         print(json.dumps(run_one(**spec)))
         return
 
-    from common import model_path
-
+    from bench.common import model_path
     from tandem.daemon import models
 
     paths = {m: str(model_path(m)) for m in args.models}

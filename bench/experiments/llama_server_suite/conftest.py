@@ -1,4 +1,4 @@
-"""Replaces llama.cpp's tools/server/tests/conftest.py when bench/llama_server_suite.py
+"""Replaces llama.cpp's tools/server/tests/conftest.py when bench/experiments/llama_server_suite.py
 runs that suite: its ServerProcess starts tandem (a daemon and `tandem http` on
 the port the test asked for) or the real llama-server, on local models.
 

@@ -13,8 +13,8 @@ idle. It reports each request's governed / plain decode rate, which requests
 drafted, and every catch-up the drafter's daemon logged (tokens read, seconds,
 the governor's prediction), with their total against that daemon's decode time.
 
-    python bench/catch_up.py [--target qwen2.5-coder-1.5b] [--drafter qwen2.5-coder-0.5b]
-                             [--prompts 24] [--tokens 192] [--out DIR]
+    python -m bench.experiments.catch_up [--target qwen2.5-coder-1.5b] [--drafter qwen2.5-coder-0.5b]
+        [--prompts 24] [--tokens 192] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, temp_socket, wait_quiet  # noqa: E402
-from governor import load_all_kinds  # noqa: E402
-from report import (  # noqa: E402
+from bench.common import cpu_model, temp_socket, wait_quiet
+from bench.governor import load_all_kinds
+from bench.report import (
     CONTROL,
     bracketed,
     bracketed_daemons,
@@ -113,7 +112,7 @@ def main() -> int:
     lines = [
         "# Catching a model drafter up for probes",
         "",
-        f"`python bench/catch_up.py --prompts {args.prompts} --tokens {args.tokens}` on {cpu_model()}: "
+        f"`python -m bench.experiments.catch_up --prompts {args.prompts} --tokens {args.tokens}` on {cpu_model()}: "
         f"{target.name} (target), {drafter.name} (drafter); {len(data)} requests of one task, {args.tokens} greedy "
         "tokens each; governed decode tok/s over the mean of the two plain requests around it.",
         "",

@@ -13,7 +13,7 @@ own threads), not a bigger machine: the servers run on the same cores.
 
 Needs llama-cpp-python built with GGML_RPC (bench/build_rpc.sh).
 
-    python bench/rpc.py [--model PRESET|PATH] [--runs 3] [--tokens 64] [--threads 1]
+    python -m bench.experiments.rpc [--model PRESET|PATH] [--runs 3] [--tokens 64] [--threads 1]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import statistics
 import sys
 
 import llama_cpp
-from common import cpu_model, fmt, free_port, model_path, start_daemon, temp_socket
 
+from bench.common import cpu_model, fmt, free_port, model_path, start_daemon, temp_socket
 from tandem.client import Client
 from tandem.daemon.models.devices import rpc_server_binary, start_rpc_server
 

@@ -7,9 +7,8 @@ import json
 from http import HTTPStatus
 from typing import Any, Optional
 
+from tandem.client.errors import DaemonGone, DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError
 from tandem.protocol import ErrorCode
-
-from .errors import DaemonGone, DaemonNotRunning, InvalidRequest, QueueFull, RequestFailed, TandemError
 
 ANTHROPIC_TYPES = {  # Anthropic's error types by status
     400: "invalid_request_error",

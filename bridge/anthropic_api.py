@@ -23,7 +23,7 @@ from tandem.protocol import FinishReason
 from .answers import ApiError, sse
 
 if TYPE_CHECKING:
-    from .bridge import Exchange
+    from .exchange import Exchange
 
 
 def _text_of(content: Any, where: str) -> str:

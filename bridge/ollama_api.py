@@ -41,7 +41,7 @@ from tandem.protocol import MAX_TOKENS_LIMIT, FinishReason
 from .answers import ApiError, ndjson
 
 if TYPE_CHECKING:
-    from .bridge import Exchange
+    from .exchange import Exchange
 
 API_VERSION = "0.6.0"  # the Ollama API level served (clients gate features on it)
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}

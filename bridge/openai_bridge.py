@@ -13,15 +13,16 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
+from tandem.client.core import assistant_message
 from tandem.daemon.version import __version__
 from tandem.protocol import MAX_TOKENS_LIMIT, FinishReason
 
 from .answers import ApiError, sse
-from .core import assistant_message
 
 if TYPE_CHECKING:
-    from .aio import AsyncClient, AsyncStream
-    from .bridge import Exchange
+    from tandem.client.aio import AsyncClient, AsyncStream
+
+    from .exchange import Exchange
 
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the API's default for /v1/completions
 FINGERPRINT = f"tandem-{__version__}"  # OpenAI's system_fingerprint: which backend answered

@@ -9,7 +9,7 @@ from . import anthropic_api, ollama_api, openai_bridge
 from .answers import ApiError
 
 if TYPE_CHECKING:
-    from .bridge import Exchange
+    from .exchange import Exchange
 
 _MANAGE = {"/api/pull": "tandem pull NAME", "/api/delete": "tandem rm NAME"}
 

@@ -3,7 +3,8 @@
 Every HTTP request becomes one daemon request on its own connection, so the
 daemon's queue, drafter, governor and prefix cache serve it; an HTTP client
 that goes away cancels its daemon request. The dialects translate
-(openai_bridge.py, ollama_api.py, anthropic_api.py); this module is the HTTP
+(openai_bridge.py, ollama_api.py, anthropic_api.py; routes.py picks one, exchange.py is
+what they read and write); this module is the HTTP
 side, on aiohttp's low-level server: its parser (llhttp), keep-alive and
 idle timeouts, chunked bodies both ways, graceful shutdown, and a handler task
 that is cancelled the moment its connection is lost.
@@ -20,22 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import sys
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Optional
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from tandem.protocol import MAX_MESSAGE_BYTES
-
-from .aio import AsyncClient, AsyncStream
 from .answers import ApiError, json_bytes
-from .errors import TandemError
+from .exchange import ClientGone, Exchange, dialect_of
+from .routes import route
 
 DEFAULT_LISTEN = "127.0.0.1:8642"
 DEFAULT_IDLE_TIMEOUT = 60.0  # seconds a connection may stay silent (or stall a read or write) before it is closed
@@ -43,18 +40,6 @@ DEFAULT_MAX_CONNECTIONS = 64
 SHUTDOWN_SECONDS = 2.0  # how long a stopping bridge lets running requests finish before it cancels them
 MAX_HEADER_BYTES = 65536  # a request line or header longer than this is refused (the standard library's limit)
 TOO_MANY = "the bridge has as many connections open as it serves (--max-connections); retry"
-
-Start = Callable[[AsyncClient], Awaitable[AsyncStream]]
-
-
-class ClientGone(Exception):
-    """The HTTP client closed its connection, or stopped reading for the idle timeout."""
-
-
-def dialect_of(path: str) -> str:
-    if path.startswith("/api/"):
-        return "ollama"
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 def _raw_answer(status: int, message: str, code: str) -> bytes:
@@ -277,8 +262,6 @@ class BridgeServer:
         await asyncio.wait([closing], timeout=2 * SHUTDOWN_SECONDS)
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        from .routes import route
-
         task = asyncio.current_task()
         if task is not None:
             self.tasks.add(task)
@@ -354,207 +337,6 @@ class BridgeServer:
                 "Authorization: Bearer KEY (an OpenAI client's api_key)",
                 code="invalid_api_key",
             )
-
-
-class Exchange:
-    """One HTTP request being answered: what the dialect modules read and write."""
-
-    def __init__(self, server: BridgeServer, request: web.BaseRequest):
-        self.server = server
-        self.request = request
-        self.method = request.method
-        self.path = request.path.rstrip("/")
-        self.dialect = dialect_of(self.path)
-        self.response: Optional[web.StreamResponse] = None
-        self.request_id = ""  # the daemon request's, once started
-        self.done = None  # its Done, once it ends
-        self._client: Optional[AsyncClient] = None
-
-    # ------------------------------------------------------------------ reading
-
-    async def body(self) -> dict:
-        request = self.request
-        ctype = request.content_type.lower()
-        # Ollama's API takes any type (its docs post with `curl -d`, a form type): the Origin check keeps
-        # web pages out there; the other routes also refuse what a page can post without a preflight
-        if ctype != "application/json" and self.dialect != "ollama":
-            sent = request.headers.get("Content-Type") or "none"
-            raise ApiError(
-                HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"send the body as Content-Type: application/json (got {sent!r})"
-            )
-        if "Content-Length" not in request.headers and "Transfer-Encoding" not in request.headers:
-            raise ApiError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required (or a chunked body)")
-        length = request.content_length
-        if length is not None and length > MAX_MESSAGE_BYTES:
-            raise ApiError(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is {length:,} bytes; the limit is {MAX_MESSAGE_BYTES:,}"
-            )
-        if request.headers.get("Expect", "").lower() == "100-continue" and request.version >= (1, 1):
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # (curl asks before a large body)
-            request.writer.output_size = 0
-        raw = await self._read(request)
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # RecursionError: arrays or objects nested too deep
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {exc or 'nested too deep'}") from None
-        if not isinstance(body, dict):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-        return body
-
-    async def _read(self, request: web.BaseRequest) -> bytes:
-        """The body, each read within the idle timeout (a slow body is fine, a stalled one is not)."""
-        parts, size = [], 0
-        try:
-            while True:
-                async with asyncio.timeout(self.server.idle_timeout):
-                    part = await request.content.readany()
-                if not part:
-                    return b"".join(parts)
-                size += len(part)
-                if size > MAX_MESSAGE_BYTES:  # a chunked body past the limit
-                    raise ApiError(
-                        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                        f"the body is over the limit of {MAX_MESSAGE_BYTES:,} bytes",
-                    )
-                parts.append(part)
-        except TimeoutError:
-            raise ClientGone() from None  # a body that stalls is a client that left
-        except (web.RequestPayloadError, HttpProcessingError) as exc:  # bad chunking, a Content-Encoding that lies
-            request.content.feed_eof()  # nothing more is read from it (aiohttp would read on, and fail again)
-            request.protocol.close()  # (after this answer: the rest of the connection cannot be trusted)
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body cannot be read: {exc}") from None
-
-    # ------------------------------------------------------------------ the daemon
-
-    @contextlib.asynccontextmanager
-    async def daemon(self) -> AsyncIterator[AsyncClient]:
-        """The request's connection to the daemon (one per HTTP request, made on
-        first use; closed by close()); its errors as ApiError."""
-        try:
-            if self._client is None:
-                self._client = AsyncClient(self.server.socket_path, timeout=None)
-            hello = await self._client.connect()
-            self.server.model = hello.model
-            yield self._client
-        except TandemError as exc:
-            raise ApiError.of(exc) from None
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-
-    async def hello(self):
-        async with self.daemon() as client:
-            return client.server
-
-    async def status(self):
-        async with self.daemon() as client:
-            return await client.status()
-
-    @contextlib.asynccontextmanager
-    async def daemon_request(self, start: Start) -> AsyncIterator[AsyncIterator]:
-        """One daemon request: ``start(client)`` starts it; yields its chunks (the
-        stream's ``done`` once they end: ``self.done``). If the HTTP client leaves
-        (or stops reading), the daemon request is cancelled."""
-        async with self.daemon() as client:
-            stream = await start(client)
-            self.request_id = stream.request_id
-            try:
-                yield self._chunks(stream)
-            except (asyncio.CancelledError, ClientGone, ConnectionError):
-                if not stream.finished:  # the HTTP client left: so does its daemon request
-                    with contextlib.suppress(TandemError, asyncio.TimeoutError):
-                        await asyncio.shield(asyncio.wait_for(client.cancel(stream.request_id), 5.0))
-                raise
-            finally:
-                stream.close()
-
-    async def _chunks(self, stream: AsyncStream) -> AsyncIterator:
-        while True:
-            try:
-                chunk = await stream.__anext__()
-            except StopAsyncIteration:
-                self.done = stream.done
-                return
-            except TandemError as exc:
-                raise ApiError.of(exc) from None
-            yield chunk
-
-    async def run_to_done(self, start: Start):
-        """One daemon request, waited for."""
-        async with self.daemon_request(start) as chunks:
-            async for _ in chunks:
-                pass
-        return self.done
-
-    async def relay(
-        self,
-        start: Start,
-        content_type: str,
-        opening: Callable[[], list[bytes]],
-        each: Callable[[Any], list[bytes]],
-        closing: Callable[[Any], list[bytes]],
-        failing: Callable[[ApiError], list[bytes]],
-    ) -> None:
-        """One daemon request streamed: the response starts once the daemon has
-        taken the request (errors before are plain HTTP errors) with ``opening()``;
-        each chunk is written as ``each(chunk)``, the end as ``closing(done)``; an
-        error after the start as ``failing(error)``."""
-        async with self.daemon_request(start) as chunks:
-            started = False
-            try:
-                async for chunk in chunks:
-                    if not started:
-                        await self.start_stream(content_type, opening())
-                        started = True
-                    await self.write(*each(chunk))
-            except ApiError as exc:
-                if not started:
-                    raise
-                await self.write(*failing(exc))
-                await self.end_stream()
-                return
-            if not started:
-                await self.start_stream(content_type, opening())
-            await self.write(*closing(self.done))
-            await self.end_stream()
-
-    # ------------------------------------------------------------------ writing
-
-    def send_json(self, status: int, body: Any, headers: Optional[dict] = None) -> None:
-        headers = {"Server": "tandem", **(headers or {})}
-        if status in (HTTPStatus.TOO_MANY_REQUESTS, HTTPStatus.SERVICE_UNAVAILABLE):
-            headers["Retry-After"] = "1"
-        self.response = web.Response(
-            status=int(status), body=json_bytes(body), content_type="application/json", headers=headers
-        )
-
-    async def start_stream(self, content_type: str, first: list[bytes] = ()) -> None:
-        headers = {"Content-Type": content_type, "Cache-Control": "no-cache", "Server": "tandem"}
-        resp = web.StreamResponse(status=200, headers=headers)
-        resp.enable_chunked_encoding()
-        self.response = resp
-        async with self.in_time():
-            await resp.prepare(self.request)
-        await self.write(*first)
-
-    async def write(self, *pieces: bytes) -> None:
-        if pieces:
-            async with self.in_time():
-                await self.response.write(b"".join(pieces))
-
-    async def end_stream(self) -> None:
-        async with self.in_time():
-            await self.response.write_eof()
-
-    @contextlib.asynccontextmanager
-    async def in_time(self):
-        """A client that stops reading blocks our writes: past the idle timeout, it has left."""
-        try:
-            async with asyncio.timeout(self.server.idle_timeout):
-                yield
-        except TimeoutError:
-            raise ClientGone() from None
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

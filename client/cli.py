@@ -167,7 +167,7 @@ def _serving_commands(sub) -> None:
     _autostart_args(p)
     _sampling_args(p)
 
-    from .bridge import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+    from tandem.bridge.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
     p = sub.add_parser(
         "http",
@@ -494,7 +494,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_openai(args) -> int:
-    from . import bridge
+    from tandem.bridge import server as bridge
 
     listen = args.listen or os.environ.get("TANDEM_OPENAI_LISTEN") or bridge.DEFAULT_LISTEN
     try:
@@ -502,7 +502,7 @@ def cmd_openai(args) -> int:
     except ValueError as exc:
         _say(f"tandem: {exc}")
         return 2
-    from .api_key import KeyFileError, key_path, required_key
+    from tandem.bridge.api_key import KeyFileError, key_path, required_key
 
     try:
         api_key = required_key(args.api_key, key_path())
@@ -706,7 +706,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_key(args) -> int:
-    from .api_key import KeyFileError, ensure_key, key_path
+    from tandem.bridge.api_key import KeyFileError, ensure_key, key_path
 
     path = key_path()
     if args.path:
@@ -832,7 +832,7 @@ def cmd_service(args) -> int:
                 )
             )
         if args.http is not None:
-            from .bridge import parse_listen
+            from tandem.bridge.server import parse_listen
 
             try:
                 parse_listen(args.http)

@@ -131,7 +131,9 @@ class DaemonProcess:
                 except DaemonNotRunning:
                     pass
             time.sleep(0.05)
-        raise TimeoutError(f"daemon not ready after {timeout} s:\n{self.log()}")
+        log = self.log()
+        self.stop()  # not left running (and loading the machine) when the test gives up on it
+        raise TimeoutError(f"daemon not ready after {timeout} s:\n{log}")
 
     def log(self) -> str:
         if not self._log.closed:

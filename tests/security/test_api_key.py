@@ -16,7 +16,7 @@ import urllib.request
 import openai
 import pytest
 
-from tandem.client.api_key import KeyFileError, ensure_key, matches, presented, read_key, required_key
+from tandem.bridge.api_key import KeyFileError, ensure_key, matches, presented, read_key, required_key
 
 
 def test_the_key_file_is_created_private_and_kept(tmp_path):

@@ -1,4 +1,4 @@
-"""The OpenAI dialect of the HTTP bridge (bridge.py): ``/v1/models``,
+"""The OpenAI dialect of the HTTP bridge (server.py): ``/v1/models``,
 ``/v1/completions`` (with ``suffix`` for fill in the middle),
 ``/v1/chat/completions`` (tools, ``response_format``), ``stream: true`` as
 server-sent events, and llama-server's ``/tokenize``/``/detokenize``, each
@@ -298,7 +298,7 @@ def _usage(done) -> dict:
     }
 
 
-# --------------------------------------------------------------------------- answers (on the HTTP side: bridge.py)
+# ------------------------------------------------------------------- answers (the HTTP side: server.py, exchange.py)
 
 
 async def model_entry(ex: "Exchange") -> dict:

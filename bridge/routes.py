@@ -1,4 +1,4 @@
-"""The bridge's routes: which dialect answers which method and path (bridge.py serves them)."""
+"""The bridge's routes: which dialect answers which method and path (server.py serves them)."""
 
 from __future__ import annotations
 

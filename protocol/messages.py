@@ -152,8 +152,8 @@ class Tool:
 
 @dataclass
 class ToolCallDelta:
-    """A streamed piece of a tool call (in ``chunk.tool_calls``): the first piece of
-    a call has its ``id`` and ``name``; the next ones add to its ``arguments`` text."""
+    """A tool call as streamed (in ``chunk.tool_calls``): since protocol 1.5 one delta per
+    call, with its ``id``, ``name`` and whole ``arguments``, once the model closed it."""
 
     index: int  # the call's place in done.tool_calls (0, 1, ...)
     arguments: str = ""

@@ -10,7 +10,7 @@ in one run. Then ``--concurrency`` clients each send tokenizes at once, for
 the bridge's throughput with many connections.
 
 ``--compare DIR`` also runs a second bridge, from another checkout's
-``tandem`` package (a directory holding tandem/client, tandem/daemon,
+``tandem`` package (a directory holding tandem/client, tandem/bridge, tandem/daemon,
 tandem/protocol), in front of the same daemon, measured in the same rounds:
 two HTTP stacks side by side.
 

@@ -301,7 +301,10 @@ class ToolCallParser(abc.ABC):
         self.repeated = False
 
     def _add(self, call: ToolCall, deltas: list[ToolCallDelta]) -> None:
-        """A complete call: reported and streamed, unless it repeats one already made."""
+        """A complete call: reported and streamed, unless it repeats one already made (then it and
+        whatever follows it are not: the turn ends at the repeat)."""
+        if self.repeated:
+            return
         if any(
             c.function.name == call.function.name and c.function.arguments == call.function.arguments
             for c in self.calls
@@ -316,16 +319,17 @@ class ToolCallParser(abc.ABC):
         """More output -> (text for the answer, tool-call pieces)."""
 
     @abc.abstractmethod
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The output ended: what was held back."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """The output ended: what was held back. ``cut``: it did not end by itself (max_tokens,
+        a stop string, an error), so a call still open is not a call."""
 
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
 class HermesParser(ToolCallParser):
-    """``text <tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call> ...``: each call's
-    name is streamed as soon as it is written, then its arguments piece by piece."""
+    """``text <tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call> ...``: each call is
+    read as it is written and streamed whole once it closes."""
 
     def __init__(self, names: Optional[set[str]] = None) -> None:
         super().__init__()
@@ -462,17 +466,18 @@ class HermesParser(ToolCallParser):
         ):
             self._add(ToolCall(new_call_id(), FunctionCall(name, _dump(obj["arguments"]))), deltas)
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
         if self.in_call:
-            if self.name is None and not self.bare:
-                pass  # cut off before its name: not a call
+            if cut:  # cut off (max_tokens, a stop string) before the model closed it: not a call, none of it
+                if self.bare and self.name is None:  # streamed; held JSON at the start of the answer is text
+                    content = self.buf
+            elif self.name is not None and self.args_done:  # the model ended without the closing tag
+                self._close(deltas)
             elif self.name is None:
                 self._whole(self.buf, deltas)
-                if not self.calls:
+                if self.bare and not self.calls:
                     content = self.buf  # an answer that is JSON, not a call
-            # else: cut off in its arguments or before its closing tag (max_tokens, a stop string): not a
-            # call, and nothing of it was streamed
         elif not self.started:
             content = self.buf  # only whitespace
         elif self.buf:
@@ -504,10 +509,10 @@ class Llama3Parser(ToolCallParser):
         text, self.buf = self.buf, ""
         return text, []
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         text, self.buf = self.buf, ""
         try:
-            obj = json.loads(text) if self.holding else None
+            obj = json.loads(text) if self.holding and not cut else None
         except (ValueError, RecursionError):
             obj = None
         args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None

@@ -562,13 +562,16 @@ class Engine:
             and not (state.parser is not None and state.parser.repeated)
         )
         if state.parser is not None:
+            # cut: the output did not end by itself (max_tokens, a stop string), so a call still open is none
+            # (or a repeated call ended the turn: nothing after it is a call)
+            cut = finish != FinishReason.STOP or state.stream.stopped_by is not None or state.parser.repeated
             tail, deltas = state.parser.feed(tail)
-            rest, more = state.parser.finish()
+            rest, more = state.parser.finish(cut)
             tail, deltas = tail + rest, deltas + more
             state.content += tail
             text = state.content
-            if state.parser.calls and finish == FinishReason.STOP:
-                finish = FinishReason.TOOL_CALLS
+            if state.parser.calls and finish == FinishReason.STOP and state.stream.stopped_by is None:
+                finish = FinishReason.TOOL_CALLS  # (a stop string keeps stop and its stop_sequence)
         if (tail or deltas) and req.stream:
             emit(Chunk(id=req.id, text=tail, token_ids=[], tool_calls=deltas))
         generation_seconds = self.clock() - state.first_token_at

@@ -457,10 +457,10 @@ class LlamaModel:
         - ``restore``: a page of 16 tokens first, then the rest (a prefix-cache hit)
         - ``verify``: all but 5 tokens, then 5 in one pass (a verify pass, k = 4)
         - ``one_token``: the same 5 one at a time (plain decoding), against the verify rows;
-          and one-token steps against verify passes of widths 2..17 (``step_passes``)
+          and one-token steps against verify passes of widths 2, 3, 4, 5, 8, 9 and 17 (``step_passes``)
         - ``small_batches``: 7 tokens per call (a prompt longer than --batch-size)
         - ``exact_steps``: what exact mode runs: two-position steps against verify passes
-          of widths 2..17, each cut back to what its round accepts (``step_passes``)
+          of widths 2, 3, 4, 5, 8, 9 and 17, each cut back to what its round accepts (``step_passes``)
 
         Returns each path's verdict; all True means batch-invariant here. Leaves the cache empty."""
         text = (
@@ -510,7 +510,7 @@ class LlamaModel:
     def step_passes(self, tokens: Sequence[int], step: int = 2) -> bool:
         """What drafting rests on, measured: does a verify pass of w positions give, row
         for row, the logits a plain step gives at each of those positions, for widths
-        2..17, with the passes cut back after each round as the engine cuts them
+        2, 3, 4, 5, 8, 9 and 17, with the passes cut back after each round as the engine cuts them
         (rejected drafts dropped, the next pass written into the cells they held)?
         ``step`` is the plain step's width: 1, or 2 in exact mode (the token and a
         guess, the guess then dropped). tinyBLAS and ggml's tiled K-quant matmul start

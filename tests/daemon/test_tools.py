@@ -41,12 +41,12 @@ def test_the_templates_syntax_is_detected():
     assert detect_format(None) == GENERIC
 
 
-def feed_all(parser, text: str, cuts: list[int]):
+def feed_all(parser, text: str, cuts: list[int], cut_off: bool = False):
     content, deltas, last = "", [], 0
     for cut in [*cuts, len(text)]:
         c, d = parser.feed(text[last:cut])
         content, deltas, last = content + c, deltas + d, cut
-    c, d = parser.finish()
+    c, d = parser.finish(cut_off)
     return content + c, deltas + d
 
 
@@ -94,7 +94,7 @@ def _calls(deltas):
 
 def test_a_call_cut_off_by_max_tokens_is_not_a_call():
     parser = HermesParser()
-    content, deltas = feed_all(parser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os', [])
+    content, deltas = feed_all(parser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os', [], True)
     assert content == "" and parser.calls == [] and deltas == []  # nothing of it streamed either
 
 
@@ -104,10 +104,23 @@ def test_a_call_cut_off_before_its_closing_tag_is_not_a_call(cut):
     before the model closed it, so it is not reported, after a complete one that is."""
     parser = HermesParser({"get_weather"})
     whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
-    content, deltas = feed_all(parser, whole + '<tool_call>\n{"name": "get_weather", "arguments": ' + cut, [7, 30])
+    content, deltas = feed_all(
+        parser, whole + '<tool_call>\n{"name": "get_weather", "arguments": ' + cut, [7, 30], True
+    )
     assert content == ""
     assert [c.function.arguments for c in parser.calls] == ['{"city": "Rome"}']
     assert _calls(deltas) == [("get_weather", '{"city": "Rome"}')]
+
+
+def test_a_call_whose_output_ended_by_itself_before_the_closing_tag_is_a_call():
+    """The model ended its answer (end of generation, not max_tokens or a stop string) after
+    whole arguments, without writing the closing tag: that call is complete and reported."""
+    parser = HermesParser({"get_weather"})
+    content, deltas = feed_all(parser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}', [9])
+    assert content == "" and _calls(deltas) == [("get_weather", '{"city": "Oslo"}')]
+    parser = HermesParser()  # another key order: parsed whole at the end
+    content, deltas = feed_all(parser, '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}', [])
+    assert content == "" and _calls(deltas) == [("get_weather", '{"city": "Oslo"}')]
 
 
 def test_a_repeated_call_is_not_reported_again_and_says_so():
@@ -118,8 +131,10 @@ def test_a_repeated_call_is_not_reported_again_and_says_so():
     other = '<tool_call>\n{"name": "read_file", "arguments": {"path": "b.py"}}\n</tool_call>\n'
     _, deltas = feed_all(parser, call + other, [5])
     assert not parser.repeated and len(parser.calls) == 2
-    _, more = feed_all(parser, call, [3])
-    assert parser.repeated and len(parser.calls) == 2 and more == []
+    _, more = feed_all(
+        parser, call + '<tool_call>\n{"name": "read_file", "arguments": {"path": "c.py"}}\n</tool_call>', [3]
+    )
+    assert parser.repeated and len(parser.calls) == 2 and more == []  # nor a new call after the repeat
 
 
 def test_text_without_calls_passes_through_even_if_it_looks_like_a_tag():

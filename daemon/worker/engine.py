@@ -717,7 +717,7 @@ class Engine:
         constraint = state.constraint
         forced = (
             constraint.forced()[: max(min(MAX_FORCED, left), 0)]
-            if constraint is not None and self.jump_forward and not self.draft_off
+            if constraint is not None and self.jump_forward and state.draft_off is None
             else []
         )
         if forced:

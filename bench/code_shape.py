@@ -1,7 +1,10 @@
 """The shape of tandem's code: the largest class, the longest functions, import
 cycles between its modules, and lines over 120 characters (issue 17's figures).
 
-    python -m bench.code_shape
+    python -m bench.code_shape           # the summary
+    python -m bench.code_shape --over    # and every class over CLASS_LINES, function over FUNCTION_LINES
+
+With ``--over`` it exits 1 where one of them is in daemon/ (issue 46's limits).
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CLASS_LINES = 400  # issue 46: no class longer in daemon/
+FUNCTION_LINES = 80  # nor function
 PACKAGES = {
     "daemon": "tandem.daemon",
     "client": "tandem.client",
+    "cli": "tandem.cli",
     "bridge": "tandem.bridge",
     "protocol": "tandem.protocol",
 }
@@ -45,7 +51,7 @@ def imports_of(name: str, tree: ast.AST, is_package: bool) -> set[str]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     classes, functions, long_lines, graph = [], [], 0, {}
     fmt_skips = 0
     mods = dict(modules())
@@ -108,8 +114,15 @@ def main() -> int:
         tree_skips += text.count("# fmt" + ": skip")
     print(f"lines over 120 characters: {long_lines} in {', '.join(PACKAGES)}; {tree_long} in every .py file")
     print(f"formatter opt-out markers: {fmt_skips} in {', '.join(PACKAGES)}; {tree_skips} in every .py file")
-    return 0
+    if "--over" not in argv:
+        return 0
+    over = [(lines, f"class {name}") for lines, _, name in classes if lines > CLASS_LINES]
+    over += [(lines, f"function {name}") for lines, name in functions if lines > FUNCTION_LINES]
+    print(f"over {CLASS_LINES} lines (classes) or {FUNCTION_LINES} (functions): {len(over)}")
+    for lines, what in over:
+        print(f"  {lines:5d} lines  {what}")
+    return 1 if any(what.split()[1].startswith(f"{PACKAGES['daemon']}.") for _, what in over) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

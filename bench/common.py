@@ -58,7 +58,7 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180, stderr=No
         [
             sys.executable,
             "-m",
-            "tandem.client.cli",
+            "tandem.cli",
             "--socket",
             str(socket),
             "serve",

@@ -13,7 +13,7 @@ if ! python -c "from tandem.daemon.models.devices import list_devices; import sy
   CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native" \
     pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==$VERSION"
 fi
-python -m tandem.client.cli models pull qwen2.5-coder-1.5b
-python -m tandem.client.cli models pull qwen2.5-coder-0.5b
+python -m tandem.cli models pull qwen2.5-coder-1.5b
+python -m tandem.cli models pull qwen2.5-coder-0.5b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
 exec python -m bench.experiments.gpu "$@"

@@ -45,7 +45,7 @@ from typing import Optional
 
 from bench.common import fmt, free_port, model_path, start_daemon, temp_socket
 from tandem.client import Client
-from tandem.daemon.worker.llama_model import cpu_has_amx
+from tandem.daemon.worker.llama_load import cpu_has_amx
 
 TOOLS = [
     (

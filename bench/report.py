@@ -181,7 +181,7 @@ class InProcess:
     """llama-cpp-python in this process: what a user would otherwise write."""
 
     def __init__(self, path: Path, n_ctx: int):
-        from tandem.daemon.worker.llama_model import reference_llama
+        from tandem.daemon.worker.llama_load import reference_llama
 
         # the worker's threads, with --kernels reference's settings (reference kernels, no extra buffers)
         self.llm = reference_llama(path, n_ctx)

@@ -23,22 +23,38 @@ true, temperature 0.8, top_k 40, top_p 0.9, no token limit (``num_predict``
 never a silent truncation. Options tandem's sampler does not have
 (``repeat_penalty``, ``mirostat``, ...) are accepted and not applied, as
 Ollama accepts options a runner ignores. Errors are Ollama's ``{"error": "..."}``.
+
+``parse_generate`` and ``parse_chat`` make the GenRequest (translate.py),
+``OllamaAnswer`` renders the daemon's result back, and the async handlers
+around them do the I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 from datetime import datetime, timezone
 from http import HTTPStatus
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from tandem.protocol import MAX_TOKENS_LIMIT, FinishReason
+from tandem.protocol import MAX_TOKENS_LIMIT, Chunk, Done, FinishReason
 
 from .answers import ApiError, ndjson
+from .translate import (
+    GenRequest,
+    Sampling,
+    ToolUse,
+    arguments_object,
+    arguments_text,
+    bad_request,
+    checked,
+    function_tool,
+    history_call,
+    is_a,
+    stop_list,
+)
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -243,47 +259,41 @@ async def show(ex: "Exchange", body: dict) -> None:
     ex.send_json(HTTPStatus.OK, reply)
 
 
-# --------------------------------------------------------------------------- generation
+# --------------------------------------------------------------------------- request translation
 
 
-def _options(body: dict, n_ctx: int) -> dict:
-    """Ollama's options (and top-level sampling fields) as daemon request fields."""
+def _options(body: dict, n_ctx: int) -> Sampling:
+    """Ollama's options as the daemon's sampling; its defaults where none is given."""
     options = body.get("options") or {}
     if not isinstance(options, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'options' must be an object")
+        raise bad_request("'options' must be an object")
     num_ctx = options.get("num_ctx")
     if num_ctx is not None:
-        if not isinstance(num_ctx, int) or isinstance(num_ctx, bool) or num_ctx <= 0:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"options.num_ctx must be a positive integer, got {num_ctx!r}")
+        if not is_a(num_ctx, (int,)) or num_ctx <= 0:
+            raise bad_request(f"options.num_ctx must be a positive integer, got {num_ctx!r}")
         if num_ctx > n_ctx:
-            raise ApiError(
-                HTTPStatus.BAD_REQUEST,
+            raise bad_request(
                 f"options.num_ctx {num_ctx} is more than the daemon's context of {n_ctx} tokens; tandem never cuts "
                 f"a prompt silently: restart the daemon with --ctx-size {num_ctx} (or send num_ctx <= {n_ctx})",
             )
-    params: dict[str, Any] = {}
-    for key, kinds in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", (int,)), ("seed", (int,))):
-        value = options.get(key, DEFAULTS.get(key))
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"options.{key} must be a number, got {json.dumps(value)[:60]}")
-        params[key] = float(value) if float in kinds else value
-    if params.get("top_p") == 0.0:
-        params["top_p"], params["temperature"] = 1.0, 0.0
-    if params.get("top_k") is not None and params["top_k"] <= 0:
-        params["top_k"] = 0  # Ollama: 0 or less = off
+    values = {  # (an explicit null is absent: the daemon's default, not Ollama's)
+        key: checked(
+            options.get(key, DEFAULTS.get(key)), kinds, "options.{key} must be a number, got {json:.60}", key, False
+        )
+        for key, kinds in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", (int,)), ("seed", (int,)))
+    }
     num_predict = options.get("num_predict", -1)
-    if not isinstance(num_predict, int) or isinstance(num_predict, bool):
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"options.num_predict must be an integer, got {num_predict!r}")
-    params["max_tokens"] = MAX_TOKENS_LIMIT if num_predict < 0 else max(num_predict, 1)  # -1, -2: to the end
-    stop = options.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "options.stop must be an array of strings")
-    params["stop"] = stop
-    return params
+    if not is_a(num_predict, (int,)):
+        raise bad_request(f"options.num_predict must be an integer, got {num_predict!r}")
+    sampling = Sampling(
+        max_tokens=MAX_TOKENS_LIMIT if num_predict < 0 else max(num_predict, 1),  # -1, -2: to the end
+        temperature=None if values["temperature"] is None else float(values["temperature"]),
+        top_p=None if values["top_p"] is None else float(values["top_p"]),
+        top_k=values["top_k"],
+        seed=values["seed"],
+        stop=stop_list(options.get("stop") or [], "options.stop must be an array of strings"),
+    )
+    return sampling.normalised(negative_top_k_is_off=True)  # Ollama: top_k 0 or less = off
 
 
 def _format(body: dict) -> Optional[dict]:
@@ -294,77 +304,82 @@ def _format(body: dict) -> Optional[dict]:
         return {"type": "json_object"}
     if isinstance(fmt, dict):
         return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
-    raise ApiError(HTTPStatus.BAD_REQUEST, "'format' must be \"json\" or a JSON schema object")
+    raise bad_request("'format' must be \"json\" or a JSON schema object")
 
 
 def _refuse_images(where: str, value: Any) -> None:
     if value:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{where}: tandem's models read text only; images are not supported")
+        raise bad_request(f"{where}: tandem's models read text only; images are not supported")
 
 
-async def generate(ex: "Exchange", body: dict) -> None:
-    hello = await ex.hello()
-    check_model(body.get("model"), hello.model)
+def _stream(body: dict) -> bool:
+    stream = body.get("stream", True)  # Ollama streams unless told not to
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean")
+    return stream
+
+
+def parse_generate(body: dict, n_ctx: int) -> Optional[GenRequest]:
+    """``/api/generate`` for a daemon of ``n_ctx`` tokens: a prompt through the chat
+    template (with ``system``), or as it is (``raw``), or with ``suffix`` fill in
+    the middle. None for an empty prompt: Ollama loads the model and answers
+    done at once (``loaded``)."""
     _refuse_images("'images'", body.get("images"))
     if body.get("template"):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'template' is not supported: the model's own chat template is used")
+        raise bad_request("'template' is not supported: the model's own chat template is used")
     if body.get("context"):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'context' (deprecated) is not supported: send the whole history")
+        raise bad_request("'context' (deprecated) is not supported: send the whole history")
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'prompt' must be a string")
-    params = _options(body, hello.n_ctx)
-    rf = _format(body)
-    if rf is not None:
-        params["response_format"] = rf
+        raise bad_request("'prompt' must be a string")
+    req = GenRequest(sampling=_options(body, n_ctx), response_format=_format(body), model=body.get("model") or "")
     suffix = body.get("suffix")
     system = body.get("system")
     if prompt == "" and not suffix:
-        # Ollama: an empty prompt loads the model and answers done at once
-        loaded = {"model": body["model"], "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
-        return await _reply(ex, loaded, stream=bool(body.get("stream", True)))
+        return None
     if suffix:
         if not isinstance(suffix, str):
-            raise ApiError(HTTPStatus.BAD_REQUEST, "'suffix' must be a string")
-        if rf is not None:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "'format' cannot constrain a fill in the middle ('suffix')")
-        start = lambda c: c.infill(prompt, suffix, **params)  # noqa: E731
+            raise bad_request("'suffix' must be a string")
+        if req.response_format is not None:
+            raise bad_request("'format' cannot constrain a fill in the middle ('suffix')")
+        req.prompt, req.suffix = prompt, suffix
     elif body.get("raw"):
-        start = lambda c: c.generate(prompt=prompt, **params)  # noqa: E731
+        req.prompt = prompt
     else:
-        messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + [
+        req.messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + [
             {"role": "user", "content": prompt}
         ]
-        start = lambda c: c.generate(messages=messages, **params)  # noqa: E731
-    await _run(ex, body, start, chat=False)
+    req.stream = _stream(body)
+    return req
 
 
-def _chat_messages(body: dict) -> list[dict]:
+def chat_messages(body: dict) -> list[dict]:
+    """``messages`` as the daemon's chat messages. Ollama's tool calls have no id
+    and its tool results name the tool, not the call: calls get ids (call_1,
+    call_2, ...), and a result answers the last turn's call of its tool."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'messages' is required: an array of {role, content}")
+        raise bad_request("'messages' is required: an array of {role, content}")
     out: list[dict] = []
     pending: list[tuple[str, str]] = []  # (call id, tool name) of the last assistant turn's calls
     serial = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] must have a role: system, user, assistant or tool")
+            raise bad_request(f"messages[{i}] must have a role: system, user, assistant or tool")
         _refuse_images(f"messages[{i}].images", m.get("images"))
         content = m.get("content") or ""
         if not isinstance(content, str):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].content must be a string")
+            raise bad_request(f"messages[{i}].content must be a string")
         msg: dict[str, Any] = {"role": m["role"], "content": content}
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls, pending = [], []
             for j, call in enumerate(m["tool_calls"]):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
-                    raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}].tool_calls[{j}] needs function.name")
-                args = fn.get("arguments", {})
+                    raise bad_request(f"messages[{i}].tool_calls[{j}] needs function.name")
                 serial += 1
-                call_id = f"call_{serial}"
-                calls.append({"id": call_id, "function": {"name": fn["name"], "arguments": _json_text(args)}})
-                pending.append((call_id, fn["name"]))
+                calls.append(history_call(f"call_{serial}", fn["name"], arguments_text(fn.get("arguments", {}))))
+                pending.append((f"call_{serial}", fn["name"]))
             msg["tool_calls"] = calls
         if m["role"] == "tool":  # Ollama names the tool (tool_name), not the call: match it to the last calls
             name = m.get("tool_name") or m.get("name")
@@ -378,50 +393,45 @@ def _chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def _json_text(args: Any) -> str:
-    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-
-
-def _tools(body: dict) -> dict:
+def _tools(body: dict) -> Optional[ToolUse]:
     tools = body.get("tools")
     if not tools:
-        return {}
+        return None
     if not isinstance(tools, list):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'tools' must be an array")
+        raise bad_request("'tools' must be an array")
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ApiError(
-                HTTPStatus.BAD_REQUEST, f'tools[{i}] must be {{"type": "function", "function": {{"name"...}}}}'
-            )
-        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
-    return {"tools": out}
+            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name"...}}}}')
+        out.append(function_tool(fn))
+    return ToolUse(out)
 
 
-async def chat(ex: "Exchange", body: dict) -> None:
-    hello = await ex.hello()
-    check_model(body.get("model"), hello.model)
-    messages = _chat_messages(body)
-    params = _options(body, hello.n_ctx)
-    params.update(_tools(body))
+def parse_chat(body: dict, n_ctx: int) -> GenRequest:
+    """``/api/chat`` for a daemon of ``n_ctx`` tokens: messages, tools, ``format``."""
+    messages = chat_messages(body)
+    sampling = _options(body, n_ctx)
+    tools = _tools(body)
     rf = _format(body)
-    if rf is not None:
-        params["response_format"] = rf
-    await _run(ex, body, lambda c: c.generate(messages=messages, **params), chat=True)
+    model = body.get("model") or ""
+    return GenRequest(
+        messages=messages, sampling=sampling, tools=tools, response_format=rf, model=model, stream=_stream(body)
+    )
 
 
-# --------------------------------------------------------------------------- replies
+# --------------------------------------------------------------------------- rendering the result
 
 
-def _done_fields(done, started: float) -> dict:
+def done_fields(done: Done, total_seconds: float) -> dict:
+    """The last line's fields: why it ended, Ollama's counts and durations (ns)."""
     t = done.timings
     ns = 1_000_000_000
     reason = {FinishReason.LENGTH: "length"}.get(done.finish_reason, "stop")
     return {
         "done": True,
         "done_reason": reason,
-        "total_duration": int((time.monotonic() - started) * ns),
+        "total_duration": int(total_seconds * ns),
         "load_duration": 0,
         "prompt_eval_count": done.usage.prompt_tokens,
         "prompt_eval_duration": int(t.prompt_seconds * ns),
@@ -430,59 +440,88 @@ def _done_fields(done, started: float) -> dict:
     }
 
 
-def _ollama_calls(done) -> list[dict]:
-    out = []
-    for call in done.tool_calls:
-        try:
-            args = json.loads(call.function.arguments or "{}")
-        except ValueError:
-            args = {}
-        out.append({"function": {"name": call.function.name, "arguments": args}})
-    return out
+def ollama_calls(done: Done) -> list[dict]:
+    """The calls the model made, as Ollama's: arguments as an object, no id."""
+    return [
+        {"function": {"name": c.function.name, "arguments": arguments_object(c.function.arguments)}}
+        for c in done.tool_calls
+    ]
 
 
-async def _run(ex: "Exchange", body: dict, start, chat: bool) -> None:
-    stream = body.get("stream", True)
-    if not isinstance(stream, bool):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'stream' must be a boolean")
-    model = body["model"]
-    started = time.monotonic()
+def loaded(model: str, now: Callable[[], str] = _now) -> dict:
+    """The answer to an empty prompt: the model is loaded (it always is)."""
+    return {"model": model, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
 
-    def piece(text: str) -> dict:
-        base = {"model": model, "created_at": _now()}
-        if chat:
+
+class OllamaAnswer:
+    """One request's answer, whole (``whole``) or as NDJSON lines (``chunk``,
+    ``closing``) of ``/api/chat`` (``chat``: a message) or ``/api/generate`` (a
+    response); ``now()`` gives each line's ``created_at``, ``total_seconds`` the
+    time since the request came."""
+
+    def __init__(self, req: GenRequest, chat: bool, now: Callable[[], str] = _now):
+        self.model, self.chat, self.now = req.model, chat, now
+
+    def piece(self, text: str) -> dict:
+        base: dict[str, Any] = {"model": self.model, "created_at": self.now()}
+        if self.chat:
             base["message"] = {"role": "assistant", "content": text}
         else:
             base["response"] = text
         base["done"] = False
         return base
 
-    def final(done):
-        out = piece("" if stream else done.text)
-        out.update(_done_fields(done, started))
-        if not (chat and done.tool_calls):
-            return out
-        if not stream:
-            out["message"]["tool_calls"] = _ollama_calls(done)
-            return out
-        calls = piece("")  # streamed, Ollama sends the calls in a message of their own, before the done line
-        calls["message"]["tool_calls"] = _ollama_calls(done)
+    def chunk(self, chunk: Chunk) -> list[dict]:
+        return [self.piece(chunk.text)] if chunk.text else []
+
+    def whole(self, done: Done, total_seconds: float) -> dict:
+        out = self.piece(done.text)
+        out.update(done_fields(done, total_seconds))
+        if self.chat and done.tool_calls:
+            out["message"]["tool_calls"] = ollama_calls(done)
+        return out
+
+    def closing(self, done: Done, total_seconds: float) -> list[dict]:
+        out = self.piece("")
+        out.update(done_fields(done, total_seconds))
+        if not (self.chat and done.tool_calls):
+            return [out]
+        calls = self.piece("")  # streamed, Ollama sends the calls in a message of their own, before the done line
+        calls["message"]["tool_calls"] = ollama_calls(done)
         return [calls, out]
 
-    if not stream:
-        ex.send_json(HTTPStatus.OK, final(await ex.run_to_done(start)))
+
+# --------------------------------------------------------------------------- the handlers
+
+
+async def generate(ex: "Exchange", body: dict) -> None:
+    hello = await ex.hello()
+    check_model(body.get("model"), hello.model)
+    req = parse_generate(body, hello.n_ctx)
+    if req is None:
+        return await _reply(ex, loaded(body["model"]), stream=bool(body.get("stream", True)))
+    await _run(ex, req, chat=False)
+
+
+async def chat(ex: "Exchange", body: dict) -> None:
+    hello = await ex.hello()
+    check_model(body.get("model"), hello.model)
+    await _run(ex, parse_chat(body, hello.n_ctx), chat=True)
+
+
+async def _run(ex: "Exchange", req: GenRequest, chat: bool) -> None:
+    started = time.monotonic()
+    answer = OllamaAnswer(req, chat)
+    if not req.stream:
+        done = await ex.run_to_done(req.start)
+        ex.send_json(HTTPStatus.OK, answer.whole(done, time.monotonic() - started))
         return
-
-    def closing(done) -> list[bytes]:
-        last = final(done)
-        return [ndjson(line) for line in (last if isinstance(last, list) else [last])]
-
     await ex.relay(
-        start,
+        req.start,
         "application/x-ndjson",
         opening=lambda: [],
-        each=lambda chunk: [ndjson(piece(chunk.text))] if chunk.text else [],
-        closing=closing,
+        each=lambda chunk: [ndjson(line) for line in answer.chunk(chunk)],
+        closing=lambda done: [ndjson(line) for line in answer.closing(done, time.monotonic() - started)],
         failing=lambda exc: [ndjson(exc.body("ollama"))],
     )
 

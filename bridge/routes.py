@@ -79,8 +79,8 @@ async def route(ex: "Exchange") -> None:
         return await anthropic_api.count_tokens(ex, await ex.body())
     if path in ("/tokenize", "/detokenize", "/v1/tokenize"):
         return await openai_bridge.tokens(ex, path, await ex.body())
-    calls = {"/v1/completions": openai_bridge.completions_call, "/v1/chat/completions": openai_bridge.chat_call}
-    await openai_bridge.generate(ex, calls[path](await ex.body()))
+    parse = {"/v1/completions": openai_bridge.parse_completions, "/v1/chat/completions": openai_bridge.parse_chat}
+    await openai_bridge.generate(ex, parse[path](await ex.body()))
 
 
 async def _get(ex: "Exchange", path: str) -> None:

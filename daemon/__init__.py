@@ -11,4 +11,5 @@
 - ``constraints``: constrained output and tool calls;
 - ``models``: model files (presets and pulling, GGUF metadata, devices, chat templates).
 
-config.py (the options table), serve.py (``tandem serve``) and version.py are shared."""
+config.py (the options table), settings_fields.py (the settings as typed fields, generated from
+that table by config_gen.py), serve.py (``tandem serve``) and version.py are shared."""

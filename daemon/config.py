@@ -16,6 +16,11 @@ from, and what is accepted. Unknown keys in the file are errors too (a typo must
 not be silently ignored). ``tandem config show`` prints the effective settings
 and where each came from.
 
+The values are typed: ``settings.values.ctx_size`` is a field of ``SettingsValues``,
+whose fields are generated from OPTIONS into settings_fields.py by ``python -m
+tandem.daemon.config_gen`` (tests/daemon/test_config.py fails while that file is
+out of date). Each kind of option has its parser (``PARSERS``).
+
 Options marked ``reload`` are re-read on SIGHUP without dropping the models;
 the others need a restart. This module is plain Python (no llama.cpp), so the
 CLI can use it without loading the model runtime.
@@ -27,9 +32,11 @@ import ipaddress
 import math
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
+
+from .settings_fields import SettingsFields
 
 AUTO = None  # the value of an option left to the daemon ("auto" in files and flags)
 
@@ -428,117 +435,173 @@ def parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
+_AS_GIVEN = object()
+
+
+class _Invalid(Exception):
+    """A per-kind parser's refusal, ``why`` (may be ""); parse_value turns it into the ConfigError.
+    ``shown``: the value as the parser judged it, where that is not the raw one (a path given as a PathLike)."""
+
+    def __init__(self, why: str = "", shown: Any = _AS_GIVEN):
+        super().__init__(why)
+        self.why, self.shown = why, shown
+
+
+def _parse_bool(option: Option, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        word = raw.strip().lower()
+        if word in ("on", "true", "yes", "1"):
+            return True
+        if word in ("off", "false", "no", "0"):
+            return False
+    raise _Invalid()
+
+
+def _parse_choice(option: Option, raw: Any) -> str:
+    if isinstance(raw, bool) and option.choices == ("auto", "on", "off"):
+        return "on" if raw else "off"
+    if isinstance(raw, str) and raw.strip().lower() in option.choices:
+        return raw.strip().lower()
+    raise _Invalid()
+
+
+def _parse_int(option: Option, raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise _Invalid()
+    try:
+        if isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
+        value = int(raw) if not isinstance(raw, str) else int(raw.strip(), 10)
+    except (TypeError, ValueError, OverflowError):
+        raise _Invalid() from None
+    return _bounded(option, value)
+
+
+def _parse_float(option: Option, raw: Any) -> float:
+    if isinstance(raw, bool):
+        raise _Invalid()
+    try:
+        value = float(raw)
+        if not math.isfinite(value):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise _Invalid() from None
+    return _bounded(option, value)
+
+
+def _bounded(option: Option, value: Any) -> Any:
+    if option.minimum is not None and value < option.minimum:
+        raise _Invalid("too small")
+    if option.maximum is not None and value > option.maximum:
+        raise _Invalid("too large")
+    return value
+
+
+def _parse_size(option: Option, raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise _Invalid()
+    if isinstance(raw, int):
+        if raw < 0:
+            raise _Invalid("negative")
+        return raw
+    if not isinstance(raw, str):
+        raise _Invalid('write a fraction with a unit, as a string: "1.5G"')
+    try:
+        return parse_size(raw)
+    except (ValueError, OverflowError):
+        raise _Invalid() from None
+
+
+def _parse_addr(option: Option, raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise _Invalid()
+    if raw.strip().lower() == "off":
+        return "off"
+    host, sep, port = raw.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise _Invalid()
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise _Invalid("the host must be an IP address or localhost") from None
+    return f"{host}:{int(port)}" if ":" not in host else f"[{host}]:{int(port)}"
+
+
+def _parse_layers(option: Option, raw: Any) -> int | str:
+    if isinstance(raw, str) and raw.strip().lower() == "all":
+        return "all"
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise _Invalid()
+    try:
+        value = int(raw.strip(), 10) if isinstance(raw, str) else raw
+    except ValueError:
+        raise _Invalid() from None
+    if value < 0:
+        raise _Invalid("negative")
+    return value
+
+
+def _parse_rpc(option: Option, raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise _Invalid()
+    if raw.strip().lower() in ("", "off", "none"):
+        return ""
+    servers = []
+    for entry in raw.split(","):
+        host, sep, port = entry.strip().rpartition(":")
+        if host.startswith("[") or ":" in host:
+            raise _Invalid(f"{entry.strip()!r}: llama.cpp's RPC speaks IPv4 only; use 127.0.0.1:PORT")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise _Invalid(f"{entry.strip()!r} is not HOST:PORT")
+        servers.append(f"{host}:{int(port)}")
+    return ",".join(servers)
+
+
+def _parse_path(option: Option, raw: Any) -> Path:
+    text = os.fspath(raw) if isinstance(raw, os.PathLike) else raw
+    if not isinstance(text, str) or not text.strip():
+        raise _Invalid(shown=text)
+    return Path(text).expanduser()
+
+
+def _parse_str(option: Option, raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise _Invalid()
+    return raw
+
+
+# an option's kind -> its parser: (option, raw value) -> the value, or _Invalid
+PARSERS: dict[str, Callable[[Option, Any], Any]] = {
+    "str": _parse_str,
+    "int": _parse_int,
+    "float": _parse_float,
+    "bool": _parse_bool,
+    "size": _parse_size,
+    "path": _parse_path,
+    "choice": _parse_choice,
+    "addr": _parse_addr,
+    "layers": _parse_layers,
+    "rpc": _parse_rpc,
+}
+
+
 def parse_value(option: Option, raw: Any, source: str) -> Any:
     """``raw`` (a string from a flag or the environment, or a TOML value) as
     ``option``'s type; ConfigError names the key, the source and what is accepted."""
-
-    def bad(why: str = "") -> ConfigError:
-        return ConfigError(
-            f"{option.key} = {raw!r} (from {source}) is not valid{': ' + why if why else ''}; "
-            f"{option.key} takes {option.accepted()}"
-        )
-
     if option.auto and (raw is None or (isinstance(raw, str) and raw.strip().lower() == "auto")):
         return AUTO
-    kind = option.kind
-    if kind == "bool":
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str):
-            word = raw.strip().lower()
-            if word in ("on", "true", "yes", "1"):
-                return True
-            if word in ("off", "false", "no", "0"):
-                return False
-        raise bad()
-    if kind == "choice":
-        if isinstance(raw, bool) and option.choices == ("auto", "on", "off"):
-            return "on" if raw else "off"
-        if isinstance(raw, str) and raw.strip().lower() in option.choices:
-            return raw.strip().lower()
-        raise bad()
-    if kind in ("int", "float"):
-        if isinstance(raw, bool):
-            raise bad()
-        try:
-            if kind == "int":
-                if isinstance(raw, float) and not raw.is_integer():
-                    raise ValueError
-                value: Any = int(raw) if not isinstance(raw, str) else int(raw.strip(), 10)
-            else:
-                value = float(raw)
-                if not math.isfinite(value):
-                    raise ValueError
-        except (TypeError, ValueError, OverflowError):
-            raise bad() from None
-        if option.minimum is not None and value < option.minimum:
-            raise bad("too small")
-        if option.maximum is not None and value > option.maximum:
-            raise bad("too large")
-        return value
-    if kind == "size":
-        if isinstance(raw, bool):
-            raise bad()
-        if isinstance(raw, int):
-            if raw < 0:
-                raise bad("negative")
-            return raw
-        if not isinstance(raw, str):
-            raise bad('write a fraction with a unit, as a string: "1.5G"')
-        try:
-            return parse_size(raw)
-        except (ValueError, OverflowError):
-            raise bad() from None
-    if kind == "addr":
-        if not isinstance(raw, str):
-            raise bad()
-        if raw.strip().lower() == "off":
-            return "off"
-        host, sep, port = raw.strip().rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise bad()
-        if host != "localhost":
-            try:
-                ipaddress.ip_address(host)
-            except ValueError:
-                raise bad("the host must be an IP address or localhost") from None
-        return f"{host}:{int(port)}" if ":" not in host else f"[{host}]:{int(port)}"
-    if kind == "layers":
-        if isinstance(raw, str) and raw.strip().lower() == "all":
-            return "all"
-        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-            raise bad()
-        try:
-            value = int(raw.strip(), 10) if isinstance(raw, str) else raw
-        except ValueError:
-            raise bad() from None
-        if value < 0:
-            raise bad("negative")
-        return value
-    if kind == "rpc":
-        if not isinstance(raw, str):
-            raise bad()
-        if raw.strip().lower() in ("", "off", "none"):
-            return ""
-        servers = []
-        for entry in raw.split(","):
-            host, sep, port = entry.strip().rpartition(":")
-            if host.startswith("[") or ":" in host:
-                raise bad(f"{entry.strip()!r}: llama.cpp's RPC speaks IPv4 only; use 127.0.0.1:PORT")
-            if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-                raise bad(f"{entry.strip()!r} is not HOST:PORT")
-            servers.append(f"{host}:{int(port)}")
-        return ",".join(servers)
-    if kind == "path":
-        if isinstance(raw, os.PathLike):
-            raw = os.fspath(raw)
-        if not isinstance(raw, str) or not raw.strip():
-            raise bad()
-        return Path(raw).expanduser()
-    if not isinstance(raw, str):
-        raise bad()
-    return raw
+    try:
+        return PARSERS[option.kind](option, raw)
+    except _Invalid as bad:
+        shown = raw if bad.shown is _AS_GIVEN else bad.shown
+        raise ConfigError(
+            f"{option.key} = {shown!r} (from {source}) is not valid{': ' + bad.why if bad.why else ''}; "
+            f"{option.key} takes {option.accepted()}"
+        ) from None
 
 
 def is_loopback_host(header: str) -> bool:
@@ -638,21 +701,51 @@ def _closest(key: str) -> Optional[str]:
 # --------------------------------------------------------------------------- the effective settings
 
 
+PATH_KEYS = frozenset(o.key for o in OPTIONS if o.kind == "path")
+
+
+@dataclass(frozen=True)
+class SettingsValues(SettingsFields):
+    """The settings' values, typed: ``values.ctx_size`` (the fields are generated from OPTIONS into
+    settings_fields.py). Frozen: a change is a new one (``dataclasses.replace``). Besides the fields,
+    a value by its option's key for code that loops over OPTIONS, and a plain form for JSON and msgpack."""
+
+    def __getitem__(self, key: str) -> Any:
+        """``values["ctx_size"]``: the value of the option ``key`` (KeyError: no such option)."""
+        if key not in BY_KEY:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def changed(self, other: SettingsValues) -> list[str]:
+        """The keys whose values differ from ``other``'s, in OPTIONS' order."""
+        return [o.key for o in OPTIONS if getattr(self, o.key) != getattr(other, o.key)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every value by key, paths as strings: plain values only, for JSON and msgpack."""
+        return {o.key: _plain(getattr(self, o.key)) for o in OPTIONS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SettingsValues:
+        """The inverse of ``to_dict`` (a missing key: its default; an unknown one: TypeError)."""
+        values: dict[str, Any] = {k: Path(v) if k in PATH_KEYS and v is not None else v for k, v in data.items()}
+        return cls(**values)
+
+
+def _plain(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, Path) else value
+
+
 @dataclass
 class Settings:
-    values: dict[str, Any]
+    """The effective settings: their typed values, where each came from, and the config file consulted."""
+
+    values: SettingsValues  # replaced whole on a change (SIGHUP's reloadable options, check_rpc's addresses)
     sources: dict[str, str]  # "default", "flag --x", "environment TANDEM_X", "config file PATH"
     path: Path  # the config file consulted (it may not exist)
     file_found: bool
 
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self.__dict__["values"][key]
-        except KeyError:
-            raise AttributeError(key) from None
-
-    def changed(self, other: "Settings") -> list[str]:
-        return [k for k in self.values if self.values[k] != other.values[k]]
+    def changed(self, other: Settings) -> list[str]:
+        return self.values.changed(other.values)
 
 
 def load(
@@ -681,15 +774,15 @@ def load(
             continue
         values[option.key] = parse_value(option, raw, source)
         sources[option.key] = source
-    settings = Settings(values, sources, path, bool(file_values) or path.exists())
+    settings = Settings(SettingsValues(**values), sources, path, bool(file_values) or path.exists())
     check(settings)
     return settings
 
 
 def check(settings: Settings) -> None:
     """Rules between options."""
-    addr = settings.values["metrics_addr"]
-    if addr != "off" and not is_loopback(addr) and not settings.values["metrics_allow_remote"]:
+    addr = settings.values.metrics_addr
+    if addr != "off" and not is_loopback(addr) and not settings.values.metrics_allow_remote:
         raise ConfigError(
             f"metrics_addr = {addr!r} (from {settings.sources['metrics_addr']}) is not a loopback address: the "
             "metrics would be reachable from other machines. Use 127.0.0.1:PORT, or set metrics_allow_remote = "
@@ -708,18 +801,17 @@ def check_rpc(settings: Settings) -> None:
     traffic may leave it. A name is resolved here, once, and replaced by the
     IPv4 address that was checked: the workers and llama.cpp connect to that, so
     a name that resolves elsewhere later cannot move the traffic off the machine."""
-    servers = rpc_servers(settings.values["rpc"])
+    rpc = settings.values.rpc
+    servers = rpc_servers(rpc)
     if not servers:
         return
-    if settings.values["rpc_leaves_machine"]:  # any host goes: nothing to check, nothing to resolve (offline too)
+    if settings.values.rpc_leaves_machine:  # any host goes: nothing to check, nothing to resolve (offline too)
         if len(set(servers)) < len(servers):
-            raise ConfigError(
-                f"rpc = {settings.values['rpc']!r}: a server named twice (an rpc-server takes one client)"
-            )
+            raise ConfigError(f"rpc = {rpc!r}: a server named twice (an rpc-server takes one client)")
         return
     import socket
 
-    source = f"rpc = {settings.values['rpc']!r} (from {settings.sources['rpc']})"
+    source = f"rpc = {rpc!r} (from {settings.sources['rpc']})"
     resolved = []
     for server in servers:
         host, _, port = server.rpartition(":")
@@ -740,7 +832,7 @@ def check_rpc(settings: Settings) -> None:
         if address in resolved:
             raise ConfigError(f"{source}: {server} names the same server twice (an rpc-server takes one client)")
         resolved.append(address)
-    settings.values["rpc"] = ",".join(resolved)
+    settings.values = replace(settings.values, rpc=",".join(resolved))
 
 
 def show_value(option: Option, value: Any) -> str:

@@ -27,8 +27,8 @@ def serve(
 ) -> int:
     """Run the daemon in this process until it is stopped. Returns an exit code.
     ``reload`` re-reads the settings on SIGHUP (see Daemon.reload)."""
-    s = settings
-    logging.basicConfig(level=s.log_level.upper(), format="tandem %(levelname)s %(message)s", stream=sys.stderr)
+    s, v = settings, settings.values
+    logging.basicConfig(level=v.log_level.upper(), format="tandem %(levelname)s %(message)s", stream=sys.stderr)
     notifier = sdnotify.Notifier.from_environment()
     # until the main loop takes over: a SIGHUP (a reload, a closed terminal) must not kill a starting daemon
     signal.signal(
@@ -42,11 +42,11 @@ def serve(
             progress(line)
             notifier.extend_timeout(120)  # a model download: tell systemd we are still starting
 
-        name, path = _resolve(s.model, say)
-        drafter_name, drafter_path = s.drafter, None
-        if s.drafter not in ("none", *LOOKUP_DRAFTERS):
-            drafter_name, drafter_path = _resolve(s.drafter, say)
-            loaded = models.drafter_file(drafter_path, s.drafter_quantize, say)
+        name, path = _resolve(v.model, say)
+        drafter_name, drafter_path = v.drafter, None
+        if v.drafter not in ("none", *LOOKUP_DRAFTERS):
+            drafter_name, drafter_path = _resolve(v.drafter, say)
+            loaded = models.drafter_file(drafter_path, v.drafter_quantize, say)
             if loaded != drafter_path:
                 drafter_name, drafter_path = f"{drafter_name} as Q8_0 ({loaded})", loaded
         daemon = Daemon(
@@ -54,9 +54,9 @@ def serve(
                 settings=s,
                 model_name=name,
                 model_path=path,
-                socket_path=s.socket or default_socket_path(),
-                state_dir=s.state_dir or config.default_state_dir(),
-                cache_bytes=cache_budget(s.cache_bytes),
+                socket_path=v.socket or default_socket_path(),
+                state_dir=v.state_dir or config.default_state_dir(),
+                cache_bytes=cache_budget(v.cache_bytes),
                 drafter_name=drafter_name,
                 drafter_path=drafter_path,
             ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.abc
+import json
 import os
 import shutil
 import signal
@@ -80,13 +81,24 @@ def terminate(proc: subprocess.Popen, timeout: float) -> int:
     return proc.returncode
 
 
+# The load checks' verdicts (batch-invariance probe, fast prefill, prompt reader; keyed by the model file, the
+# settings and the CPU: daemon/worker/invariance.py) that test daemons found, handed to every later daemon of
+# the session as a restarted daemon finds them in its state_dir. A test that is about the checks themselves
+# starts its daemon with ``fresh_probe=True``.
+LOAD_VERDICTS: dict = {}
+
+
 class DaemonProcess:
     """`tandem serve` as a user runs it, in a subprocess, on a private socket."""
 
-    def __init__(self, model: Path, *args: str, env: dict | None = None):
+    def __init__(self, model: Path, *args: str, env: dict | None = None, fresh_probe: bool = False):
         self.dir = short_tmpdir()
         self.socket = self.dir / "t.sock"
         self.log_path = self.dir / "serve.log"
+        self.verdicts = self.dir / "state" / "tandem" / "batch-invariance.json"
+        if LOAD_VERDICTS and not fresh_probe and not (env or {}).get("XDG_STATE_HOME"):
+            self.verdicts.parent.mkdir(parents=True)
+            self.verdicts.write_text(json.dumps(LOAD_VERDICTS))
         # what the daemon learns (the governor's state) stays in this test's directory
         # ... and so do its settings: no config file of the user's, metrics on a free loopback port
         self.env = {
@@ -102,7 +114,7 @@ class DaemonProcess:
             [
                 sys.executable,
                 "-m",
-                "tandem.client.cli",
+                "tandem.cli",
                 "--socket",
                 str(self.socket),
                 "serve",
@@ -143,6 +155,11 @@ class DaemonProcess:
     def stop(self) -> int:
         code = terminate(self.proc, 30)
         self._log.close()
+        try:  # what it found, for the daemons after it
+            found = json.loads(self.verdicts.read_text())
+            LOAD_VERDICTS.update({k: v for k, v in found.items() if isinstance(v, dict)})
+        except (OSError, ValueError):
+            pass
         return code
 
     def cleanup(self) -> None:
@@ -173,7 +190,7 @@ def _short_tmpdir():
 def tandem_cli(socket: Path, *args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     """``tandem --socket SOCKET ARGS...`` as a user runs it, its output captured as text."""
     return subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket), *args],
+        [sys.executable, "-m", "tandem.cli", "--socket", str(socket), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -198,8 +215,10 @@ def start_daemon(smollm2_path):
     """Factory: start_daemon(*serve_args) -> a ready DaemonProcess, stopped at teardown."""
     started: list[DaemonProcess] = []
 
-    def start(*args: str, model: Path | None = None, wait: bool = True, env: dict | None = None) -> DaemonProcess:
-        d = DaemonProcess(model or smollm2_path, *args, env=env)
+    def start(
+        *args: str, model: Path | None = None, wait: bool = True, env: dict | None = None, fresh_probe: bool = False
+    ) -> DaemonProcess:
+        d = DaemonProcess(model or smollm2_path, *args, env=env, fresh_probe=fresh_probe)
         started.append(d)
         if wait:
             d.wait_ready()
@@ -251,7 +270,7 @@ class BridgeProcess:
             [
                 sys.executable,
                 "-m",
-                "tandem.client.cli",
+                "tandem.cli",
                 "--socket",
                 str(daemon.socket),
                 "http",

@@ -42,7 +42,7 @@ def start_bridge(socket_path: Path, src: str | None) -> tuple[subprocess.Popen, 
     if src:
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket_path), "openai", "--listen", "127.0.0.1:0"]
+        [sys.executable, "-m", "tandem.cli", "--socket", str(socket_path), "openai", "--listen", "127.0.0.1:0"]
         + ["--no-start", "--max-connections", "256"],
         stderr=subprocess.PIPE,
         text=True,

@@ -34,7 +34,8 @@ import numpy as np  # noqa: E402
 from bench.common import start_daemon, temp_socket  # noqa: E402
 from tandem.client import Client  # noqa: E402
 from tandem.daemon import models  # noqa: E402
-from tandem.daemon.worker.llama_model import LlamaModel, reference_llama  # noqa: E402
+from tandem.daemon.worker.llama_load import reference_llama  # noqa: E402
+from tandem.daemon.worker.llama_model import LlamaModel  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press begins",

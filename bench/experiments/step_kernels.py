@@ -34,7 +34,7 @@ def decode_greedy(model: LlamaModel, start: int, first: int, n: int, reference: 
     """From KV position ``start``, ``n`` one-token steps from ``first`` with the
     reference kernels or the fast ones: their seconds, and the logits of each."""
     model.truncate(start)
-    model._use_reference(reference)  # (a step's kernels; prefill switches them itself)
+    model.use_reference(reference)  # (a step's kernels; prefill switches them itself)
     token, logits = first, []
     try:
         started = time.perf_counter()
@@ -44,7 +44,7 @@ def decode_greedy(model: LlamaModel, start: int, first: int, n: int, reference: 
             logits.append(row)
         return time.perf_counter() - started, logits
     finally:
-        model._use_reference(True)
+        model.use_reference(True)
 
 
 def main() -> None:

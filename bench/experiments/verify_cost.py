@@ -25,7 +25,8 @@ import sys
 
 from bench.common import fmt, model_path
 from tandem.daemon.drafting.governor import measure_pass_costs
-from tandem.daemon.worker.llama_model import LlamaModel, cpu_has_amx
+from tandem.daemon.worker.llama_load import cpu_has_amx
+from tandem.daemon.worker.llama_model import LlamaModel
 
 
 def main() -> int:

@@ -17,14 +17,14 @@ read. In a bucket: ``<key>.page`` files, ``index`` and ``lock``.
 is the bucket), so it names the page's whole prefix, like a node of the radix
 tree: two prompts share a file only where they share everything before it.
 
-**A page file** is a header (magic, format version, page size, depth, bucket,
-key, parent key, payload length, payload crc32), the page's tokens, then the
-page's bytes as they are in the arena. Reading one checks all of it: the
-owner and mode (this user's own regular file, nobody else may read or write
-it; never through a symbolic link), the format, the bucket, that the key is the
-hash of the parent and tokens asked for, the length (a truncated file) and the
-checksum (a file half-written when the power went). A file that fails is
-dropped (with its descendants, which can no longer be reached) with a warning.
+**A page file** is a header, the page's tokens, then the page's bytes as they
+are in the arena (page_file.py: the files' names and format, and the checks).
+Reading one checks all of it: the owner and mode (this user's own regular file,
+nobody else may read or write it; never through a symbolic link), the format,
+the bucket, that the key is the hash of the parent and tokens asked for, the
+length (a truncated file) and the checksum (a file half-written when the power
+went). A file that fails is dropped (with its descendants, which can no longer
+be reached) with a warning.
 
 **Writing** happens between requests, one page at a time, while no request is
 waiting (``PageStore.spill``); the ``index`` (every page's key, parent, depth,
@@ -49,30 +49,30 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import logging
 import os
-import re
 import shutil
-import struct
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import msgpack
-
 from tandem.protocol import DiskCacheInfo
 
 from .arena import UntrustedFile, check_own, open_own
+from .page_file import (
+    BUCKET_NAME,
+    PageFileError,
+    PageFormat,
+    bucket_name,
+    decode_index,
+    encode_index,
+    page_name,
+    write_atomic,
+)
 
 log = logging.getLogger("tandem.cache")
 
-FORMAT_VERSION = 1
-MAGIC = b"TDMKVPG\0"
-HEADER = struct.Struct("<8sIII16s16s16sQI")  # magic, version, page_tokens, depth, bucket, key, parent, length, crc
-KEY_BYTES = 16
 DEFAULT_DISK_BYTES = 4 << 30
 DEFAULT_FREE_SHARE = 4  # auto budget: at most a quarter of the file system's free space
 FREE_RESERVE = 1 << 30  # never fill the file system closer than this (or 5% of it, if less)
@@ -84,15 +84,6 @@ LOCK_WAIT_SECONDS = 5.0  # a worker being replaced may hold its bucket's lock a 
 def default_dir(environ=os.environ) -> Path:
     base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "tandem" / "kv"
-
-
-def bucket_name(identity: str, layout: str, page_tokens: int) -> str:
-    h = hashlib.sha256(f"{FORMAT_VERSION}\0{identity}\0{layout}\0{page_tokens}".encode())
-    return h.hexdigest()[: 2 * KEY_BYTES]
-
-
-def child_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}i", *tokens), digest_size=KEY_BYTES).digest()
 
 
 def free_reserve(directory: Path) -> int:
@@ -122,9 +113,6 @@ def disk_budget(requested: Optional[int], directory: Path) -> int:
     except OSError:
         return 0
     return min(DEFAULT_DISK_BYTES, (free + cached_bytes(directory)) // DEFAULT_FREE_SHARE)
-
-
-BUCKET_NAME = re.compile(r"[0-9a-f]{32}")
 
 
 def buckets(root: Path, skip: str = "") -> list[tuple[Path, int, int, float]]:
@@ -204,10 +192,6 @@ def remove_bucket(path: Path) -> bool:
             os.close(fd)
 
 
-class PageFileError(Exception):
-    """A page file that must not be used; the message says why."""
-
-
 @dataclass
 class Entry:
     key: bytes
@@ -249,7 +233,8 @@ class DiskTier:
         self.page_tokens = page_tokens
         self.page_bytes = page_bytes
         self.budget = budget
-        self.file_bytes = HEADER.size + 4 * page_tokens + page_bytes
+        self.format = PageFormat(self.root_key, page_tokens, page_bytes)
+        self.file_bytes = self.format.file_bytes
         self._lock_fd = lock_fd
         self.entries: dict[bytes, Entry] = {}
         self.bytes_used = 0  # of this bucket's page files
@@ -333,7 +318,7 @@ class DiskTier:
             if key in self.entries:
                 continue
             reachable = parent == self.root_key or parent in self.entries
-            e = files.get(key.hex() + ".page")
+            e = files.get(page_name(key))
             why = ""
             if e is None:
                 why = "missing"
@@ -358,7 +343,7 @@ class DiskTier:
             self.bytes_used += size
             if parent in self.entries:
                 self.entries[parent].children += 1
-        known = {k.hex() + ".page" for k in self.entries}
+        known = {page_name(k) for k in self.entries}
         for name, e in files.items():
             if name.endswith((".page", ".tmp")) and name not in known:
                 self._unlink(Path(e.path))  # after the last index, or dropped above: never read
@@ -368,16 +353,7 @@ class DiskTier:
         path = self.path / "index"
         try:
             with os.fdopen(open_own(path), "rb") as f:
-                data = msgpack.unpackb(f.read(), strict_map_key=False)
-            if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION or data.get("bucket") != self.bucket:
-                raise ValueError("written by another version or for another bucket")
-            out = []
-            for row in data["pages"]:
-                key, parent, depth, size, last_used = row
-                if not (isinstance(key, bytes) and isinstance(parent, bytes) and len(key) == KEY_BYTES):
-                    raise ValueError("a malformed row")
-                out.append((key, parent, int(depth), int(size), float(last_used)))
-            return out
+                return decode_index(f.read(), self.bucket)
         except FileNotFoundError:
             return []
         except Exception as exc:  # unreadable, foreign, damaged: start empty (its files are removed)
@@ -388,13 +364,9 @@ class DiskTier:
         if not self.dirty or self.off_reason:
             return
         rows = sorted(self.entries.values(), key=lambda e: e.depth)  # parents first
-        data = {
-            "version": FORMAT_VERSION,
-            "bucket": self.bucket,
-            "pages": [[e.key, e.parent, e.depth, e.size, e.last_used] for e in rows],
-        }
+        index = encode_index(self.bucket, [[e.key, e.parent, e.depth, e.size, e.last_used] for e in rows])
         try:
-            self._write_file(self.path / "index", msgpack.packb(data, use_bin_type=True), sync=True)
+            write_atomic(self.path / "index", index, sync=True)
             self.dirty = False
         except OSError as exc:
             self._failed(exc)
@@ -410,13 +382,13 @@ class DiskTier:
         entry = self.entries.get(key)
         if entry is None or self.off_reason:
             return None
-        path = self.path / (key.hex() + ".page")
+        path = self.path / page_name(key)
         t0 = time.perf_counter()
         try:
             fd = open_own(path)
             with os.fdopen(fd, "rb") as f:
                 raw = f.read(self.file_bytes + 1)
-            payload = self._check(raw, key, parent, tokens, entry.depth)
+            payload = self.format.decode(raw, key, parent, tokens, entry.depth)
         except (OSError, PageFileError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             log.warning("prefix cache disk tier: ignoring %s: %s", path, why)
@@ -427,30 +399,6 @@ class DiskTier:
         self.stats.read_seconds += time.perf_counter() - t0
         entry.last_used = time.time()
         self.dirty = True
-        return payload
-
-    def _check(self, raw: bytes, key: bytes, parent: bytes, tokens: Sequence[int], depth: int) -> bytes:
-        if len(raw) < HEADER.size:
-            raise PageFileError(f"{len(raw)} bytes: shorter than a page's header (truncated)")
-        magic, version, page_tokens, f_depth, bucket, f_key, f_parent, length, crc = HEADER.unpack_from(raw)
-        if magic != MAGIC:
-            raise PageFileError("not a tandem page file")
-        if version != FORMAT_VERSION:
-            raise PageFileError(f"page format {version}, this tandem reads {FORMAT_VERSION} (an older tandem's)")
-        if bucket != self.root_key:
-            raise PageFileError("written for another model file, layout or page size")
-        if page_tokens != self.page_tokens or length != self.page_bytes:
-            raise PageFileError("pages of another size")
-        if f_key != key or f_parent != parent or f_depth != depth or child_key(parent, tokens) != key:
-            raise PageFileError("not the page of these tokens")
-        if len(raw) != self.file_bytes:
-            raise PageFileError(f"holds {len(raw)} bytes, not {self.file_bytes} (truncated)")
-        at = HEADER.size
-        if list(struct.unpack_from(f"<{page_tokens}i", raw, at)) != list(tokens):
-            raise PageFileError("not the page of these tokens")
-        payload = raw[at + 4 * page_tokens :]
-        if zlib.crc32(payload) != crc:
-            raise PageFileError("checksum mismatch (written only in part, or damaged)")
         return payload
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -476,20 +424,9 @@ class DiskTier:
         protect = self._path_of(parent)
         if not self._make_room(self.file_bytes, protect):
             return False
-        header = HEADER.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            self.page_tokens,
-            depth,
-            self.root_key,
-            key,
-            parent,
-            len(payload),
-            zlib.crc32(payload),
-        )
-        data = header + struct.pack(f"<{len(tokens)}i", *tokens) + payload
+        data = self.format.encode(key, parent, depth, tokens, payload)
         try:
-            self._write_file(self.path / (key.hex() + ".page"), data)
+            write_atomic(self.path / page_name(key), data)
         except OSError as exc:
             self._failed(exc)
             return False
@@ -502,29 +439,6 @@ class DiskTier:
         self.stats.bytes_written += len(data)
         self.stats.write_seconds += time.perf_counter() - t0
         return True
-
-    def _write_file(self, path: Path, data: bytes, sync: bool = False) -> None:
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if sync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.replace(tmp, path)
-        if sync:
-            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
 
     def _failed(self, exc: OSError) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -623,7 +537,7 @@ class DiskTier:
             parent = self.entries.get(e.parent)
             if parent is not None:
                 parent.children -= 1
-            self._unlink(self.path / (k.hex() + ".page"))
+            self._unlink(self.path / page_name(k))
         if doomed:
             self.dirty = True
             if evicted:
@@ -635,7 +549,7 @@ class DiskTier:
         holds; returns (pages, bytes) removed."""
         pages, used = len(self.entries), self.bytes_used
         for key in list(self.entries):
-            self._unlink(self.path / (key.hex() + ".page"))
+            self._unlink(self.path / page_name(key))
         self.entries.clear()
         self.bytes_used = 0
         other_pages, other_bytes, _ = clear_dir(self.dir, skip=self.bucket)

@@ -228,7 +228,7 @@ class PageStore:
 
     def _key(self, node: Node) -> bytes:
         """``node``'s key in the disk tier (its whole prefix's)."""
-        from .disk_cache import child_key
+        from .page_file import child_key
 
         path = []
         while node is not self.tree.root and node.disk_key is None:
@@ -246,7 +246,7 @@ class PageStore:
         disk = self.disk
         if disk is None or disk.off_reason or not disk.entries:
             return 0, 0
-        from .disk_cache import child_key
+        from .page_file import child_key
 
         chain = self.tree.match(tokens, self.role, count=False)
         have = len(chain) * self.page_tokens

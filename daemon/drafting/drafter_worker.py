@@ -152,7 +152,7 @@ class DrafterLoop:
                     log.warning(
                         "the drafter keeps no prefix-cache pages: cannot use the arena %s (%s)", c.cache_shm, exc
                     )
-            self.drafting = Drafting(model, c["page_tokens"], arena)
+            self.drafting = Drafting(model, c.settings.page_tokens, arena)
         except Exception as exc:
             error = Error.of(c.role, ErrorCode.NOT_READY, f"could not load the drafter: {exc}")
             self.control.send_multipart(encode(error))

@@ -210,7 +210,7 @@ class PassCosts:
     load: dict[int, float]  # seconds of one target pass over w tokens, measured at load
     drafter_prior: float  # seconds per drafted token before any was measured
     window: int = 16
-    plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see engine._round)
+    plain_width: int = 1  # tokens a plain round reads: 2 with exact steps (the guess, see rounds.py: Rounds._round)
     read: Optional[float] = None  # seconds per token of the target reading a prompt, measured at load
     seen: Optional[MovingRate] = None  # seconds per plain round's pass, as plain rounds ran (the level)
     shape: dict[int, MovingRate] = field(default_factory=dict)  # by width: a pass / a plain round's, as measured

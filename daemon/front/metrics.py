@@ -49,6 +49,22 @@ class Metrics:
         ``memory`` ({process: rss bytes}), ``pss`` ({process: pss bytes}, may be
         absent); it is called on each scrape."""
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._request_metrics(r)
+        self._drafting_metrics(r)
+        self._latency_metrics(r)
+        self._cache_metrics(r)
+        self._disk_metrics(r)
+        self._worker_metrics(r)
+        self._last_cache: Optional[tuple[int, ...]] = None
+        self._draft_total = DraftStats()
+        r.register(_Live(live))
+        self.server = None
+        self.address = ""
+
+    # ------------------------------------------------------------------ the metrics, by concern
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Requests and their tokens."""
         self.requests = Counter(
             "tandem_requests", "Requests by how they ended (finish reason, error or busy)", ["reason"], registry=r
         )
@@ -61,6 +77,9 @@ class Metrics:
             registry=r,
         )
         self.generated_tokens = Counter("tandem_generated_tokens", "Tokens generated", registry=r)
+
+    def _drafting_metrics(self, r: CollectorRegistry) -> None:
+        """Speculative rounds, their drafts and the governor."""
         self.draft_rounds = Counter(
             "tandem_draft_rounds", "Speculative rounds: target passes that verified a draft", registry=r
         )
@@ -93,6 +112,9 @@ class Metrics:
             "The governor's moving average of drafting (latest task)",
             registry=r,
         )
+
+    def _latency_metrics(self, r: CollectorRegistry) -> None:
+        """Time to the first token, and per token after it."""
         self.ttft = Histogram(
             "tandem_time_to_first_token_seconds",
             "From the worker taking a request to its first token",
@@ -106,6 +128,9 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+
+    def _cache_metrics(self, r: CollectorRegistry) -> None:
+        """The prefix cache in shared memory."""
         self.cache_hits = Counter(
             "tandem_prefix_cache_hits", "Requests that restored at least one cached page", registry=r
         )
@@ -116,7 +141,9 @@ class Metrics:
         self.cache_bytes = Gauge("tandem_prefix_cache_bytes", "Bytes of shared memory holding cached pages", registry=r)
         self.cache_budget = Gauge("tandem_prefix_cache_budget_bytes", "The prefix cache's byte budget", registry=r)
         self.cache_pages = Gauge("tandem_prefix_cache_pages", "Cached pages (of every model)", registry=r)
-        # the disk tier (--disk-cache-bytes): the target's pages in files
+
+    def _disk_metrics(self, r: CollectorRegistry) -> None:
+        """The disk tier (--disk-cache-bytes): the target's pages in files."""
         self.disk_hits = Counter(
             "tandem_prefix_cache_disk_hits", "Requests that read at least one page from the disk tier", registry=r
         )
@@ -140,6 +167,9 @@ class Metrics:
         self.disk_budget = Gauge("tandem_prefix_cache_disk_budget_bytes", "The disk tier's byte budget", registry=r)
         self.disk_pages = Gauge("tandem_prefix_cache_disk_pages", "Pages in the disk tier", registry=r)
         self.disk_on = Gauge("tandem_prefix_cache_disk_on", "1 while the disk tier is on, 0 when it is off", registry=r)
+
+    def _worker_metrics(self, r: CollectorRegistry) -> None:
+        """The workers' restarts, and what a drafter's death did to requests."""
         self.restarts = Counter(
             "tandem_worker_restarts", "Worker processes restarted after they died", ["role"], registry=r
         )
@@ -150,11 +180,6 @@ class Metrics:
             "Requests whose drafter worker died while they ran: they finished with plain decoding",
             registry=r,
         )
-        self._last_cache: Optional[tuple[int, ...]] = None
-        self._draft_total = DraftStats()
-        r.register(_Live(live))
-        self.server = None
-        self.address = ""
 
     # ------------------------------------------------------------------ events
 

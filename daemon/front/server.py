@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -93,7 +93,7 @@ class Daemon:
         self.settings = config.settings
         self.notifier = notifier or Notifier(None)
         self.reload_settings = reload
-        self.started_with = dict(config.settings.values)
+        self.started_with = config.settings.values  # (frozen: a reload replaces settings.values, never changes it)
         self.reload_requested = False
         self.started_at = time.monotonic()
         self.stopping = False
@@ -116,21 +116,21 @@ class Daemon:
         self.socket_dir = prepare_socket(path)
         self.lock = InstanceLock(path)
         self.zctx = zmq.Context()
-        self.clients = ClientSocket(self.zctx, path, self.settings.client_queue, on_gone=self._on_client_gone)
+        self.clients = ClientSocket(self.zctx, path, self.settings.values.client_queue, on_gone=self._on_client_gone)
 
     def _setup_metrics(self) -> None:
         self.metrics = Metrics(self.live_metrics)
-        addr = self.settings.metrics_addr
+        addr = self.settings.values.metrics_addr
         if addr == "off":
             return
         try:
-            bound = self.metrics.serve(addr, other_users=self.settings.values["metrics_other_users"])
+            bound = self.metrics.serve(addr, other_users=self.settings.values.metrics_other_users)
         except OSError as exc:
             if self.settings.sources["metrics_addr"] == "default" and exc.errno == errno.EADDRINUSE:
                 # the default port is taken (another daemon, on another socket): any free port
                 # beats no metrics or no daemon; status and the log say where
                 bound = self.metrics.serve(
-                    addr.rpartition(":")[0] + ":0", other_users=self.settings.values["metrics_other_users"]
+                    addr.rpartition(":")[0] + ":0", other_users=self.settings.values.metrics_other_users
                 )
                 log.warning(
                     "the default metrics address %s is in use; serving metrics on %s instead (set metrics_addr "
@@ -151,7 +151,7 @@ class Daemon:
             relay=self.clients.send_frames,
             to_target=lambda msg: self.supervisor.target.send(msg),
             metrics=self.metrics,
-            max_queue=self.settings.max_queue,
+            max_queue=self.settings.values.max_queue,
         )
 
     def _setup_workers(self) -> None:
@@ -251,15 +251,16 @@ class Daemon:
                 self.notifier.ready(self.supervisor.ready_status() if self.state == "ready" else self.state)
             return
         applied = []
-        if new.max_queue != self.settings.max_queue:
-            applied.append(f"max_queue {self.settings.max_queue} -> {new.max_queue}")
-            self.settings.values["max_queue"] = new.max_queue
-            self.scheduler.max_queue = new.max_queue  # a shorter queue keeps who is already in it
-        if new.log_level != self.settings.log_level:
-            applied.append(f"log_level {self.settings.log_level} -> {new.log_level}")
-            self.settings.values["log_level"] = new.log_level
-            logging.getLogger().setLevel(new.log_level.upper())
-        pending = [k for k, v in new.values.items() if k not in RELOADABLE and v != self.started_with.get(k, v)]
+        old, loaded = self.settings.values, new.values
+        if loaded.max_queue != old.max_queue:
+            applied.append(f"max_queue {old.max_queue} -> {loaded.max_queue}")
+            self.scheduler.max_queue = loaded.max_queue  # a shorter queue keeps who is already in it
+        if loaded.log_level != old.log_level:
+            applied.append(f"log_level {old.log_level} -> {loaded.log_level}")
+            logging.getLogger().setLevel(loaded.log_level.upper())
+        # the reloadable options (RELOADABLE) into the settings that every part of the daemon holds
+        self.settings.values = replace(old, max_queue=loaded.max_queue, log_level=loaded.log_level)
+        pending = [k for k in loaded.changed(self.started_with) if k not in RELOADABLE]
         log.info("SIGHUP: reloaded settings from %s: %s", new.path, "; ".join(applied) or "nothing to change")
         if pending:
             log.warning(
@@ -385,7 +386,7 @@ class Daemon:
             failure=self.failure,
             drafter=c.drafter_name + sup.drafter_note(),
             drafter_model=sup.drafter.info if sup.drafter is not None else None,
-            draft_tokens=self.settings.draft_tokens if c.drafter_name != "none" else 0,
+            draft_tokens=self.settings.values.draft_tokens if c.drafter_name != "none" else 0,
             draft=s.counters.draft if s.counters.draft.rounds else None,
             governor=s.governor,
             cache=s.cache,

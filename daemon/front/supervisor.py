@@ -52,7 +52,7 @@ def governor_identity(c) -> str:
         except OSError:
             return path.name
 
-    s = c.settings
+    s = c.settings.values
     drafter = describe(c.drafter_path) if c.drafter_path is not None else c.drafter_name
     kernels = f" kernels={s.kernels} flash={'on' if s.flash_attn else 'off'}"
     placed = (s.gpu_layers, s.device, s.drafter_gpu_layers, s.drafter_device, s.rpc)
@@ -95,9 +95,9 @@ class Supervisor:
         c = self.config
         kind = c.drafter_kind
         identity = governor_identity(c)
-        timeout = self.settings.worker_timeout
+        timeout = self.settings.values.worker_timeout
         common = dict(
-            settings={k: str(v) if isinstance(v, Path) else v for k, v in self.settings.values.items()},
+            settings=self.settings.values,
             draft_endpoint=endpoint(socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else "",
             cache_shm=cache_shm,
             cache_bytes=cache_bytes,
@@ -269,7 +269,7 @@ class Supervisor:
         if not self.scheduler.busy or not target.alive or target.sock is None:
             return
         if target.policy.silent_too_long(now):
-            why = f"did not answer within {self.settings.worker_timeout:g} s (worker_timeout) and was killed"
+            why = f"did not answer within {self.settings.values.worker_timeout:g} s (worker_timeout) and was killed"
             log.error("the model worker (pid %s) %s", target.pid, why)
             target.policy.killed_as_hung(why)
             self._kill(target)

@@ -57,7 +57,7 @@ class WorkerProcess:
         self.sentinel = read_end
         assert self.popen.stdin is not None
         try:
-            self.popen.stdin.write(json.dumps(dataclasses.asdict(config)).encode())
+            self.popen.stdin.write(json.dumps(config.to_dict()).encode())
         except BrokenPipeError:  # it died at once; the sentinel says so
             pass
         finally:

@@ -6,20 +6,22 @@ with the ``Model`` methods of interfaces.py), and reports through two callbacks:
 before every decode step, so a cancel ends the request within one step. It
 returns the terminal ``Done`` or raises ``RequestError``. What one request
 carries while it is decoded (its prompt, sampler, drafting knobs, output so far)
-is one ``RequestState``.
+is one ``RequestState`` (request_state.py).
+
+The engine holds a request's course: its prompt (``PromptBuilder``, prompts.py),
+its prefill with what the prefix cache and the model's KV cache hold, its output
+(stop strings, the grammar, tool calls) and its ``Done``. Its rounds are
+``Rounds`` (rounds.py: drafts, verification, the governor's timing); between
+requests it settles the last turn into cache pages and times the target's
+passes again (``PassTimer``, pass_timing.py).
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-import numpy as np
-
 from tandem.protocol import (
-    FIM_FIX,
     Chunk,
     Complete,
     Decoding,
@@ -27,81 +29,25 @@ from tandem.protocol import (
     DraftStats,
     ErrorCode,
     FinishReason,
-    Generate,
     Timings,
     ToolCallDelta,
     Usage,
 )
 
 from ..constraints.constraint import Constraint, ConstraintError, field_name
-from ..constraints.tools import (
-    GENERIC,
-    CallOpener,
-    ToolCallParser,
-    ToolPlan,
-    detect_format,
-    make_plan,
-    message_dicts,
-    tool_dict,
-)
-from ..constraints.tools import with_generic_prompt as _generic_prompt
-from ..drafting.governor import MIN_SECONDS, PLAIN, READ_MIN_TOKENS, Governor, GovernorBank, task_key
+from ..constraints.tools import CallOpener, ToolPlan
+from ..drafting.governor import PLAIN, Governor, GovernorBank, task_key
 from ..drafting.interfaces import DecodeAborted, Drafter, Model, RequestError
 from ..drafting.sampler import Sampler
-from ..drafting.speculative import SparseDist, verify
-from ..models.chat import ChatTemplate, ChatTemplateError
+from ..models.chat import ChatTemplate
+from .pass_timing import PassTimer
+from .prompts import PromptBuilder
+from .request_state import RequestState
+from .rounds import Rounds
 from .textstream import TextStream
-
-log = logging.getLogger("tandem.engine")
 
 if TYPE_CHECKING:
     from ..cache.page_store import PageStore
-
-
-MAX_FORCED = 16  # grammar-forced tokens read in one round
-# idle time: the target's passes re-measured at most this often (Engine.refresh_pass_costs)
-REFRESH_SECONDS = 30.0
-# a width re-measured in idle time counts when the plain passes before and after it differ by at most this share
-# (what another process starting or stopping does to a 2-thread pass: 2-8x; what a quiet machine's noise does: < 20%)
-REFRESH_STEADY = 0.5
-
-
-@dataclass
-class RequestState:
-    """One request while it is decoded: what it asked for, how it is decoded,
-    and what it produced so far."""
-
-    req: Decoding
-    tokens: list[int]  # the prompt
-    sampler: Sampler
-    stream: TextStream
-    k: int  # draft length asked for
-    p_min: float
-    drafter: Optional[Drafter]  # None: this request does not draft
-    governor: Optional[Governor]  # None: every round drafts (or none does)
-    stats: Optional[DraftStats]  # draft rounds, when it may draft
-    cache: Optional["PageStore"]  # the prefix cache, when this request uses it
-    started: float
-    constraint: Optional[Constraint] = None  # the response_format's grammar state; None: any text
-    parser: Optional[ToolCallParser] = None  # with tools: splits the output into text and calls
-    pending: Optional[CallOpener] = None  # tool_choice auto: the calls' grammar, from the token that opens one
-    content: str = ""  # with tools: the text outside the calls, as streamed
-    cached: int = 0  # prompt tokens restored from the prefix cache
-    prefilled: float = 0.0
-    first_token_at: float = 0.0
-    completion: list[int] = field(default_factory=list)
-    drafted_last: bool = False  # the previous round drafted
-    forced_last: bool = False  # the previous round was the grammar's forced tokens (jump-forward)
-    # the last round: drafts, accepted, drafter seconds, target seconds, tokens the target read
-    last_round: tuple[int, int, float, float, int] = (0, 0, 0.0, 0.0, 1)
-    # when the last timed round's pass (and sampling) ended: to the next timed round's
-    # start is what a round costs outside its pass (PassCosts.outside); None: not timed
-    round_ended: Optional[float] = None
-    finish: Optional[FinishReason] = None
-    draft_off: Optional[str] = None  # drafting asked for but off: it would change greedy output here
-
-    def context(self) -> list[int]:
-        return self.tokens + self.completion
 
 
 class Engine:
@@ -120,12 +66,14 @@ class Engine:
         jump_forward: bool = True,
     ):
         self.model = model
-        self.chat_template = chat_template
+        self.prompts = PromptBuilder(model, chat_template)
         self.drafter = drafter
         self.draft_tokens = draft_tokens if drafter is not None else 0
         self.draft_p_min = draft_p_min
-        self.min_batch = min_batch  # 2: every decoding step reads >= 2 positions (see _round)
+        self.min_batch = min_batch  # 2: every decoding step reads >= 2 positions (see Rounds._round)
         self.clock = clock
+        self.rounds = Rounds(model, clock, min_batch, jump_forward)
+        self.pass_timer = PassTimer(model, clock)  # idle time: the target's passes timed again
         self.governors = governors  # None: draft every round
         self.cache = cache  # the prefix cache's pages of this model; None: no prefix cache
         self.batch_invariant: Optional[bool] = None  # the model's load probe (LlamaModel.batch_invariance)
@@ -133,80 +81,21 @@ class Engine:
         self.jump_forward = jump_forward  # grammar-forced tokens are read as drafts
         # why drafting and jump-forward would change greedy output here ("": they do not; target_worker)
         self.draft_off = ""
-        self.refreshed_at: Optional[float] = None  # the last idle re-measurement of the passes (refresh_pass_costs)
-        # the tool-call syntax the chat template teaches (tools.py)
-        self.tool_format = detect_format(chat_template.template if chat_template is not None else None)
+
+    # ------------------------------------------------------------------ prompts (prompts.py)
 
     def tool_plan(self, req: Decoding) -> Optional[ToolPlan]:
-        if not isinstance(req, Generate):
-            return None
-        return make_plan(req, self.tool_format, self._single_token)
-
-    def _single_token(self, text: str) -> Optional[int]:
-        tokens = self.model.tokenize(text, add_special=False, parse_special=True)
-        return tokens[0] if len(tokens) == 1 else None
+        return self.prompts.tool_plan(req)
 
     def prompt_tokens(self, req: Decoding, plan: Optional[ToolPlan] = None, check_fits: bool = True) -> list[int]:
-        """The request's prompt as the model reads it; PROMPT_TOO_LONG when it
-        cannot fit the context (unless ``check_fits`` is False: a count)."""
-        if isinstance(req, Complete):
-            tokens = self.fim_prompt(req)
-        elif req.messages is not None:
-            if self.chat_template is None:
-                raise RequestError(
-                    ErrorCode.CHAT_TEMPLATE,
-                    "this model has no chat template in its GGUF file; send 'prompt' (plain text) instead of "
-                    "'messages' (CLI: tandem run --raw)",
-                )
-            messages = message_dicts(req.messages, self.tool_format)
-            tools = None
-            if plan is not None and self.tool_format == GENERIC:
-                messages = _generic_prompt(messages, plan.tools)
-            elif plan is not None:
-                tools = [tool_dict(t) for t in plan.tools]
-            try:
-                text, add_special = self.chat_template.render(messages, tools)
-            except ChatTemplateError as exc:
-                raise RequestError(ErrorCode.CHAT_TEMPLATE, str(exc)) from None
-            tokens = self.model.tokenize(text, add_special=add_special, parse_special=True)
-        else:
-            tokens = self.model.tokenize(req.prompt or "", add_special=True, parse_special=True)
-        if not tokens:
-            raise RequestError(ErrorCode.INVALID_REQUEST, "the prompt is empty (it tokenizes to no tokens)")
-        if check_fits and len(tokens) >= self.model.n_ctx:
-            raise RequestError(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"the prompt is {len(tokens):,} tokens but the context holds {self.model.n_ctx:,} "
-                f"(and one more is needed to answer). Shorten the prompt, or restart the daemon with a larger "
-                f"--ctx-size (this model was trained on {self.model.n_ctx_train:,}).",
-            )
-        return tokens
+        """The request's prompt as the model reads it (``PromptBuilder.prompt_tokens``)."""
+        return self.prompts.prompt_tokens(req, plan, check_fits)
 
     def fim_prompt(self, req: Complete) -> list[int]:
-        """``<prefix token> prefix <suffix token> suffix <middle token>`` (the model
-        writes the middle), from the model's own FIM tokens. The two texts are
-        tokenized as plain text, so a file that contains the FIM tokens' spelling
-        cannot inject them. A file too long for the context keeps the prefix's end
-        (the code right before the cursor) and the suffix's start, leaving room to
-        answer: an editor should not have to know the context size."""
-        model = self.model
-        fim = model.fim_tokens()
-        if fim is None:
-            raise RequestError(
-                ErrorCode.FIM_UNSUPPORTED,
-                "this model has no fill-in-the-middle tokens in its vocabulary, so 'complete' cannot prompt it. "
-                f"{FIM_FIX}",
-            )
-        pre, suf, mid = fim
-        head = model.tokenize("", add_special=True, parse_special=False)  # BOS, for models that want one
-        prefix = model.tokenize(req.prefix, add_special=False, parse_special=False)
-        suffix = model.tokenize(req.suffix, add_special=False, parse_special=False)
-        room = max(0, model.n_ctx - len(head) - 3 - min(req.max_tokens, model.n_ctx // 4))
-        if len(prefix) + len(suffix) > room:
-            keep_suffix = min(len(suffix), max(room // 4, room - len(prefix)))
-            suffix = suffix[:keep_suffix]
-            prefix = prefix[len(prefix) - (room - keep_suffix) :] if room > keep_suffix else []
-        return [*head, pre, *prefix, suf, *suffix, mid]
+        """A ``complete`` request's fill-in-the-middle prompt (``PromptBuilder.fim_prompt``)."""
+        return self.prompts.fim_prompt(req)
+
+    # ------------------------------------------------------------------ requests, and the idle time between them
 
     def run(
         self,
@@ -236,95 +125,11 @@ class Engine:
         return settle(self.cache.store_or_skip, interrupted)
 
     def refresh_pass_costs(self, interrupted: Callable[[], bool], busy: Callable[[], bool] = lambda: False) -> int:
-        """Idle time, at most every REFRESH_SECONDS: time one target pass of each
-        width the governors predict with (wider than a plain round's, up to k+1
-        tokens: the tokens the model last read, again) at the end of what its KV
-        cache holds, each between two passes as wide as a plain round's, drop them
-        again, and add what each cost relative to the plain passes beside it to
-        the pass costs' shape (PassCosts). Rounds keep the widths they run
-        current; a width no round runs (a lookup governor that predicts no gain
-        never verifies) would otherwise keep its load-time cost for the daemon's
-        life, and one start measured a 2-token pass at 2.5 one-token passes where
-        the next measured 1.6. Relative, because idle for this daemon is not idle
-        for the machine: what another process runs meanwhile slows every pass
-        alike, and a width whose two plain passes differ by more than
-        REFRESH_STEADY is not counted (the machine changed while it was timed).
-        Nor does it start while other processes keep the machine busy (``busy``:
-        the passes it would time are not this machine's usual ones then, and they
-        would slow that work; the idle time after the next request tries again).
-        Not for a recurrent or hybrid model (its cache cannot drop a tail).
-        Stops at a message (``interrupted``); returns the widths measured."""
+        """Idle time, at most every REFRESH_SECONDS: the target's passes timed
+        again into the governors' pass costs (``PassTimer.refresh``); returns the
+        widths measured."""
         costs = self.governors.costs if self.governors is not None else None
-        model = self.model
-        history = getattr(model, "history", None)
-        now = self.clock()
-        if (
-            costs is None
-            or history is None
-            or not getattr(model, "drops_one_position", True)
-            or (self.refreshed_at is not None and now - self.refreshed_at < REFRESH_SECONDS)
-        ):
-            return 0
-        plain = costs.plain_width
-        widths = [w for w in sorted(costs.load) if w > plain]
-        n_past = model.n_past
-        if not widths or n_past < max(widths) or n_past + max(widths) > model.n_ctx or -1 in history[-max(widths) :]:
-            return 0
-        if interrupted() or busy() or interrupted():  # (a request waits, or came while busy() sampled)
-            return 0
-        previous, self.refreshed_at = self.refreshed_at, now
-
-        def timed(w: int) -> float:
-            started = self.clock()
-            model.decode(list(history[n_past - w : n_past]), logits_for=range(w), abort=interrupted)
-            seconds = self.clock() - started
-            model.truncate(n_past)
-            return seconds
-
-        measured: dict[int, float] = {}
-        stopped = False
-        try:
-            # untimed: after idle time the first passes run slower (the plain width's and the batched kernels)
-            timed(plain)
-            timed(widths[0])
-            reference = timed(plain)
-            for w in widths:
-                if interrupted():
-                    stopped = True
-                    break
-                seconds = timed(w)
-                after = timed(plain)
-                if abs(after - reference) <= REFRESH_STEADY * min(after, reference):
-                    measured[w] = seconds / max((reference + after) / 2, MIN_SECONDS)
-                reference = after
-        except DecodeAborted:  # a request came between a wide pass's calls: what is measured stands
-            stopped = True
-            model.truncate(n_past)
-        except Exception as exc:  # (DecodeError: e.g. a cache that cannot drop a tail) never again, then
-            log.warning("re-measuring the target's passes failed (%s: %s); not tried again", type(exc).__name__, exc)
-            self.refreshed_at = float("inf")
-            return 0
-        if not measured:
-            if stopped:  # a request came before a width was timed: the next idle time tries again
-                self.refreshed_at = previous
-            else:
-                log.info(
-                    "target passes not re-measured: the %d-token passes around them differed by more than %d%% "
-                    "(another process started or stopped); tried again after a request, %.0f s on at the earliest",
-                    plain,
-                    REFRESH_STEADY * 100,
-                    REFRESH_SECONDS,
-                )
-            return 0
-        for w, ratio in measured.items():
-            costs.observe_shape(w, ratio)
-        log.info(
-            "target passes re-measured in idle time: %s %d-token passes; a round spends %.1f ms outside its pass",
-            ", ".join(f"{w} tok {ratio:.2f}" for w, ratio in measured.items()),
-            plain,
-            costs.outside() * 1000,
-        )
-        return len(measured)
+        return self.pass_timer.refresh(costs, interrupted, busy)
 
     def forget_live(self) -> None:
         """What the model's KV cache holds is never reused (``cache: false``, a cache clear)."""
@@ -352,7 +157,7 @@ class Engine:
                     state.finish = FinishReason.CANCELLED
                 if state.finish is not None:
                     return self._finish(state, emit)
-                new_tokens = self._next_round(state)
+                new_tokens = self.rounds.next_round(state)
         except ConstraintError:  # llguidance failed mid-request: the output would not match
             if state.cache is not None:
                 state.cache.release()
@@ -534,11 +339,6 @@ class Engine:
         if cut:
             self.model.truncate(len(state.context()) - 1)
 
-    def _next_round(self, state: RequestState) -> list[int]:
-        if state.governor is None:
-            return self._round(state, state.drafter)[0]
-        return self._governed_round(state)
-
     def _finish(self, state: RequestState, emit: Callable[[Chunk], None]) -> Done:
         req, completion = state.req, state.completion
         if state.cache is not None:
@@ -610,206 +410,5 @@ class Engine:
         governor.new_request()
         return governor
 
-    def _governed_round(self, state: RequestState) -> list[int]:
-        """A round of the kind the governor asks for, timed for it. While the
-        drafter is still reading the prompt, rounds are plain and untimed (they
-        share the CPU with it and would look slow). Before the first drafting
-        round after plain ones the drafter catches up, untimed: that is a cost
-        of switching, paid once per probe, not of drafting."""
-        governor, drafter = state.governor, state.drafter
-        assert governor is not None and drafter is not None
-        if drafter.free_proposals and governor.costs is not None:
-            return self._gated_round(state, governor, drafter)
-        if not drafter.ready():
-            state.drafted_last, state.round_ended = False, None
-            return self._round(state, None)[0]
-        drafting = governor.drafting
-        if drafting and not state.drafted_last:
-            state.round_ended = None  # (a catch-up is a switch's cost, not a round's)
-            context = state.context()[:-1]
-            lacking = drafter.behind(context)
-            predicted = governor.costs.catch_up(lacking) if governor.costs is not None else None
-            started = self.clock()
-            held = drafter.sync(context) is not False
-            seconds = self.clock() - started
-            # (a catch-up that did not finish is paid for but teaches nothing about reading)
-            governor.caught_up(seconds, lacking if held else 0)
-            if held and lacking >= READ_MIN_TOKENS:
-                log.info(
-                    "the drafter caught up on %d tokens in %.2f s%s",
-                    lacking,
-                    seconds,
-                    f" (predicted {predicted:.2f} s)" if predicted is not None else "",
-                )
-        governor.start_round()
-        k = governor.draft_length(state.k) if drafting else 0
-        started = self.clock()
-        tokens, timed = self._round(state, drafter if drafting else None, k)
-        self._observe_outside(state, governor, started, timed)
-        if timed:
-            governor.observe(*state.last_round)  # first: what it measured informs the decision end_round makes
-            # (what a probe would have to read is asked only when one is about to fall due)
-            # (this round's tokens join the context after this: the next round's catch-up reads them too)
-            governor.end_round(len(tokens), behind=lambda: drafter.behind((state.context() + tokens)[:-1]))
-        else:
-            governor.skip_round()
-        state.drafted_last = drafting
-        return tokens
-
-    def _gated_round(self, state: RequestState, governor: Governor, drafter: Drafter) -> list[int]:
-        """A governed round of a drafter whose proposals are free (prompt lookup):
-        propose every round, and verify as many of the drafts as the governor
-        predicts pay for the proposal's evidence (none: a plain round, the proposal
-        then followed in what decoding produces). See governor.py."""
-        context = state.context()
-        left = self._left(state, context)
-        proposal, dists = drafter.propose(context, min(state.k, left), state.p_min) if left > 0 else ([], None)
-        match = drafter.evidence
-        k = governor.gated_length(len(proposal), match)
-        started = self.clock()
-        if k:
-            chosen = (proposal[:k], dists[:k] if dists is not None else None)
-            tokens, timed = self._round(state, drafter, k, proposal=chosen)
-        else:
-            tokens, timed = self._round(state, None)
-        seconds = self.clock() - started
-        self._observe_outside(state, governor, started, timed)  # (asking for the proposal is outside: every round does)
-        drafted, accepted = state.last_round[0], state.last_round[1]
-        if timed:
-            governor.observe(*state.last_round)
-        if state.forced_last or state.constraint is not None:
-            # what the grammar forces or forbids, verifying would not have met: no shadow
-            governor.drop_shadow()
-            proposal = []
-        governor.gated_round(proposal, match, drafted, accepted, tokens, seconds if timed else None)
-        state.drafted_last = bool(drafted)
-        return tokens
-
-    def _observe_outside(self, state: RequestState, governor: Governor, started: float, timed: bool) -> None:
-        """A governed round that began at ``started`` ran: what the cycle from the
-        previous timed round's end to this round's start cost (streaming that round's
-        tokens, asking the drafter, the loop) goes to the pass costs, when both rounds
-        were timed; the round's own drafter and target time are what it measured."""
-        if timed and state.round_ended is not None and governor.costs is not None:
-            governor.costs.observe_outside(started - state.round_ended)
-        drafter_seconds, target_seconds = state.last_round[2], state.last_round[3]
-        state.round_ended = started + drafter_seconds + target_seconds if timed else None
-
-    def _round(
-        self,
-        state: RequestState,
-        drafter: Optional[Drafter],
-        k: Optional[int] = None,
-        proposal: Optional[tuple[list[int], Optional[list[SparseDist]]]] = None,
-    ) -> tuple[list[int], bool]:
-        """One round (of at most ``k`` drafts; None: the request's). The context
-        ends with the last sampled token, which the target has not seen yet.
-        Returns the tokens this round adds (>= 1) and whether it ran as asked
-        (False: no room left to draft in it). ``state.last_round`` says what it
-        did: (drafts, accepted, drafter seconds, target seconds, tokens read).
-        ``proposal``: the drafter's drafts (and q) for this round, already asked for."""
-        model, context = self.model, state.context()
-        left = self._left(state, context)
-        room = min(state.k if k is None else k, left)
-        started = self.clock()
-        drafts: list[int] = []
-        dists = None
-        constraint = state.constraint
-        forced = (
-            constraint.forced()[: max(min(MAX_FORCED, left), 0)]
-            if constraint is not None and self.jump_forward and state.draft_off is None
-            else []
-        )
-        if forced:
-            # jump-forward: the grammar's only continuation, verified as drafts (no drafter needed)
-            drafts, dists = forced, [SparseDist.one_hot(t) for t in forced]
-        elif drafter is not None and room > 0:
-            drafts, dists = drafter.propose(context, room, state.p_min) if proposal is None else proposal
-            drafts, dists = drafts[:room], dists[:room] if dists is not None else None
-            if constraint is not None and drafts:  # what the grammar forbids costs no target compute
-                n = constraint.valid_prefix(drafts)
-                drafts, dists = drafts[:n], dists[:n] if dists is not None else None
-        counted = bool(drafts) and not forced
-        state.forced_last = bool(forced)
-        if not drafts and self.min_batch > 1 and model.n_ctx - len(context) >= 1:
-            # Exact mode: this target's single-token kernels round differently from
-            # its batched ones, so a step without drafts still reads two positions,
-            # the second a guess (the last token again) verified like any draft.
-            guess = context[-1]
-            if constraint is not None and not constraint.valid_prefix([guess]):
-                guess = int(np.flatnonzero(constraint.allowed())[0])  # any token the grammar allows
-            drafts, dists = [guess], [SparseDist.one_hot(guess)]
-        n_before = model.n_past
-        allowed = self._masks(constraint, drafts) if constraint is not None else None
-        proposed = self.clock()
-        logits = model.decode([context[-1], *drafts], logits_for=range(len(drafts) + 1))
-        if allowed is not None:
-            rows = self._padded(allowed, logits.shape[1])
-            logits = np.where(rows, logits, np.float32(-np.inf))
-            if dists is not None:
-                dists = [_restricted(q, rows[i]) for i, q in enumerate(dists)]
-        timed = (drafter is None or room > 0) and not forced  # a forced round is neither plain nor drafting
-        if not drafts:
-            token = state.sampler.sample(logits[0])
-            state.last_round = (0, 0, 0.0, self.clock() - proposed, 1)
-            return [token], timed
-        n_accepted, own = verify(logits, drafts, dists, state.sampler)
-        state.last_round = (
-            len(drafts) if counted else 0,
-            n_accepted,
-            proposed - started,
-            self.clock() - proposed,
-            len(drafts) + 1,
-        )
-        if forced and state.stats is not None:
-            state.stats.forced += n_accepted
-        model.truncate(n_before + 1 + n_accepted)
-        if counted and state.stats is not None:
-            state.stats.add_round(len(drafts), n_accepted)
-        return [*drafts[:n_accepted], own], timed
-
-    def _left(self, state: RequestState, context: list[int]) -> int:
-        """Tokens a round may draft: before max_tokens (the round adds one token of
-        its own) and inside the context (the target reads the pending token + the drafts)."""
-        return min(state.req.max_tokens - len(state.completion) - 1, self.model.n_ctx - len(context))
-
-    def _masks(self, constraint: Constraint, drafts: list[int]) -> list[Optional[np.ndarray]]:
-        """What the grammar allows at each row of the round: row i after the drafts
-        before it (they are all allowed: cut before the pass). Computed while no
-        pass runs, so the target's rows and the drafter's q are masked alike. A row
-        after the grammar is complete allows only the end token (that row's token
-        is never taken)."""
-        rows: list[Optional[np.ndarray]] = []
-        consumed = 0
-        for i in range(len(drafts) + 1):
-            rows.append(None if constraint.stopped else constraint.allowed())
-            if i < len(drafts) and not constraint.stopped:
-                if not constraint.consume(drafts[i]):
-                    raise ConstraintError(f"the grammar refused draft {drafts[i]}, which it had allowed")
-                consumed += 1
-        constraint.rollback(consumed)
-        return rows
-
-    def _padded(self, masks: list[Optional[np.ndarray]], width: int) -> np.ndarray:
-        out = np.zeros((len(masks), width), dtype=bool)
-        for i, allowed in enumerate(masks):
-            if allowed is None:
-                out[i, self.model.eos_token] = True
-            else:
-                out[i, : len(allowed)] = allowed[:width]
-        return out
-
     def _cancelled_in_prefill(self, state: RequestState) -> Done:
         return Done.cancelled(state.req.id, len(state.tokens), prompt_seconds=self.clock() - state.started)
-
-
-def _restricted(q: SparseDist, allowed: np.ndarray) -> SparseDist:
-    """The drafter's q given that its draft is one the grammar allows: q on the allowed
-    tokens, renormalised. A draft that was allowed is distributed exactly so (the
-    forbidden ones were cut, and a round without a draft samples p itself), so
-    min(1, p/q) and max(0, p - q) still sample the constrained p exactly."""
-    keep = allowed[q.ids]
-    if keep.all():
-        return q
-    probs = q.probs[keep]
-    return SparseDist(q.ids[keep], probs / probs.sum())

@@ -30,7 +30,7 @@ def probe_key(model, config: WorkerConfig) -> str:
         str(model.path.resolve()),
         st.st_size,
         st.st_mtime_ns,
-        config["kernels"],
+        config.settings.kernels,
         model.flash_attn,
         model.extra_buffers,
         model.step_rows,  # (with repacked weights, steps in passes of this many rows: exact from 3 down)
@@ -106,9 +106,9 @@ def kept_check(model, config: Optional[WorkerConfig], name: str, check: Callable
 
 def invariance_fix(config: WorkerConfig, model) -> str:
     """What to change so that the probe passes, as far as it is known."""
-    if config["kernels"] == "fast":
+    if config.settings.kernels == "fast":
         return "Use --kernels mixed (the default) or reference."
-    if not config["flash_attn"]:
+    if not config.settings.flash_attn:
         return "Use --flash-attn on (the default)."
     if model.extra_buffers:
         return "Try --extra-buffers off (weight repacking uses other kernels for one row than for several)."

@@ -79,8 +79,8 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         has_chat_template=template is not None,
         vocab_digests=model.vocab_digests() if c.drafter == "model" else [],
         fim=model.fim_tokens() is not None,
-        kernels=c["kernels"],
-        flash_attn=c["flash_attn"],
+        kernels=c.settings.kernels,
+        flash_attn=c.settings.flash_attn,
         extra_buffers=model.extra_buffers,
     )
     choose_prompt_reader(model, c)
@@ -98,7 +98,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         governors = GovernorBank(
             identity,
             path,
-            per_task=c["governor_per_task"],
+            per_task=c.settings.governor_per_task,
             costs=costs,
             k_max=c.draft_tokens,
         )
@@ -111,12 +111,12 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         template,
         drafter,
         c.draft_tokens,
-        c["draft_p_min"],
+        c.settings.draft_p_min,
         min_batch,
         governors=governors,
         cache=page_store(model, c, identity, disk_identity),
         grammars=Grammars(model),
-        jump_forward=c["jump_forward"],
+        jump_forward=c.settings.jump_forward,
     )
     engine.batch_invariant = info.batch_invariant
     engine.draft_off = info.draft_off
@@ -129,9 +129,9 @@ def wants_exact_steps(config: WorkerConfig, info: ModelInfo) -> bool:
     (and, with a drafter, where it found no verdict). Not only with a drafter: a
     daemon without one, or a constrained request's jump-forward pass, would
     otherwise write other text than the same model with a drafter."""
-    if config["exact"] == "on":
+    if config.settings.exact == "on":
         return True
-    if config["exact"] != "auto":
+    if config.settings.exact != "auto":
         return False
     return info.batch_invariant is False or (config.drafter != "none" and info.batch_invariant is None)
 
@@ -142,7 +142,7 @@ def draft_off_reason(config: WorkerConfig, info: ModelInfo, min_batch: int) -> s
     ``min_batch`` 2, one-token steps otherwise), so drafting would change greedy
     output. "" where it does not, where nothing was measured, or with ``--exact off``
     (which drafts whatever the probe says)."""
-    if config["exact"] == "off":
+    if config.settings.exact == "off":
         return ""
     path = "exact_steps" if min_batch > 1 else "one_token"
     if path not in info.batch_variant_paths:
@@ -269,8 +269,8 @@ def probe(model, config: WorkerConfig, info: ModelInfo) -> None:
             "%s is not batch-invariant on this CPU with these settings (kernels=%s, flash_attn=%s, "
             "extra_buffers=%s): at near-ties greedy output can depend on the prefix cache and on drafting. %s",
             config.model_name,
-            config["kernels"],
-            "on" if config["flash_attn"] else "off",
+            config.settings.kernels,
+            "on" if config.settings.flash_attn else "off",
             "on" if model.extra_buffers else "off",
             invariance_fix(config, model),
         )
@@ -330,10 +330,10 @@ def choose_prompt_reader(model, config: WorkerConfig) -> None:
     pass measures at least 10% faster with it; the verdict is kept beside the
     load probe's, so a restart does not measure again."""
     if model.reader is None:
-        if config["prompt_reader"] == "on" and model.step_rows:
+        if config.settings.prompt_reader == "on" and model.step_rows:
             log.warning("--prompt-reader on: no reader (fast prefill is off, or llama.cpp could not create one)")
         return
-    if config["prompt_reader"] == "auto":
+    if config.settings.prompt_reader == "auto":
         try:
             name = f"prompt_reader faster chunk={model.prefill_chunk} group={model.prefill_group}"
             faster = kept_check(model, config, name, model.prompt_reader_pays)
@@ -347,7 +347,7 @@ def choose_prompt_reader(model, config: WorkerConfig) -> None:
     log.info(
         "prompts are read by a second context over the weights not repacked (--prompt-reader %s); steps over "
         "the repacked ones",
-        config["prompt_reader"],
+        config.settings.prompt_reader,
     )
 
 
@@ -413,11 +413,12 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
     except OSError as exc:
         log.warning("no prefix cache in this worker: cannot use the arena %s (%s)", config.cache_shm, exc)
         return None
-    store = PageStore(PageTree(config["page_tokens"], ExtentAllocator(config.cache_bytes)), memoryview(arena), model)
+    tree = PageTree(config.settings.page_tokens, ExtentAllocator(config.cache_bytes))
+    store = PageStore(tree, memoryview(arena), model)
     store.probe_layout()
     # pages hold KV as these kernels computed it: valid for the same model file and kernels only
     computed = (
-        f"kernels={config['kernels']} prefill_chunk={model.prefill_chunk} step_rows={model.step_rows} "
+        f"kernels={config.settings.kernels} prefill_chunk={model.prefill_chunk} step_rows={model.step_rows} "
         f"extra_buffers={'on' if model.extra_buffers else 'off'}"
         + (" prompt_reader=on" if model.reader is not None else "")  # (prompt KV from the weights not repacked)
     )
@@ -441,7 +442,7 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
 def disk_dir(config: WorkerConfig) -> Path:
     from ..cache.disk_cache import default_dir
 
-    return Path(config["disk_cache_dir"]) if config["disk_cache_dir"] else default_dir()
+    return config.settings.disk_cache_dir or default_dir()
 
 
 def disk_tier(store, config: WorkerConfig, identity: str):
@@ -449,7 +450,7 @@ def disk_tier(store, config: WorkerConfig, identity: str):
     from ..cache.disk_cache import DiskTier, disk_budget
 
     root = disk_dir(config)
-    budget = disk_budget(config["disk_cache_bytes"], root)
+    budget = disk_budget(config.settings.disk_cache_bytes, root)
     if budget <= 0:
         return None
     page_bytes = store.layout.page_bytes(store.page_tokens)
@@ -555,7 +556,7 @@ class TargetLoop:
         if kind == "model":
             from ..drafting.drafter_client import ModelDrafterClient
 
-            timeout = self.config["worker_timeout"]
+            timeout = self.config.settings.worker_timeout
             client = ModelDrafterClient(self.sock.context, self.config.draft_endpoint, timeout=timeout)
             client.on_wait = lambda: self._poll_cancel(self.current)  # heartbeats, and cancels, while it waits
             # a drafter that does not answer: the daemon kills and restarts it
@@ -727,7 +728,7 @@ class TargetLoop:
     def _poll_cancel(self, request_id: str) -> bool:
         """Between steps of a request: read what the daemon sent, and say we are alive."""
         now = time.monotonic()
-        if now - self.last_beat >= min(HEARTBEAT_SECONDS, self.config["worker_timeout"] / 4):
+        if now - self.last_beat >= min(HEARTBEAT_SECONDS, self.config.settings.worker_timeout / 4):
             self.last_beat = now
             self.send(Progress(id=request_id))
         while self.sock.poll(0, zmq.POLLIN):

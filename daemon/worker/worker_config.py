@@ -1,8 +1,9 @@
 """What a worker process is started with, and how it loads its model.
 
-The daemon writes a ``WorkerConfig`` as JSON on the worker's stdin (see
-worker_handle.py). It carries the daemon's settings whole (``config.OPTIONS``'
-keys: ``ctx_size``, ``kernels``, ``draft_tokens``...), so an option is spelled
+The daemon writes a ``WorkerConfig`` as JSON on the worker's stdin
+(``to_dict``; the worker reads it with ``from_dict``: see worker_handle.py and
+worker_main.py). It carries the daemon's settings whole, typed
+(``config.SettingsValues``: ``config.settings.kernels``), so an option is spelled
 once, and beside them only what the daemon derived: the worker's role and model,
 its sockets, the prefix cache's arena and the files it keeps state in.
 """
@@ -10,10 +11,12 @@ its sockets, the prefix cache's arena and the files it keeps state in.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Mapping, Optional
 
 from tandem.protocol import ModelInfo
+
+from ..config import SettingsValues, is_loopback, rpc_servers
 
 log = logging.getLogger("tandem.worker")
 
@@ -29,7 +32,7 @@ class WorkerConfig:
     role: str  # "target" or "drafter"
     model_name: str
     model_path: str
-    settings: dict[str, Any]  # the daemon's settings (config.Settings.values, paths as strings)
+    settings: SettingsValues  # the daemon's settings (config.Settings.values)
     endpoint: str = ""  # the daemon's PAIR socket for this worker (set at each start)
     drafter: str = "none"  # target only: "none", "model" or one of LOOKUP_DRAFTERS
     draft_endpoint: str = ""  # the drafter worker binds it, the target worker connects to it
@@ -43,17 +46,23 @@ class WorkerConfig:
     spin_count: Optional[int] = None  # GOMP_SPINCOUNT (None: libgomp's default); see ``spin_count_for``
     life: int = 1  # 1 at the daemon's start, 2... for each restart of this worker
 
-    def __getitem__(self, key: str) -> Any:
-        """A setting: ``config["kernels"]``."""
-        return self.settings[key]
-
     @property
     def draft_tokens(self) -> int:
-        return self.settings["draft_tokens"] if self.drafter != "none" else 0
+        return self.settings.draft_tokens if self.drafter != "none" else 0
 
     @property
     def governed(self) -> bool:
-        return bool(self.settings["governor"]) and self.drafter != "none"
+        return self.settings.governor and self.drafter != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (JSON, msgpack): what the daemon writes on the worker's stdin."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**out, "settings": self.settings.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerConfig:
+        """The inverse of ``to_dict``: what the worker reads from its stdin."""
+        return cls(**{**data, "settings": SettingsValues.from_dict(data["settings"])})
 
 
 def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
@@ -80,9 +89,10 @@ def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
     )
 
 
-def _own(config: WorkerConfig, key: str) -> Any:
-    """A placement setting of this worker's model: the drafter has its own (drafter_<key>)."""
-    return config[f"drafter_{key}" if config.role == "drafter" else key]
+def _own_placement(config: WorkerConfig) -> tuple[int | Literal["all"] | None, str]:
+    """(gpu_layers, device) of this worker's model: the drafter has its own (drafter_gpu_layers, drafter_device)."""
+    s = config.settings
+    return (s.drafter_gpu_layers, s.drafter_device) if config.role == "drafter" else (s.gpu_layers, s.device)
 
 
 def placement_settings(config: WorkerConfig) -> tuple[int, list[str]]:
@@ -90,7 +100,8 @@ def placement_settings(config: WorkerConfig) -> tuple[int, list[str]]:
     (the drafter's own: drafter_gpu_layers, drafter_device). auto and "all" are
     llama.cpp's -1: every layer on the GPU and RPC devices there are, none on a
     build without them. Device "none" keeps every layer on the CPU."""
-    layers, device = _own(config, "gpu_layers"), _own(config, "device").strip()
+    layers, device = _own_placement(config)
+    device = device.strip()
     n = -1 if layers is None or layers == "all" else int(layers)
     if device.lower() == "none":
         return 0, []
@@ -101,39 +112,37 @@ def placement_settings(config: WorkerConfig) -> tuple[int, list[str]]:
 def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
-    from ..config import is_loopback, rpc_servers
     from .llama_model import LlamaModel
 
-    if config.role == "target" and config["rpc"]:
-        servers = rpc_servers(config["rpc"])  # IPv4 addresses (config.check_rpc resolved any names)
-        remote = [s for s in servers if not is_loopback(s)]
-        if remote and config["rpc_leaves_machine"]:  # (config.check_rpc refuses them otherwise)
+    s = config.settings
+    if config.role == "target" and s.rpc:
+        servers = rpc_servers(s.rpc)  # IPv4 addresses (config.check_rpc resolved any names)
+        remote = [server for server in servers if not is_loopback(server)]
+        if remote and s.rpc_leaves_machine:  # (config.check_rpc refuses them otherwise)
             log.warning(
                 "rpc: %s not on this machine: the target's weights and every request's activations cross the "
                 "network, unencrypted (rpc_leaves_machine is on)",
                 ", ".join(remote),
             )
-        _add_rpc_servers(
-            servers, wait=RPC_RESTART_WAIT if config.life > 1 else 0.0, other_users=config["rpc_leaves_machine"]
-        )
+        _add_rpc_servers(servers, wait=RPC_RESTART_WAIT if config.life > 1 else 0.0, other_users=s.rpc_leaves_machine)
     gpu_layers, devices = placement_settings(config)
-    kernels = config["kernels"]
+    kernels = s.kernels
     model = LlamaModel(
         config.model_path,
-        n_ctx=config["ctx_size"],
-        n_threads=config["threads"],
-        n_batch=config["batch_size"],
-        extra_buffers=EXTRA_BUFFERS[config["extra_buffers"]],  # auto: default_extra_buffers
-        flash_attn=config["flash_attn"],
+        n_ctx=s.ctx_size,
+        n_threads=s.threads,
+        n_batch=s.batch_size,
+        extra_buffers=EXTRA_BUFFERS[s.extra_buffers],  # auto: default_extra_buffers
+        flash_attn=s.flash_attn,
         reference_kernels=kernels != "fast",
         # the drafter's KV need not be exact (the target verifies what it drafts): it reads as before
         fast_prefill=kernels == "mixed" and config.role == "target",
         # a turn's tail read again in whole chunks between requests (LlamaModel.settle), into cache pages
-        settle=config.role == "target" and bool(config.cache_shm) and config["settle"],
+        settle=config.role == "target" and bool(config.cache_shm) and s.settle,
         gpu_layers=gpu_layers,
         devices=devices,
         # (only where there are repacked weights and fast prefill; auto is measured by target_worker)
-        prompt_reader=config.role == "target" and config["prompt_reader"] != "off",
+        prompt_reader=config.role == "target" and s.prompt_reader != "off",
     )
     _say_where(model, config)
     return model
@@ -173,7 +182,7 @@ def _say_where(model, config: WorkerConfig) -> None:
     p = model.placement
     where = ", ".join(f"{n} on {d}" for d, n in sorted(p.layers.items(), key=lambda kv: -kv[1])) or "unknown"
     log.info("%s: %d layers: %s", model.path.name, p.n_layers, where)
-    asked = _own(config, "gpu_layers")
+    asked = _own_placement(config)[0]
     # asked for layers (not auto, not 0, not --device none), yet none went anywhere but the CPU
     if asked is not None and placement_settings(config)[0] != 0 and set(p.layers) <= {"CPU"}:
         why = gpu_note(list_devices()) or "llama.cpp placed none elsewhere"

@@ -47,7 +47,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     _die_with_parent()
     if os.getppid() != args.parent_pid:  # it died before PR_SET_PDEATHSIG was in place
         sys.exit(1)
-    run_worker_process(WorkerConfig(**json.loads(sys.stdin.read())))
+    run_worker_process(WorkerConfig.from_dict(json.loads(sys.stdin.read())))
 
 
 def run_worker_process(config: WorkerConfig) -> None:

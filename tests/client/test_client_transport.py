@@ -380,6 +380,7 @@ def test_a_daemon_that_never_answers_raises_daemon_timeout_after_the_timeout(fak
             c.status()
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_replies_for_other_requests_do_not_extend_the_timeout(fake_daemon):
     def script(m):
         if isinstance(m, Generate) and m.prompt == "chatty":  # 1 s of chunks, then done

@@ -11,6 +11,8 @@ was measured invariant on an AVX-512/AMX Xeon and on an AVX2-only build
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -134,15 +136,14 @@ class CountingModel:
 
 def stand_in_config(tmp_path):
     """(a stand-in model file, the probe's state file, a target's WorkerConfig keeping verdicts there)"""
-    from tandem.daemon import config as settings
+    from tandem.daemon.config import SettingsValues
     from tandem.daemon.worker.worker_config import WorkerConfig
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"not really a model")
     state = tmp_path / "state" / "batch-invariance.json"
-    defaults = {o.key: o.default for o in settings.OPTIONS}
     config = WorkerConfig(
-        role="target", model_name="m", model_path=str(gguf), settings=defaults, probe_cache=str(state)
+        role="target", model_name="m", model_path=str(gguf), settings=SettingsValues(), probe_cache=str(state)
     )
     return gguf, state, config
 
@@ -155,7 +156,7 @@ def test_the_probe_verdict_is_kept_and_a_bad_file_only_means_probing_again(tmp_p
     model = CountingModel(gguf, verdict)
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1  # kept
-    config.settings["kernels"] = "fast"  # another setting: probed again
+    config.settings = replace(config.settings, kernels="fast")  # another setting: probed again
     assert probe_batch_invariance(model, config) == verdict and model.probes == 2
     for junk in ("{not json", "[1, 2]", '{"x": 3}', "", "[" * 100_000, "{}"):
         state.write_text(junk)
@@ -184,7 +185,8 @@ def test_repacked_weights_keep_steps_exact_in_passes_of_up_to_three_rows(coder_p
     repack's one-row gemv, so a verify pass, a restore and one-token steps agree
     bit for bit. Without the limit, the probe's verdict still agrees with the long
     check, whatever this CPU's 4-row gemm gives."""
-    from tandem.daemon.worker.llama_model import REPACK_STEP_ROWS, LlamaModel, cpu_has_amx
+    from tandem.daemon.worker.llama_load import REPACK_STEP_ROWS, cpu_has_amx
+    from tandem.daemon.worker.llama_model import LlamaModel
 
     model = LlamaModel(coder_path, n_ctx=1024, fast_prefill=True)
     try:
@@ -232,7 +234,7 @@ def test_the_load_checks_verdicts_are_kept_beside_the_probes(tmp_path):
     assert kept_check(model, config, "fast_prefill", check(None)) is None  # None is not kept: run again
     assert runs == [True, False, None, None]
     assert probe_batch_invariance(model, config) == verdict and model.probes == 1  # still kept beside them
-    config.settings["kernels"] = "reference"  # another setting: every check runs again
+    config.settings = replace(config.settings, kernels="reference")  # another setting: every check runs again
     assert kept_check(model, config, "grouping group=256", check(False)) is False and len(runs) == 5
     state.write_text("{not json")  # a corrupt file only means checking again
     assert kept_check(model, config, "grouping group=256", check(True)) is True and len(runs) == 6

@@ -31,19 +31,19 @@ def test_precedence_flag_over_environment_over_file_over_default(tmp_path):
     path = write(tmp_path, 'max_queue = 3\ndraft_tokens = 5\ncache_bytes = "2G"\n')
     env = {"TANDEM_MAX_QUEUE": "7", "TANDEM_DRAFT_TOKENS": "6"}
     s = load({"max_queue": "9"}, path, environ=env)
-    assert (s.max_queue, s.sources["max_queue"]) == (9, "flag --max-queue")
-    assert (s.draft_tokens, s.sources["draft_tokens"]) == (6, "environment TANDEM_DRAFT_TOKENS")
-    assert (s.cache_bytes, s.sources["cache_bytes"]) == (2 << 30, f"config file {path}")
-    assert (s.page_tokens, s.sources["page_tokens"]) == (16, "default")
+    assert (s.values.max_queue, s.sources["max_queue"]) == (9, "flag --max-queue")
+    assert (s.values.draft_tokens, s.sources["draft_tokens"]) == (6, "environment TANDEM_DRAFT_TOKENS")
+    assert (s.values.cache_bytes, s.sources["cache_bytes"]) == (2 << 30, f"config file {path}")
+    assert (s.values.page_tokens, s.sources["page_tokens"]) == (16, "default")
 
 
 def test_the_file_is_found_through_tandem_config_and_xdg(tmp_path):
     path = write(tmp_path, "max_queue = 4\n")
-    assert load({}, None, environ={"TANDEM_CONFIG": str(path)}).max_queue == 4
+    assert load({}, None, environ={"TANDEM_CONFIG": str(path)}).values.max_queue == 4
     xdg = tmp_path / "xdg"
     (xdg / "tandem").mkdir(parents=True)
     (xdg / "tandem" / "config.toml").write_text("max_queue = 5\n")
-    assert load({}, None, environ={"XDG_CONFIG_HOME": str(xdg)}).max_queue == 5
+    assert load({}, None, environ={"XDG_CONFIG_HOME": str(xdg)}).values.max_queue == 5
 
 
 def test_a_named_file_that_does_not_exist_is_an_error(tmp_path):
@@ -90,31 +90,32 @@ def test_toml_types_and_strings_both_work(tmp_path):
         'governor = false\nflash_attn = "off"\ncache_bytes = 1048576\nctx_size = "auto"\nthreads = 2\n'
         'state_dir = "~/somewhere"\nexact = true\n',
     )
-    s = load({}, path, environ={})
-    assert s.governor is False and s.flash_attn is False and s.cache_bytes == 1 << 20
-    assert s.ctx_size is None and s.threads == 2 and s.exact == "on"
-    assert s.state_dir == Path("~/somewhere").expanduser()
+    v = load({}, path, environ={}).values
+    assert v.governor is False and v.flash_attn is False and v.cache_bytes == 1 << 20
+    assert v.ctx_size is None and v.threads == 2 and v.exact == "on"
+    assert v.state_dir == Path("~/somewhere").expanduser()
 
 
 def test_metrics_off_loopback_and_remote():
-    assert load({"metrics_addr": "off"}, None, environ={}).metrics_addr == "off"
-    assert load({"metrics_addr": "[::1]:9000"}, None, environ={}).metrics_addr == "[::1]:9000"
-    assert load({"metrics_addr": "localhost:0"}, None, environ={}).metrics_addr == "localhost:0"
+    assert load({"metrics_addr": "off"}, None, environ={}).values.metrics_addr == "off"
+    assert load({"metrics_addr": "[::1]:9000"}, None, environ={}).values.metrics_addr == "[::1]:9000"
+    assert load({"metrics_addr": "localhost:0"}, None, environ={}).values.metrics_addr == "localhost:0"
     with pytest.raises(ConfigError, match="not a loopback address.*metrics_allow_remote"):
         load({"metrics_addr": "0.0.0.0:9464"}, None, environ={})
     s = load({"metrics_addr": "0.0.0.0:9464", "metrics_allow_remote": "on"}, None, environ={})
-    assert s.metrics_addr == "0.0.0.0:9464"
+    assert s.values.metrics_addr == "0.0.0.0:9464"
 
 
 def test_gpu_layers_take_a_count_all_or_auto_from_every_source(tmp_path):
-    assert load({}, None, environ={}).gpu_layers is None  # auto: llama.cpp's choice
-    assert load({"gpu_layers": "all"}, None, environ={}).gpu_layers == "all"
-    assert load({"gpu_layers": "ALL"}, None, environ={}).gpu_layers == "all"
-    assert load({}, None, environ={"TANDEM_DRAFTER_GPU_LAYERS": "12"}).drafter_gpu_layers == 12
+    assert load({}, None, environ={}).values.gpu_layers is None  # auto: llama.cpp's choice
+    assert load({"gpu_layers": "all"}, None, environ={}).values.gpu_layers == "all"
+    assert load({"gpu_layers": "ALL"}, None, environ={}).values.gpu_layers == "all"
+    assert load({}, None, environ={"TANDEM_DRAFTER_GPU_LAYERS": "12"}).values.drafter_gpu_layers == 12
     f = tmp_path / "c.toml"
     f.write_text('gpu_layers = 7\ndrafter_gpu_layers = "all"\ndevice = "CUDA0,CUDA1"\n')
     s = load({}, f, environ={})
-    assert (s.gpu_layers, s.drafter_gpu_layers, s.device) == (7, "all", "CUDA0,CUDA1")
+    v = s.values
+    assert (v.gpu_layers, v.drafter_gpu_layers, v.device) == (7, "all", "CUDA0,CUDA1")
     for bad in ("-1", "many", "1.5"):
         with pytest.raises(ConfigError, match='gpu_layers.*a number of layers \\(0 or more\\) or "all"'):
             load({"gpu_layers": bad}, None, environ={})
@@ -125,15 +126,16 @@ def test_gpu_layers_take_a_count_all_or_auto_from_every_source(tmp_path):
 def test_rpc_servers_are_loopback_unless_the_user_says_the_traffic_leaves():
     # names are resolved once, here: the workers and llama.cpp get the address that was checked
     s = load({"rpc": " 127.0.0.1:50052, localhost:50053,127.0.0.2:50054"}, None, environ={})
-    assert s.rpc == "127.0.0.1:50052,127.0.0.1:50053,127.0.0.2:50054"
-    assert config.rpc_servers(s.rpc) == ["127.0.0.1:50052", "127.0.0.1:50053", "127.0.0.2:50054"]
+    assert s.values.rpc == "127.0.0.1:50052,127.0.0.1:50053,127.0.0.2:50054"
+    assert config.rpc_servers(s.values.rpc) == ["127.0.0.1:50052", "127.0.0.1:50053", "127.0.0.2:50054"]
     with pytest.raises(ConfigError, match="the same server twice"):
         load({"rpc": "127.0.0.1:50052,localhost:50052"}, None, environ={})
-    assert load({"rpc": "off"}, None, environ={}).rpc == "" and load({}, None, environ={}).rpc == ""
+    assert load({"rpc": "off"}, None, environ={}).values.rpc == "" and load({}, None, environ={}).values.rpc == ""
     for remote in ("192.168.1.20:50052", "127.0.0.1:50052,10.0.0.7:50052"):
         with pytest.raises(ConfigError, match="is not this machine.*unencrypted.*rpc_leaves_machine = true"):
             load({"rpc": remote}, None, environ={})
-        assert load({"rpc": remote, "rpc_leaves_machine": "on"}, None, environ={}).rpc == remote.replace(" ", "")
+        loaded = load({"rpc": remote, "rpc_leaves_machine": "on"}, None, environ={})
+        assert loaded.values.rpc == remote.replace(" ", "")
     for bad in ("127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", ":50052", "127.0.0.1:port"):
         with pytest.raises(ConfigError, match="is not HOST:PORT"):
             load({"rpc": bad}, None, environ={})
@@ -157,7 +159,7 @@ def test_every_option_has_a_flag_an_environment_variable_and_help():
 def tandem(*args: str, env: dict) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     return subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", *args],
+        [sys.executable, "-m", "tandem.cli", *args],
         capture_output=True,
         text=True,
         env={**full, **env},
@@ -184,10 +186,11 @@ def test_config_show_prints_each_value_with_its_source_as_a_valid_file(tmp_path)
     shown = tomllib.loads(out.stdout)
     again = tmp_path / "again.toml"
     again.write_text(out.stdout)
-    s = load({}, again, environ={})
-    assert s.max_queue == 8 and s.drafter == "ngram" and s.cache_bytes == 512 << 20 and set(shown) == set(lines)
+    v = load({}, again, environ={}).values
+    assert v.max_queue == 8 and v.drafter == "ngram" and v.cache_bytes == 512 << 20 and set(shown) == set(lines)
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_a_bad_config_file_stops_commands_that_use_it_with_the_key_named(tmp_path):
     path = write(tmp_path, "max_queu = 3\n")
     for command in (["config", "show"], ["serve"], ["run", "hi"]):
@@ -212,13 +215,13 @@ def test_non_finite_numbers_are_refused(raw):
 def test_a_fractional_size_needs_a_unit(tmp_path):
     with pytest.raises(ConfigError, match=r'"1.5G"'):
         load({}, write(tmp_path, "cache_bytes = 1.5\n"), environ={})
-    assert load({}, write(tmp_path, 'cache_bytes = "1.5G"\n'), environ={}).cache_bytes == 3 << 29
+    assert load({}, write(tmp_path, 'cache_bytes = "1.5G"\n'), environ={}).values.cache_bytes == 3 << 29
 
 
 def test_relative_paths_in_the_file_are_relative_to_the_file(tmp_path):
     s = load({}, write(tmp_path, 'state_dir = "state"\nsocket = "/run/x.sock"\n'), environ={})
-    assert s.state_dir == tmp_path / "state" and s.socket == Path("/run/x.sock")
-    assert load({"state_dir": "rel"}, None, environ={}).state_dir == Path("rel")  # a flag: relative to the cwd
+    assert s.values.state_dir == tmp_path / "state" and s.values.socket == Path("/run/x.sock")
+    assert load({"state_dir": "rel"}, None, environ={}).values.state_dir == Path("rel")  # a flag: relative to the cwd
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path):
@@ -228,3 +231,63 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path):
         config.read_file(path, required=True)
     out = tandem("--config", str(path), "serve", env={})
     assert out.returncode == 2 and "not UTF-8" in out.stderr and str(path) in out.stderr, out.stderr
+
+
+def test_the_typed_settings_module_is_generated_from_the_options_table():
+    """settings_fields.py is what the generator writes from OPTIONS today: an option
+    changed without regenerating it fails here (and ``--check`` says so)."""
+    from tandem.daemon import config_gen
+
+    assert config_gen.TARGET.read_text() == config_gen.render(), (
+        f"{config_gen.TARGET.name} is out of date with config.OPTIONS: run {config_gen.COMMAND}"
+    )
+    assert config_gen.main(["--check"]) == 0
+
+
+def test_every_option_is_a_typed_field_with_its_default_and_its_kind_a_parser():
+    from dataclasses import fields
+
+    assert [f.name for f in fields(config.SettingsValues)] == [o.key for o in config.OPTIONS]
+    defaults = config.SettingsValues()
+    assert all(defaults[o.key] == getattr(defaults, o.key) == o.default for o in config.OPTIONS)
+    assert {o.kind for o in config.OPTIONS} <= set(config.PARSERS)
+    with pytest.raises(KeyError):
+        defaults["no_such_option"]
+
+
+def test_the_values_are_frozen_and_a_change_is_a_new_one():
+    from dataclasses import FrozenInstanceError, replace
+
+    s = load({}, None, environ={})
+    with pytest.raises(FrozenInstanceError):
+        s.values.max_queue = 3
+    before = s.values
+    s.values = replace(s.values, max_queue=3, log_level="debug")  # as a SIGHUP applies the reloadable ones
+    assert s.values.changed(before) == ["max_queue", "log_level"] and before.max_queue == 16
+
+
+def test_the_values_cross_processes_as_plain_data():
+    import json
+
+    import msgpack
+
+    from tandem.daemon.worker.worker_config import WorkerConfig
+
+    s = load({"state_dir": "/var/x", "gpu_layers": "all", "cache_bytes": "1G"}, None, environ={})
+    plain = s.values.to_dict()
+    assert plain["state_dir"] == "/var/x" and plain["socket"] is None and plain["gpu_layers"] == "all"
+    assert config.SettingsValues.from_dict(json.loads(json.dumps(plain))) == s.values
+    assert config.SettingsValues.from_dict(msgpack.unpackb(msgpack.packb(plain))) == s.values
+    worker = WorkerConfig(role="target", model_name="m", model_path="/m.gguf", settings=s.values, life=2)
+    again = WorkerConfig.from_dict(json.loads(json.dumps(worker.to_dict())))
+    assert again == worker and again.settings.state_dir == Path("/var/x")
+
+
+def test_settings_values_are_typed_and_read_by_key_too():
+    """``tandem config show`` loops over OPTIONS and reads each value by its key; nothing else is untyped."""
+    s = config.Settings(config.SettingsValues(socket=Path("/run/t.sock")), {}, Path(), False)
+    assert s.values.socket == s.values["socket"] == Path("/run/t.sock") and s.values.model == "smollm2-135m"
+    with pytest.raises(AttributeError):
+        _ = s.socket  # (read settings.values.socket)
+    with pytest.raises(KeyError):
+        _ = s.values["no_such_option"]

@@ -198,6 +198,7 @@ def test_greedy_output_is_the_same_with_drafts_and_jump_forward_as_one_by_one():
 DRAFTERS = {"jump-forward": None, "jump-forward+ngram-like": GuessDrafter, "jump-forward+model-like": SamplingDrafter}
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_sampling_with_drafts_and_forced_tokens_follows_the_constrained_distribution(drafter):
     from scipy.stats import chisquare
@@ -229,7 +230,7 @@ def test_a_constraint_that_does_not_compile_is_a_typed_error_before_decoding():
 def test_a_model_drafter_drafts_constrained_sampling_with_its_q_masked():
     runs = [run(drafter=SamplingDrafter(), seed=seed)[0] for seed in range(20)]
     assert sum(done.draft.drafted for done in runs) > 0  # it is not switched off (its forbidden drafts are cut)
-    from tandem.daemon.worker.engine import _restricted
+    from tandem.daemon.worker.rounds import _restricted
 
     q = SparseDist(np.arange(4), np.array([0.1, 0.2, 0.3, 0.4]))
     masked = _restricted(q, np.array([True, False, True, False]))

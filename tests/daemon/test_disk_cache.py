@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (daemon/cache/disk_cache.py) on its own: page files
+"""The prefix cache's disk tier (daemon/cache/disk_cache.py, its files' format page_file.py) on its own: page files
 written and read back, every kind of bad file ignored with a warning, the
 index across reopening, the budget under a random workload, one daemon per
 bucket, a disk that fails. (Through the daemon: tests/integration/test_disk_tier.py.)"""
@@ -13,8 +13,9 @@ import struct
 
 import pytest
 
-from tandem.daemon.cache import disk_cache
-from tandem.daemon.cache.disk_cache import HEADER, DiskTier, child_key
+from tandem.daemon.cache import disk_cache, page_file
+from tandem.daemon.cache.disk_cache import DiskTier
+from tandem.daemon.cache.page_file import HEADER, child_key
 
 PT = 4  # tokens per page
 PB = 64  # bytes per page
@@ -84,7 +85,7 @@ def damage(tier, key, how: str) -> None:
     elif how == "truncated":
         raw = raw[: len(raw) // 2]
     elif how == "old format":
-        struct.pack_into("<I", raw, 8, disk_cache.FORMAT_VERSION + 1)
+        struct.pack_into("<I", raw, 8, page_file.FORMAT_VERSION + 1)
     elif how == "other model":
         fields = list(HEADER.unpack_from(raw))
         fields[4] = bytes(16)  # the bucket of another model file
@@ -216,13 +217,13 @@ def test_another_models_pages_go_first(tmp_path):
 def test_a_full_or_read_only_disk_turns_the_tier_off_and_never_raises(tmp_path, monkeypatch, caplog, code, says):
     tier = open_tier(tmp_path)
     keys = chain(tier, TOKENS[:1])
-    real_write = DiskTier._write_file
+    real_write = page_file.write_atomic
 
-    def full(self, path, data, sync=False):  # the disk fills (or is remounted read-only) halfway through the page
-        real_write(self, path, data[:10])
+    def full(path, data, sync=False):  # the disk fills (or is remounted read-only) halfway through the page
+        real_write(path, data[:10])
         raise OSError(code, os.strerror(code), str(path))
 
-    monkeypatch.setattr(DiskTier, "_write_file", full)
+    monkeypatch.setattr(disk_cache, "write_atomic", full)
     with caplog.at_level(logging.WARNING, logger="tandem.cache"):
         assert not tier.write(child_key(keys[0], TOKENS[1]), keys[0], 1, TOKENS[1], page(1))
     assert tier.off_reason and says in caplog.text

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-PREFILL_CHUNK = 64  # (llama_model.PREFILL_CHUNK; that module needs llama.cpp, imported where a model is)
+PREFILL_CHUNK = 64  # (llama_decode.PREFILL_CHUNK; that module needs llama.cpp, imported where a model is)
 
 TEXT = (
     "def parse(line):\n    fields = []\n    for part in line.split(','):\n        fields.append(part.strip())\n"
@@ -19,8 +19,9 @@ TEXT = (
 
 @pytest.fixture(scope="module", params=["smollm2", "coder-reader"])
 def model(request, smollm2_path, coder_path):
-    from tandem.daemon.worker.llama_model import PREFILL_CHUNK as chunk
-    from tandem.daemon.worker.llama_model import LlamaModel, cpu_has_amx
+    from tandem.daemon.worker.llama_decode import PREFILL_CHUNK as chunk
+    from tandem.daemon.worker.llama_load import cpu_has_amx
+    from tandem.daemon.worker.llama_model import LlamaModel
     from tandem.daemon.worker.target_worker import check_prefill_grouping
 
     assert chunk == PREFILL_CHUNK
@@ -49,7 +50,7 @@ def test_the_check_the_worker_runs_at_load_passes(model):
 
 
 def test_whole_chunks_are_read_several_per_pass_only_where_that_measures_exact(model):
-    from tandem.daemon.worker.llama_model import PREFILL_GROUP
+    from tandem.daemon.worker.llama_decode import PREFILL_GROUP
 
     c, g, chosen = PREFILL_CHUNK, PREFILL_GROUP, model.prefill_group
     tokens = model.tokenize(TEXT * 2, add_special=True)[: g + c + 20]
@@ -92,7 +93,7 @@ def test_the_checks_read_chunk_by_chunk_and_keep_the_group(model):
             seen.append(len(tokens))
         return real(tokens, *args, **kwargs)
 
-    from tandem.daemon.worker.llama_model import PREFILL_GROUP
+    from tandem.daemon.worker.llama_decode import PREFILL_GROUP
 
     reads.decode = spy
     model.prefill_group = PREFILL_GROUP  # (whatever this CPU's grouping check chose: the group a check must not use)
@@ -106,7 +107,8 @@ def test_the_checks_read_chunk_by_chunk_and_keep_the_group(model):
 
 
 def test_a_context_too_small_for_the_group_checks_and_uses_a_smaller_one(model):
-    from tandem.daemon.worker.llama_model import PREFILL_GROUP, LlamaModel
+    from tandem.daemon.worker.llama_decode import PREFILL_GROUP
+    from tandem.daemon.worker.llama_model import LlamaModel
     from tandem.daemon.worker.target_worker import check_prefill_grouping
 
     c = PREFILL_CHUNK
@@ -155,7 +157,7 @@ def test_logits_do_not_depend_on_what_was_kept_restored_or_read_before(model, to
 
 
 def test_what_a_later_request_may_reuse(model, tokens):
-    from tandem.daemon.worker.llama_model import DecodeError
+    from tandem.daemon.worker.llama_load import DecodeError
 
     c = PREFILL_CHUNK
     model.clear()
@@ -323,7 +325,7 @@ def test_the_prompt_reader_computes_the_prompt_and_the_steps_are_this_contexts(m
 
 
 def test_a_prompt_stopped_between_passes_keeps_what_was_read(model, tokens):
-    from tandem.daemon.worker.llama_model import DecodeAborted
+    from tandem.daemon.drafting.interfaces import DecodeAborted
 
     c = PREFILL_CHUNK
     model.clear()

@@ -845,7 +845,7 @@ def test_idle_time_re_measures_the_passes_a_governor_that_never_drafts_would_nev
     """A load-time measurement that put wide passes at 3x what they cost keeps a
     lookup governor from ever verifying, so no round measures them again; idle
     time does, at the end of what the model holds, and leaves that as it was."""
-    from tandem.daemon.worker.engine import REFRESH_SECONDS
+    from tandem.daemon.worker.pass_timing import REFRESH_SECONDS
 
     Remembering = remembering
     inflated = {w: cost * (1 if w == 1 else 3) for w, cost in TIMED_COSTS.items()}
@@ -918,7 +918,7 @@ def test_what_another_process_does_while_idle_time_re_measures_moves_no_width(cl
     another process is busy are all slower, and what idle time keeps is each
     width relative to the one-token passes beside it. A width timed while the
     machine changed is not counted."""
-    from tandem.daemon.worker.engine import REFRESH_SECONDS
+    from tandem.daemon.worker.pass_timing import REFRESH_SECONDS
 
     costs = PassCosts(TIMED_COSTS, drafter_prior=2e-5)
     bank = GovernorBank("x", clock=clock, costs=costs, k_max=4)

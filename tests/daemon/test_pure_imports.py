@@ -1,6 +1,7 @@
 """The daemon's logic imports without llama-cpp-python: the engine, the scheduler,
 the supervisor and the prefix cache can be read, run and tested without a model
-runtime (only llama_model.py, chat.py's compile step and the workers' loading load it)."""
+runtime (only the llama.cpp model's modules, llama_model.py, llama_load.py, llama_decode.py
+and prompt_reader.py, chat.py's compile step and the workers' loading load it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ PURE = [
     "tandem.protocol.internal",
     "tandem.client",
     "tandem.daemon.worker.engine",
+    "tandem.daemon.worker.rounds",
+    "tandem.daemon.worker.prompts",
+    "tandem.daemon.worker.pass_timing",
+    "tandem.daemon.worker.load_checks",
     "tandem.daemon.drafting.interfaces",
     "tandem.daemon.front.scheduler",
     "tandem.daemon.front.supervisor",
@@ -30,6 +35,7 @@ PURE = [
     "tandem.daemon.cache.prefix_cache",
     "tandem.daemon.cache.page_store",
     "tandem.daemon.cache.kv_pages",
+    "tandem.daemon.cache.page_file",
     "tandem.daemon.front.metrics",
     "tandem.daemon.config",
     "tandem.daemon.worker.worker_config",

@@ -59,6 +59,7 @@ def first_token_distribution(p: np.ndarray, q: np.ndarray, n: int, seed: int) ->
         ([0.97, 0.01, 0.01, 0.01], [0.01, 0.01, 0.01, 0.97]),
     ],
 )
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_acceptance_preserves_the_target_distribution_chi_squared(p, q):
     from scipy.stats import chisquare
 
@@ -174,6 +175,7 @@ class FakeDraftModel:
         return np.log(np.array([[0.9, 0.1]], dtype=np.float32))
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_draft_p_min_keeps_the_target_distribution_at_temperature_above_zero():
     """Stopping a draft early must not depend on the sampled guess, or the
     proposals no longer follow q and the output drifts from p (0.55 instead of 0.5 here)."""

@@ -61,8 +61,8 @@ class FakeHandle:
 
 def serve_config(drafter_name: str, drafter_path, socket_path: Path = Path("/tmp/unused.sock")) -> ServeConfig:
     """A daemon's configuration with every setting at its default."""
-    values = {o.key: o.default for o in settings.OPTIONS}
-    s = settings.Settings(values, {k: "default" for k in values}, Path("/nonexistent.toml"), False)
+    sources = {o.key: "default" for o in settings.OPTIONS}
+    s = settings.Settings(settings.SettingsValues(), sources, Path("/nonexistent.toml"), False)
     return ServeConfig(
         settings=s,
         model_name="m",
@@ -89,7 +89,7 @@ class Harness:
         self.sup = Supervisor(
             None, config, self.scheduler, self.scheduler.metrics, Notifier(None), lambda: self.stopped, self._stop
         )
-        timeout = s.worker_timeout
+        timeout = s.values.worker_timeout
         self.sup.target = FakeHandle(
             "target", RestartPolicy(TARGET_MAX_DEATHS, 600.0, timeout, self.sup._target_gave_up)
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tandem.daemon import config as settings
+from tandem.daemon.config import SettingsValues
 from tandem.daemon.worker import target_worker
 from tandem.daemon.worker.engine import Engine
 from tandem.daemon.worker.target_worker import TargetLoop
@@ -49,9 +49,12 @@ class Worker:
         self.daemon.bind(f"ipc://{self.dir / 'w.ipc'}")
         sock = self.ctx.socket(zmq.PAIR)
         sock.connect(f"ipc://{self.dir / 'w.ipc'}")
-        defaults = {o.key: o.default for o in settings.OPTIONS}
         config = WorkerConfig(
-            role="target", model_name="scripted", model_path="/scripted.gguf", settings=defaults, drafter=drafter
+            role="target",
+            model_name="scripted",
+            model_path="/scripted.gguf",
+            settings=SettingsValues(),
+            drafter=drafter,
         )
         self.loop = TargetLoop(config, sock)
         self.load = load
@@ -181,13 +184,12 @@ def test_drafter_state_messages_reach_any_drafter_and_the_ngram_drafter_serves_o
 def test_each_placement_of_the_layers_keeps_its_own_governor_state(tmp_path):
     from tandem.daemon.drafting.governor import state_file
 
-    defaults = {o.key: o.default for o in settings.OPTIONS}
     base = state_file(tmp_path, "target=t.gguf drafter=d.gguf k=4")
     config = WorkerConfig(
         role="target",
         model_name="t",
         model_path="/t.gguf",
-        settings=defaults,
+        settings=SettingsValues(),
         governor_state=str(base),
         governor_identity="target=t.gguf drafter=d.gguf k=4",
     )
@@ -210,9 +212,8 @@ def test_each_placement_of_the_layers_keeps_its_own_governor_state(tmp_path):
 def test_a_prompt_read_that_cannot_be_measured_leaves_the_pass_costs_standing(scripted_model, monkeypatch, caplog):
     from tandem.daemon.drafting import governor
 
-    defaults = {o.key: o.default for o in settings.OPTIONS}
     config = WorkerConfig(
-        role="target", model_name="t", model_path="/t.gguf", settings=defaults, drafter="model", drafter_bytes=1
+        role="target", model_name="t", model_path="/t.gguf", settings=SettingsValues(), drafter="model", drafter_bytes=1
     )
     model = scripted_model(b"the quick brown fox jumps over the lazy dog. " * 4, n_ctx=512)
     model.tokenize = lambda text, add_special=True, parse_special=True: list(range(1, 200))

@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from tandem.daemon import config as settings
+from tandem.daemon.config import SettingsValues
 from tandem.daemon.front.restart_policy import RestartPolicy
 from tandem.daemon.front.worker_handle import WorkerHandle
 from tandem.daemon.worker.worker_config import WorkerConfig
@@ -27,7 +27,7 @@ def handle(tmp_path_factory):
         role="target",
         model_name="missing",
         model_path=os.path.join(ipc_dir, "no-such-model.gguf"),
-        settings={o.key: o.default for o in settings.OPTIONS},
+        settings=SettingsValues(),
     )
     h = WorkerHandle(ctx, config, __import__("pathlib").Path(ipc_dir), RestartPolicy(5, 600.0, 120.0))
     yield h

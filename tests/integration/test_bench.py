@@ -138,7 +138,7 @@ def test_the_tool_loop_and_mask_cost_benchmarks_run(smollm2_path):
 
 
 def test_the_verify_cost_benchmark_compares_four_settings_or_says_why_not(smollm2_path):
-    from tandem.daemon.worker.llama_model import cpu_has_amx
+    from tandem.daemon.worker.llama_load import cpu_has_amx
 
     run = bench("verify_cost", "--model", str(smollm2_path), "--rounds", "1", "--widths", "1,2")
     if cpu_has_amx():  # extra buffers stay off on AMX CPUs (they crash there): nothing to compare, and it says so

@@ -17,7 +17,7 @@ def tandem(*args: str, socket=None, env=None, input=None, timeout=120) -> subpro
     if socket is not None:
         full_env["TANDEM_SOCKET"] = str(socket)
     return subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", *args],
+        [sys.executable, "-m", "tandem.cli", *args],
         capture_output=True,
         text=True,
         env=full_env,
@@ -26,6 +26,7 @@ def tandem(*args: str, socket=None, env=None, input=None, timeout=120) -> subpro
     )
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_help_explains_the_commands():
     out = tandem("--help")
     assert out.returncode == 0
@@ -101,6 +102,7 @@ def test_chat_keeps_the_conversation(daemon):
     assert out.stdout.count("> ") == 3  # two turns answered, then /exit
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_without_a_daemon_commands_say_how_to_start_one(short_tmpdir):
     socket = short_tmpdir() / "none.sock"
     out = tandem("status", socket=socket)
@@ -143,6 +145,7 @@ def test_run_starts_a_daemon_when_none_runs_and_stop_stops_it(short_tmpdir, smol
         tandem("stop", socket=socket)
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_a_failed_auto_start_shows_its_own_log_lines_only(short_tmpdir, tmp_path):
     """A failed start used to print "started one" and then an earlier daemon's failure from the log."""
     base = short_tmpdir()
@@ -157,6 +160,7 @@ def test_a_failed_auto_start_shows_its_own_log_lines_only(short_tmpdir, tmp_path
     assert "started it" not in out.stderr
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_models_list_and_bad_pull():
     out = tandem("models", "list")
     assert out.returncode == 0

@@ -10,7 +10,7 @@ import os
 import struct
 import time
 
-from tandem.daemon.cache import disk_cache
+from tandem.daemon.cache import page_file
 
 SYSTEM = (
     "You are the build assistant of a small software team. You read tool output and say what failed, in one "
@@ -75,7 +75,7 @@ def test_a_prompt_survives_a_reboot_and_bad_page_files_are_ignored(start_daemon,
     depth_of = {}
     for p in files:
         raw = p.read_bytes()
-        depth_of[p] = disk_cache.HEADER.unpack_from(raw)[3]
+        depth_of[p] = page_file.HEADER.unpack_from(raw)[3]
     by_depth = sorted(files, key=lambda p: depth_of[p])
     victim = by_depth[len(by_depth) // 2]
     raw = bytearray(victim.read_bytes())
@@ -93,10 +93,10 @@ def test_a_prompt_survives_a_reboot_and_bad_page_files_are_ignored(start_daemon,
     assert "checksum mismatch" in log and victim.name in log, log
 
     # a file of an older page format, and a truncated one: ignored at the next start, with a warning
-    files = sorted(pages_on_disk(kv), key=lambda p: disk_cache.HEADER.unpack_from(p.read_bytes())[3])
+    files = sorted(pages_on_disk(kv), key=lambda p: page_file.HEADER.unpack_from(p.read_bytes())[3])
     old, short, foreign = files[0], files[1], files[2]
     raw = bytearray(old.read_bytes())
-    struct.pack_into("<I", raw, 8, disk_cache.FORMAT_VERSION - 1)
+    struct.pack_into("<I", raw, 8, page_file.FORMAT_VERSION - 1)
     old.write_bytes(bytes(raw))
     short.write_bytes(short.read_bytes()[:1000])
     as_root = os.getuid() == 0  # (CI runs as root: giving a file to another user needs it)

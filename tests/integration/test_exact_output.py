@@ -30,7 +30,10 @@ def with_house_style(messages: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def exact_daemon(daemon_process, smollm2_path):
-    d = daemon_process(smollm2_path, "--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M")
+    # (its own load checks: what they find is what these tests are about)
+    d = daemon_process(
+        smollm2_path, "--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M", fresh_probe=True
+    )
     d.wait_ready(120)
     yield d
     d.stop()
@@ -43,7 +46,7 @@ def greedy(client, messages, **params) -> list[int]:
 
 
 def test_the_daemon_reports_its_defaults_batch_invariant(exact_daemon):
-    from tandem.daemon.worker.llama_model import cpu_has_amx
+    from tandem.daemon.worker.llama_load import cpu_has_amx
 
     with exact_daemon.client() as client:
         st = client.status()
@@ -99,6 +102,7 @@ def repacked_daemon(request, daemon_process, coder_path):
     d = daemon_process(
         coder_path,
         *("--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M", "--prompt-reader", request.param),
+        fresh_probe=True,
     )
     d.reader = request.param == "on"
     d.wait_ready(180)
@@ -112,7 +116,7 @@ def test_repacked_weights_give_the_same_greedy_text_cached_drafted_or_not(repack
     """Steps over repacked weights run in passes of at most 3 rows, so a verify pass
     of 5 tokens (n-gram drafts, k = 4) and a restore from pages give the tokens plain
     decoding gives; the load probe finds the target invariant."""
-    from tandem.daemon.worker.llama_model import cpu_has_amx
+    from tandem.daemon.worker.llama_load import cpu_has_amx
 
     messages = with_house_style(CORPUS[kind][0])
     with repacked_daemon.client() as client:

@@ -10,7 +10,7 @@ import pytest
 
 from tandem.client import Client, QueueFull, RequestFailed
 from tandem.client.core import generate_request
-from tandem.daemon.worker.llama_model import reference_llama
+from tandem.daemon.worker.llama_load import reference_llama
 from tandem.protocol import ErrorCode, FinishReason
 
 PROMPTS = [

@@ -19,9 +19,10 @@ from urllib.parse import urlparse
 
 import pytest
 
-CLI = [sys.executable, "-m", "tandem.client.cli"]
+CLI = [sys.executable, "-m", "tandem.cli"]
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_version_and_stop_with_nothing_running(tandem_cli, short_tmpdir):
     out = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("tandem ")
@@ -41,7 +42,7 @@ def test_options_after_the_command(daemon):
 
 
 def test_a_pipe_closed_early_is_not_a_traceback(daemon):
-    cmd = f"{sys.executable} -m tandem.client.cli --socket {daemon.socket} status | head -1"
+    cmd = f"{sys.executable} -m tandem.cli --socket {daemon.socket} status | head -1"
     out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=60, env=daemon.env)
     assert out.stdout.strip() and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
 

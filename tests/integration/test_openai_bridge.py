@@ -232,7 +232,7 @@ def test_the_bridge_listens_on_loopback_only(coder_daemon):
         [
             sys.executable,
             "-m",
-            "tandem.client.cli",
+            "tandem.cli",
             "--socket",
             str(coder_daemon.socket),
             "openai",

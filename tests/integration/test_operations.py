@@ -135,7 +135,7 @@ def test_a_worker_restart_is_counted(start_daemon):
 def serve_cli(short_tmpdir, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     d = short_tmpdir()
     return subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(d / "t.sock"), "serve", "--ctx-size", "256", *args],
+        [sys.executable, "-m", "tandem.cli", "--socket", str(d / "t.sock"), "serve", "--ctx-size", "256", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -54,7 +54,7 @@ def test_multi_turn_chat_with_the_cache_equals_without(cached_daemon):
     assert 0 < c.tokens_from_live < c.tokens_from_cache  # turn 2 from the live KV, turn 3 from pages
     assert c.pages > 0 and c.evictions == 0
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(cached_daemon.socket), "status"],
+        [sys.executable, "-m", "tandem.cli", "--socket", str(cached_daemon.socket), "status"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -177,7 +177,7 @@ def test_cache_clear_empties_it_after_which_requests_miss(cached_daemon):
         assert client.complete(prompt=prompt, max_tokens=4, temperature=0.0).usage.cached_tokens > 0
         held = client.status().cache
         out = subprocess.run(
-            [sys.executable, "-m", "tandem.client.cli", "--socket", str(cached_daemon.socket), "cache", "clear"],
+            [sys.executable, "-m", "tandem.cli", "--socket", str(cached_daemon.socket), "cache", "clear"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -211,7 +211,7 @@ def test_cache_bytes_larger_than_shared_memory_is_refused_with_the_fix(smollm2_p
         [
             sys.executable,
             "-m",
-            "tandem.client.cli",
+            "tandem.cli",
             "--socket",
             str(tmp_path / "s"),
             "serve",

@@ -97,6 +97,7 @@ def test_second_daemon_on_the_same_socket_refuses(tandem_cli, daemon, smollm2_pa
     "model,fragment",
     [("/nonexistent/model.gguf", "model file not found"), ("no-such-preset", "unknown model")],
 )
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_missing_model_is_refused_with_a_clear_message(daemon_process, model, fragment):
     d = daemon_process(model)  # type: ignore[arg-type]
     try:
@@ -108,6 +109,7 @@ def test_missing_model_is_refused_with_a_clear_message(daemon_process, model, fr
         d.cleanup()
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_a_file_that_is_not_a_model_fails_cleanly(daemon_process, tmp_path):
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a gguf file" * 100)
@@ -150,7 +152,7 @@ def test_socket_location_and_permissions(short_tmpdir, smollm2_path):
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     env.pop("TANDEM_SOCKET", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.client.cli", "serve", "--model", str(smollm2_path), "--ctx-size", "256"],
+        [sys.executable, "-m", "tandem.cli", "serve", "--model", str(smollm2_path), "--ctx-size", "256"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
@@ -164,7 +166,7 @@ def test_socket_location_and_permissions(short_tmpdir, smollm2_path):
         assert stat.S_IMODE(socket.parent.stat().st_mode) == 0o700
         assert stat.S_IMODE(socket.stat().st_mode) == 0o600
         out = subprocess.run(
-            [sys.executable, "-m", "tandem.client.cli", "status", "--json"], env=env, capture_output=True, text=True
+            [sys.executable, "-m", "tandem.cli", "status", "--json"], env=env, capture_output=True, text=True
         )
         assert out.returncode == 0 and str(socket) in out.stdout  # the client finds it the same way
     finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.client import service
+from tandem.cli import service
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_the_unit_is_type_notify_with_a_watchdog_and_loopback_only():
         "KillMode=mixed",
     ):
         assert line in unit
-    assert f"ExecStart={sys.executable} -m tandem.client.cli serve" in unit
+    assert f"ExecStart={sys.executable} -m tandem.cli serve" in unit
 
 
 def test_deploy_file_is_the_template_rendered_for_a_user_install():
@@ -70,7 +70,7 @@ def test_deploy_file_is_the_template_rendered_for_a_user_install():
 
 def tandem(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, env=env, timeout=120
     )
 
 

@@ -187,7 +187,7 @@ def test_a_client_whose_daemon_restarted_while_it_was_idle_connects_afresh(start
             [
                 sys.executable,
                 "-m",
-                "tandem.client.cli",
+                "tandem.cli",
                 "--socket",
                 str(d.socket),
                 "serve",

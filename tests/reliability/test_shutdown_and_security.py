@@ -78,7 +78,7 @@ def serving(socket_path: Path, model: Path, *args: str):
         [
             sys.executable,
             "-m",
-            "tandem.client.cli",
+            "tandem.cli",
             "--socket",
             str(socket_path),
             "serve",
@@ -122,7 +122,7 @@ def test_sigterm_with_a_running_request_and_a_full_queue(start_daemon, smollm2_p
 def test_tandem_stop_with_a_running_request_and_a_full_queue(start_daemon, smollm2_path):
     d, *rest = busy_daemon(start_daemon)
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(d.socket), "stop"],
+        [sys.executable, "-m", "tandem.cli", "--socket", str(d.socket), "stop"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -215,7 +215,7 @@ def test_nothing_is_pickled_anywhere():
         re.MULTILINE,
     )
     offenders = []
-    for folder in ("daemon", "client", "bridge", "protocol"):
+    for folder in ("daemon", "client", "cli", "bridge", "protocol"):
         for path in (ROOT / folder).rglob("*.py"):
             for m in forbidden.finditer(path.read_text()):
                 offenders.append(f"{path.relative_to(ROOT)}: {m.group(0).strip()}")

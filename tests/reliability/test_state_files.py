@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +33,7 @@ def governor_from(path, payload: bytes) -> GovernorBank:
     return bank
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 @FUZZ
 @given(tasks=JSON, last=JSON)
 def test_any_governor_state_shape_is_ignored_or_loaded(tmp_path, tasks, last):
@@ -40,6 +42,7 @@ def test_any_governor_state_shape_is_ignored_or_loaded(tmp_path, tasks, last):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.json", "g.json.lock"]  # no temp file left
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 @FUZZ
 @given(payload=st.binary(max_size=200))
 def test_any_governor_state_bytes_are_ignored(tmp_path, payload):
@@ -68,6 +71,7 @@ def index_from(path, payload: bytes) -> tuple[int, int]:
     return kept, dropped
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 @FUZZ
 @given(tree=JSON)
 def test_any_cache_index_shape_is_ignored(tmp_path, tree):

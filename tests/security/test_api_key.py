@@ -79,7 +79,7 @@ def test_a_bridge_with_api_key_on_serves_only_requests_that_carry_it(daemon, bri
     bridge = bridge_process(daemon, "--api-key", "on")
     try:
         key = subprocess.run(
-            [sys.executable, "-m", "tandem.client.cli", "key"],
+            [sys.executable, "-m", "tandem.cli", "key"],
             capture_output=True,
             text=True,
             env=daemon.env,

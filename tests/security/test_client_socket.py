@@ -49,6 +49,7 @@ def refused(path, match: str) -> None:
     assert "Nothing was sent" in str(info.value)
 
 
+@pytest.mark.slow  # seconds, no model: out of the fast subset
 def test_a_socket_in_a_directory_others_can_write_is_refused(short_tmpdir):
     d = short_tmpdir()
     os.chmod(d, 0o777)  # as /tmp/tandem-<uid> would be if another user made it first
@@ -59,7 +60,7 @@ def test_a_socket_in_a_directory_others_can_write_is_refused(short_tmpdir):
     finally:
         fake.close()
     out = subprocess.run(
-        [sys.executable, "-m", "tandem.client.cli", "--socket", str(fake.path), "run", "--no-start", "x"],
+        [sys.executable, "-m", "tandem.cli", "--socket", str(fake.path), "run", "--no-start", "x"],
         capture_output=True,
         text=True,
         timeout=60,

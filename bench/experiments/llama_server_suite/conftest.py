@@ -69,7 +69,7 @@ def _start(self, timeout_seconds: int = utils.DEFAULT_HTTP_TIMEOUT) -> None:
         os.write(fd, self.api_key.encode())
         os.close(fd)
     sock = run / "tandem.sock"
-    cli = [sys.executable, "-m", "tandem.client.cli", "--socket", str(sock)]
+    cli = [sys.executable, "-m", "tandem.cli", "--socket", str(sock)]
     serve = [*cli, "serve", "--model", model, "--metrics-addr", "off", "--state-dir", str(run / "state")]
     if self.n_ctx:
         serve += ["--ctx-size", str(self.n_ctx)]

@@ -8,10 +8,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tandem.client import Client, DaemonNotRunning, TandemError
 from tandem.daemon import config
-
-from .client import Client
-from .errors import DaemonNotRunning, TandemError
 
 
 def state_dir() -> Path:
@@ -51,7 +49,7 @@ def start_daemon(
     log_dir = state_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "daemon.log"
-    cmd = [sys.executable, "-m", "tandem.client.cli", "--socket", str(socket_path)]
+    cmd = [sys.executable, "-m", "tandem.cli", "--socket", str(socket_path)]
     if config_file is not None:
         cmd += ["--config", str(config_file)]  # the rest of the settings: as this command read them
     cmd += ["serve", "--model", model]

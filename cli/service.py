@@ -1,4 +1,4 @@
-"""``tandem service install|uninstall|status``: the daemon as a systemd user service.
+"""``tandem service install|uninstall|status|unit``: the daemon as a systemd user service.
 
 The unit (``deploy/tandem.service`` is this template rendered for a
 ``pip install --user`` layout) runs ``tandem serve`` with ``Type=notify``: the
@@ -20,6 +20,11 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Optional
+
+from tandem.client import TandemError
+from tandem.daemon import config
+
+from .common import say
 
 UNIT_NAME = "tandem.service"
 
@@ -113,7 +118,7 @@ DEPLOY_EXEC_START = "%h/.local/bin/tandem"
 
 def exec_start() -> str:
     """This installation's tandem: its interpreter, so a virtual environment needs no activation."""
-    return f"{_quote(sys.executable)} -m tandem.client.cli"
+    return f"{_quote(sys.executable)} -m tandem.cli"
 
 
 def _quote(path: str) -> str:
@@ -234,3 +239,87 @@ def _run_steps(steps: list[tuple[str, ...]], say: Callable[[str], None]) -> int:
         if r.returncode != 0:
             return 1
     return 0
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def add_service(sub) -> None:
+    p = sub.add_parser(
+        "service",
+        help="run the daemon as a systemd user service",
+        description="Install, remove or inspect the systemd user service (~/.config/systemd/user/tandem.service, "
+        "Type=notify with a watchdog, sandboxed to loopback). Its options come from the config file; "
+        "`systemctl --user reload tandem` re-reads it.",
+    )
+    ssub = p.add_subparsers(dest="service_command", metavar="ACTION")
+    pp = ssub.add_parser(
+        "install", help="pull the configured models, write the unit, reload systemd, enable and start it"
+    )
+    pp.add_argument(
+        "--no-start", action="store_true", help="write the unit and reload systemd, but do not enable or start it"
+    )
+    pp.add_argument(
+        "--http",
+        nargs="?",
+        const="127.0.0.1:8642",
+        default=None,
+        metavar="HOST:PORT",
+        help="also install the HTTP bridge as tandem-http.service (default address 127.0.0.1:8642), so editors "
+        "find the OpenAI, Ollama and Anthropic APIs after login",
+    )
+    ssub.add_parser("uninstall", help="stop and disable the service (and the bridge's), remove the units")
+    ssub.add_parser("status", help="whether the unit is installed, and systemctl's status of it")
+    pu = ssub.add_parser("unit", help="print the unit this installation would write")
+    pu.add_argument("--http", action="store_true", help="the bridge's unit (tandem-http.service)")
+
+
+def cmd_service(args) -> int:
+    if args.service_command == "install":
+        return _install_command(args)
+    if args.service_command == "uninstall":
+        return uninstall(say)
+    if args.service_command == "status":
+        return status(say)
+    if args.service_command == "unit":
+        print(render_http() if args.http else render(), end="")
+        return 0
+    say("usage: tandem service {install [--no-start] | uninstall | status | unit}")
+    return 2
+
+
+def _install_command(args) -> int:
+    from .autostart import daemon_answers
+
+    st = args.settings
+    if not args.no_start and daemon_answers(args.socket) and not is_installed():
+        raise TandemError(
+            f"a daemon already serves {args.socket} outside systemd; the service cannot start while it runs. "
+            "Stop it with `tandem stop`, then install again"
+        )
+    local = [f"{k} (from {src})" for k, src in st.sources.items() if src.startswith(("flag", "environment"))]
+    if local or args.config is not None or os.environ.get("TANDEM_CONFIG"):
+        say(
+            "note: the service reads only its config file, "
+            f"{config.default_config_path()}; these settings of this shell will not reach it: "
+            + ", ".join(
+                local + (["--config / TANDEM_CONFIG"] if args.config or os.environ.get("TANDEM_CONFIG") else [])
+            )
+        )
+    if args.http is not None:
+        from tandem.bridge.server import parse_listen
+
+        try:
+            parse_listen(args.http)
+        except ValueError as exc:
+            raise TandemError(str(exc)) from None
+    _pull_configured(st)
+    return install(say, enable=not args.no_start, http=args.http)
+
+
+def _pull_configured(settings) -> None:
+    """The service may not reach the network: pull its models now."""
+    from .autostart import ensure_pulled
+
+    for name in (settings.values.model, settings.values.drafter):
+        ensure_pulled(name, say, f"tandem: pulling '{name}' first (the service is sandboxed to loopback and cannot)")

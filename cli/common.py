@@ -1,0 +1,75 @@
+"""What the command groups share: the daemon's options as flags, the flags of the
+commands that start a daemon, connecting (starting one if need be), and output helpers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from tandem.client import Client, DaemonNotRunning
+from tandem.daemon import config
+
+
+def say(line: str) -> None:
+    """A line for the person at the terminal: on stderr, so stdout stays the command's output."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def positive(kind):
+    """An argparse type: ``kind`` (int, float) above zero."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
+def serve_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("socket",)) -> None:
+    """One flag per option of the settings schema (tandem.daemon.config); a flag
+    not given is left out, so the environment and the config file can supply it."""
+    for o in config.OPTIONS:
+        if o.key in skip:
+            continue
+        kw: dict = dict(dest=o.key, default=argparse.SUPPRESS)
+        if o.kind == "bool":
+            kw["choices"] = ["on", "off"]
+        elif o.kind == "choice":
+            kw["choices"] = list(o.choices)
+        else:
+            kw["metavar"] = o.metavar or o.key.upper()
+        default = config.show_value(o, o.default)
+        extra = "; SIGHUP reloads it" if o.reload else ""
+        p.add_argument(o.flag, help=f"{o.help} (default {default}; env {o.env}{extra})", **kw)
+
+
+def autostart_args(p: argparse.ArgumentParser) -> None:
+    """For commands that start a daemon when none runs."""
+    p.add_argument(
+        "--model",
+        default=argparse.SUPPRESS,
+        help="model for a daemon started by this command (default: the configured model)",
+    )
+    p.add_argument("--no-start", action="store_true", help="fail instead of starting a daemon when none runs")
+
+
+def connect(socket: Path, model: str, no_start: bool, config_file: Optional[Path] = None) -> Client:
+    """A connected client of the daemon at ``socket``; one is started on ``model`` if none answers."""
+    from .autostart import daemon_answers, start_daemon
+
+    if not daemon_answers(socket):
+        if no_start:
+            raise DaemonNotRunning(f"no tandem daemon is running at {socket}; start one with `tandem serve`")
+        start_daemon(socket, model, say=say, config_file=config_file)
+    client = Client(socket)
+    client.connect()
+    return client

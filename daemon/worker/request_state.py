@@ -1,0 +1,58 @@
+"""What one request carries while it is decoded: its prompt, sampler, drafting
+knobs and output so far (``Engine._begin`` makes it; the engine's rounds and
+``Engine._finish`` read and update it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from tandem.protocol import Decoding, DraftStats, FinishReason
+
+from ..constraints.constraint import Constraint
+from ..constraints.tools import CallOpener, ToolCallParser
+from ..drafting.governor import Governor
+from ..drafting.interfaces import Drafter
+from ..drafting.sampler import Sampler
+from .textstream import TextStream
+
+if TYPE_CHECKING:
+    from ..cache.page_store import PageStore
+
+
+@dataclass
+class RequestState:
+    """One request while it is decoded: what it asked for, how it is decoded,
+    and what it produced so far."""
+
+    req: Decoding
+    tokens: list[int]  # the prompt
+    sampler: Sampler
+    stream: TextStream
+    k: int  # draft length asked for
+    p_min: float
+    drafter: Optional[Drafter]  # None: this request does not draft
+    governor: Optional[Governor]  # None: every round drafts (or none does)
+    stats: Optional[DraftStats]  # draft rounds, when it may draft
+    cache: Optional["PageStore"]  # the prefix cache, when this request uses it
+    started: float
+    constraint: Optional[Constraint] = None  # the response_format's grammar state; None: any text
+    parser: Optional[ToolCallParser] = None  # with tools: splits the output into text and calls
+    pending: Optional[CallOpener] = None  # tool_choice auto: the calls' grammar, from the token that opens one
+    content: str = ""  # with tools: the text outside the calls, as streamed
+    cached: int = 0  # prompt tokens restored from the prefix cache
+    prefilled: float = 0.0
+    first_token_at: float = 0.0
+    completion: list[int] = field(default_factory=list)
+    drafted_last: bool = False  # the previous round drafted
+    forced_last: bool = False  # the previous round was the grammar's forced tokens (jump-forward)
+    # the last round: drafts, accepted, drafter seconds, target seconds, tokens the target read
+    last_round: tuple[int, int, float, float, int] = (0, 0, 0.0, 0.0, 1)
+    # when the last timed round's pass (and sampling) ended: to the next timed round's
+    # start is what a round costs outside its pass (PassCosts.outside); None: not timed
+    round_ended: Optional[float] = None
+    finish: Optional[FinishReason] = None
+    draft_off: Optional[str] = None  # drafting asked for but off: it would change greedy output here
+
+    def context(self) -> list[int]:
+        return self.tokens + self.completion

@@ -18,6 +18,7 @@ them do the I/O.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Optional
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 
 NUMBER = "{key}: a number is required"
 
+log = logging.getLogger("tandem.bridge")
+
 
 # --------------------------------------------------------------------------- request translation
 
@@ -62,20 +65,45 @@ def _text_of(content: Any, where: str) -> str:
     raise bad_request(f"{where} must be a string or an array of text blocks")
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: billing metadata, not instructions
+
+
+def _system_text(system: Any, where: str) -> str:
+    """The top-level ``system`` (a string or text blocks) without Claude Code's billing header block
+    (``x-anthropic-billing-header: cc_version=…; cc_entrypoint=…;``): it is addressed to Anthropic's
+    billing, says nothing to the model, and its value changes between sessions, so rendered first it
+    would change every prompt from its first token and no cached prefix would ever match."""
+    if isinstance(system, list):
+        kept = [b for b in system if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_HEADER))]
+        if len(kept) < len(system):
+            log.debug("the billing header block of system is left out of the prompt")
+        system = kept
+    return _text_of(system, where)
+
+
 def chat_messages(body: dict) -> list[dict]:
     """Anthropic's system + messages as the daemon's chat messages (tool_use and
-    tool_result blocks become assistant tool calls and tool messages)."""
+    tool_result blocks become assistant tool calls and tool messages). A ``system``
+    message inside ``messages`` (Claude Code sends its environment so) stays where it
+    is: moved to the front it would change the prompt's prefix."""
     out: list[dict] = []
     system = body.get("system")
     if system:
-        out.append({"role": "system", "content": _text_of(system, "system")})
+        text = _system_text(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: an array of {role, content} is required")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_request(f"messages.{i}.role must be 'user' or 'assistant'")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad_request(f"messages.{i}.role must be 'user', 'assistant' or 'system'")
         content = m.get("content")
+        if m["role"] == "system":  # (a string or text blocks; none: nothing to render)
+            text = _text_of(content, f"messages.{i}.content")
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
             continue
@@ -110,6 +138,34 @@ def chat_messages(body: dict) -> list[dict]:
                 msg["tool_calls"] = calls
             out.append(msg)
     return out
+
+
+THINKING = ("enabled", "adaptive", "disabled")
+
+
+def reasoning_controls(body: dict) -> None:
+    """``thinking`` (enabled, adaptive or disabled, with ``budget_tokens``), ``output_config.effort`` and
+    ``context_management``, as Claude Code sends them: checked for shape, then left to the model, which has
+    no reasoning controls of its own here (the models tandem serves today do not think aloud)."""
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict) or thinking.get("type") not in THINKING:
+            raise bad_request("thinking.type must be enabled, adaptive or disabled")
+        budget = thinking.get("budget_tokens")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            raise bad_request("thinking.budget_tokens must be a non-negative integer")
+    for key in ("output_config", "context_management"):
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise bad_request(f"{key} must be an object")
+    effort = (body.get("output_config") or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("output_config.effort must be a string")
+    if thinking is not None or effort is not None or body.get("context_management") is not None:
+        log.debug(
+            "thinking %s, effort %s, context_management: the model has no reasoning controls; ignored",
+            (thinking or {}).get("type"),
+            effort,
+        )
 
 
 def tool_use(body: dict) -> Optional[ToolUse]:
@@ -170,6 +226,7 @@ def parse_messages(body: dict, n_ctx: int) -> GenRequest:
     if not isinstance(model, str) or not model:
         raise bad_request("model: the name of the model is required (any name: one is served)")
     messages = chat_messages(body)
+    reasoning_controls(body)
     sampling = _sampling(body, n_ctx)
     tools = tool_use(body)
     stream = bool(body.get("stream", False))

@@ -5,10 +5,14 @@ and the daemon's results rendered as a message and as its event sequence."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tandem.bridge.answers import ApiError
 from tandem.bridge.anthropic_api import (
+    BILLING_HEADER,
     MessageEvents,
     chat_messages,
     content_blocks,
@@ -140,7 +144,15 @@ def test_count_tokens_reads_no_tools_under_tool_choice_none():
     [
         ({"model": ""}, "model: the name of the model is required (any name: one is served)"),
         ({"messages": []}, "messages: an array of {role, content} is required"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role must be 'user' or 'assistant'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role must be 'user', 'assistant' or 'system'"),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type must be enabled, adaptive or disabled"),
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": -1}},
+            "thinking.budget_tokens must be a non-negative integer",
+        ),
+        ({"output_config": "high"}, "output_config must be an object"),
+        ({"output_config": {"effort": 3}}, "output_config.effort must be a string"),
+        ({"context_management": []}, "context_management must be an object"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content must be a string or an array of blocks"),
         ({"system": 5}, "system must be a string or an array of text blocks"),
         ({"system": [{"type": "image"}]}, "system[0] must be a text block here"),
@@ -309,3 +321,92 @@ def test_an_empty_reply_still_has_one_empty_text_block(done):
     events = MessageEvents("msg_1", "m")
     names = [name for name, _ in events.finish(done("", FinishReason.LENGTH))]
     assert names == ["content_block_start", "content_block_stop", "message_delta", "message_stop"]
+
+
+# --------------------------------------------------------------------------- as Claude Code sends it
+
+RECORDED = Path(__file__).parent / "recorded"
+
+
+def recorded(name: str) -> dict:
+    """A request Claude Code 2.1.328 sent (claude -p, headless; paths and ids scrubbed)."""
+    return json.loads((RECORDED / name).read_text())
+
+
+def test_claude_codes_first_request_parses_with_its_system_message_in_place_and_no_billing_header():
+    rec = recorded("claude-code-2.1.328-first.json")
+    assert rec["query"] == "beta=true" and rec["body"]["system"][0]["text"].startswith(BILLING_HEADER)
+    req = parse_messages(rec["body"], 32768)
+    roles = [m["role"] for m in req.messages]
+    assert roles == ["system", "user", "system"]  # the environment stays after the user's turn, where it was sent
+    assert BILLING_HEADER not in json.dumps(req.messages)  # (its value changes between sessions)
+    assert req.messages[0]["content"].startswith("You are a Claude agent")
+    assert req.messages[1]["content"].endswith("say hi")
+    assert req.messages[2]["content"].startswith("# Environment")
+    assert req.sampling.max_tokens == 32000 and req.stream is True and req.model == "some-name"
+    assert [t["function"]["name"] for t in req.tools.tools][:3] == ["Agent", "Bash", "Edit"]
+    assert len(req.tools.tools) == 12
+
+
+def test_the_second_request_renders_the_first_as_its_prefix():
+    """Claude Code re-sends the system message as a plain string once cache_control moved off it, and the
+    billing header differs between sessions: neither may change the messages the first request rendered."""
+    first = parse_messages(recorded("claude-code-2.1.328-first.json")["body"], 32768).messages
+    body = recorded("claude-code-2.1.328-tool-result.json")["body"]
+    assert isinstance(body["messages"][1]["content"], str)  # (a one-block list in the first request)
+    second = parse_messages(body, 32768).messages
+    assert second[: len(first)] == first
+    assert [m["role"] for m in second[len(first) :]] == ["assistant", "tool"]
+    assert second[-2]["tool_calls"][0]["function"]["name"] == "Bash"
+    other_session = json.loads(json.dumps(body).replace("cc_version=2.1.328.593", "cc_version=2.1.328.b7f"))
+    assert parse_messages(other_session, 32768).messages == second
+
+
+def test_an_empty_system_message_with_its_own_keys_renders_nothing():
+    """Claude Code with its default model: ``{"role": "system", "content": [], "output_config": {...}}``."""
+    body = recorded("claude-code-2.1.328-bare-default-model.json")["body"]
+    assert body["messages"][1] == {"role": "system", "content": [], "output_config": {"effort": "medium"}}
+    assert [m["role"] for m in parse_messages(body, 32768).messages] == ["system", "user"]
+
+
+@pytest.mark.parametrize(
+    "thinking",
+    [{"type": "adaptive", "display": "omitted"}, {"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}],
+)
+def test_thinking_effort_and_context_management_are_accepted_and_change_nothing(thinking):
+    body = {
+        **BASE,
+        "thinking": thinking,
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "metadata": {"user_id": "x"},
+    }
+    plain = parse_messages(BASE, N_CTX)
+    req = parse_messages(body, N_CTX)
+    assert req.messages == plain.messages and req.daemon_params() == plain.daemon_params()
+
+
+def test_a_system_message_between_turns_stays_between_them():
+    body = {
+        **BASE,
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "system", "content": [{"type": "text", "text": "It is Sunday."}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "Hello"},
+                ],
+            },
+            {"role": "user", "content": "Day?"},
+        ],
+    }
+    assert [(m["role"], m["content"]) for m in parse_messages(body, N_CTX).messages] == [
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("system", "It is Sunday."),
+        ("assistant", "Hello"),
+        ("user", "Day?"),
+    ]

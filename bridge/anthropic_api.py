@@ -372,6 +372,7 @@ async def messages(ex: "Exchange", body: dict) -> None:
         each=lambda chunk: out(events.chunk(chunk)),
         closing=lambda done: out(events.finish(done)),
         failing=lambda exc: out([("error", exc.body("anthropic"))]),
+        keepalive=lambda: out([("ping", {"type": "ping"})]),  # (Anthropic's own keep-alive event)
     )
 
 

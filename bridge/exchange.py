@@ -23,6 +23,11 @@ from tandem.protocol import MAX_MESSAGE_BYTES
 
 from .answers import ApiError, json_bytes
 
+HEADERS_AFTER = 2.0  # seconds a stream waits for its first chunk before it starts without it
+KEEPALIVE_EVERY = 10.0  # then a keep-alive this often until the first chunk
+SSE_COMMENT = b": keep-alive\n\n"  # (a comment: every SSE client skips it)
+_WAITING = object()  # what _kept_alive yields while the first chunk is awaited
+
 
 class Served(Protocol):
     """What an Exchange reads of the server that made it."""
@@ -185,19 +190,25 @@ class Exchange:
         each: Callable[[Any], list[bytes]],
         closing: Callable[[Any], list[bytes]],
         failing: Callable[[ApiError], list[bytes]],
+        keepalive: Callable[[], list[bytes]] = lambda: [SSE_COMMENT],
     ) -> None:
-        """One daemon request streamed: the response starts once the daemon has
-        taken the request (errors before are plain HTTP errors) with ``opening()``;
-        each chunk is written as ``each(chunk)``, the end as ``closing(done)``; an
-        error after the start as ``failing(error)``."""
+        """One daemon request streamed: the response starts with ``opening()`` at
+        the first chunk, or once the request has waited ``HEADERS_AFTER`` seconds
+        for it (a long prompt being read, a request queued), whichever is first;
+        until the first chunk, ``keepalive()`` every ``KEEPALIVE_EVERY`` seconds,
+        so that an agent that gives up on a silent server (Qwen Code after 120 s
+        without headers, Claude Code and Codex after 300 s without a byte) waits
+        for a prompt of any length, and a client that left is noticed at the next
+        write. Each chunk is written as ``each(chunk)``, the end as
+        ``closing(done)``; an error before the start is a plain HTTP error, after
+        it ``failing(error)``."""
         async with self.daemon_request(start) as chunks:
             started = False
             try:
-                async for chunk in chunks:
-                    if not started:
-                        await self.start_stream(content_type, opening())
+                async with contextlib.aclosing(self._kept_alive(chunks)) as kept:
+                    async for chunk in kept:
+                        await self._relay_one(chunk, started, content_type, opening, each, keepalive)
                         started = True
-                    await self.write(*each(chunk))
             except ApiError as exc:
                 if not started:
                     raise
@@ -208,6 +219,33 @@ class Exchange:
                 await self.start_stream(content_type, opening())
             await self.write(*closing(self.done))
             await self.end_stream()
+
+    async def _relay_one(self, chunk, started: bool, content_type: str, opening, each, keepalive) -> None:
+        if not started:
+            await self.start_stream(content_type, opening())
+        await self.write(*(keepalive() if chunk is _WAITING else each(chunk)))
+
+    @staticmethod
+    async def _kept_alive(chunks: AsyncIterator) -> AsyncIterator:
+        """``chunks``, with ``_WAITING`` after ``HEADERS_AFTER`` seconds without the first
+        and every ``KEEPALIVE_EVERY`` seconds after that until it comes."""
+        it = chunks.__aiter__()
+        first = asyncio.ensure_future(it.__anext__())
+        try:
+            wait = HEADERS_AFTER
+            while not (await asyncio.wait({first}, timeout=wait))[0]:
+                yield _WAITING
+                wait = KEEPALIVE_EVERY
+            try:
+                yield first.result()
+            except StopAsyncIteration:
+                return
+        finally:
+            if not first.done():  # (the client left, or the bridge stops)
+                first.add_done_callback(lambda f: f.cancelled() or f.exception())  # (nothing left unretrieved)
+                first.cancel()
+        async for chunk in it:
+            yield chunk
 
     # ------------------------------------------------------------------ writing
 

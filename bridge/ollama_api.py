@@ -523,6 +523,7 @@ async def _run(ex: "Exchange", req: GenRequest, chat: bool) -> None:
         each=lambda chunk: [ndjson(line) for line in answer.chunk(chunk)],
         closing=lambda done: [ndjson(line) for line in answer.closing(done, time.monotonic() - started)],
         failing=lambda exc: [ndjson(exc.body("ollama"))],
+        keepalive=lambda: [ndjson(answer.piece(""))],  # (NDJSON has no comments: a line with no text)
     )
 
 

@@ -155,3 +155,81 @@ def test_many_streams_at_once(bridge_process, daemon):
         assert sum(r != "(queue full)" for r in results) >= 8  # the daemon's queue holds at least its default
     finally:
         assert b.stop() == 0, "".join(b.lines)
+
+
+# --------------------------------------------------------------------------- a stream that waits
+
+WAITING = {  # path, body, what its keep-alive looks like, how its stream ends
+    "openai": (b"/v1/chat/completions", {"model": "m"}, b": keep-alive\n\n", b"data: [DONE]"),
+    "anthropic": (b"/v1/messages", {"model": "claude-x"}, b'event: ping\ndata: {"type": "ping"}', b"message_stop"),
+    "ollama": (
+        b"/api/chat",
+        {"model": "tandem"},
+        b'{"role": "assistant", "content": ""}, "done": false}',
+        b'"done": true',
+    ),
+}
+
+
+def _post_stream(bridge, path: bytes, body: dict) -> socket.socket:
+    payload = json.dumps(body).encode()
+    sock = _connect(bridge)
+    sock.sendall(
+        b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n%s" % (path, len(payload), payload)
+    )
+    return sock
+
+
+def _read_until(sock: socket.socket, marker: bytes, data: bytes = b"") -> bytes:
+    while marker not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the stream ended before {marker!r}: {data[-2000:]!r}"
+        data += chunk
+    return data
+
+
+@pytest.fixture
+def busy(bridge, daemon):
+    """The daemon busy with a long generation (so the next request waits in the queue); ``busy.stop()`` ends it."""
+    stream = bridge.openai().completions.create(
+        model="any", prompt=COUNTING, max_tokens=4000, temperature=0, stream=True
+    )
+    it = iter(stream)
+    next(it)  # (it runs)
+
+    class Busy:
+        @staticmethod
+        def stop() -> None:
+            stream.close()
+            wait_for(lambda: _status(daemon).active is None, 30)
+
+    yield Busy
+    Busy.stop()
+
+
+@pytest.mark.parametrize("dialect", WAITING)
+def test_a_stream_that_waits_starts_at_once_and_is_kept_alive(bridge, daemon, busy, dialect):
+    """An agent gives up on a server that sends nothing (Qwen Code: 120 s without headers; Claude Code and
+    Codex: 300 s without a byte): a stream that waits for a long prompt, or in the queue, starts anyway and
+    sends its dialect's keep-alive until its first token, then runs as any stream."""
+    path, extra, keepalive, end = WAITING[dialect]
+    body = {**extra, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "stream": True}
+    with _post_stream(bridge, path, body) as sock:
+        head = _read_until(sock, b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert _status(daemon).queue_length == 1  # (the headers came while it waited: no token of it yet)
+        data = _read_until(sock, keepalive, head)
+        busy.stop()
+        data = _read_until(sock, end, data)
+    assert data.index(keepalive) < data.index(end)
+
+
+def test_a_client_that_leaves_a_waiting_stream_cancels_its_request(bridge, daemon, busy):
+    before = _status(daemon).requests.get("done_cancelled", 0)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "stream": True}
+    with _post_stream(bridge, b"/v1/chat/completions", body) as sock:
+        _read_until(sock, b": keep-alive")
+    wait_for(lambda: _status(daemon).requests.get("done_cancelled", 0) == before + 1, 30)
+    st = _status(daemon)
+    assert st.queue_length == 0 and st.active is not None  # the one that left is gone; the long one runs on

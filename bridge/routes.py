@@ -5,7 +5,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
-from . import anthropic_api, ollama_api, openai_bridge
+from . import anthropic_api, ollama_api, openai_bridge, responses_api
 from .answers import ApiError
 
 if TYPE_CHECKING:
@@ -15,14 +15,14 @@ _MANAGE = {"/api/pull": "tandem pull NAME", "/api/delete": "tandem rm NAME"}
 
 
 # llama-server serves these OpenAI routes without /v1 too (not /completions: there it is its own native API)
-_UNVERSIONED = ("/chat/completions", "/models")
+_UNVERSIONED = ("/chat/completions", "/models", "/responses")
 
 
 _GET = {"", "/health", "/api/version", "/api/tags", "/api/ps", "/v1/models"}
 _POST = {
     *("/api/generate", "/api/chat", "/api/show", "/api/embed", "/api/embeddings"),
     *("/api/pull", "/api/push", "/api/create", "/api/copy"),
-    *("/v1/messages", "/v1/messages/count_tokens", "/v1/completions", "/v1/chat/completions"),
+    *("/v1/messages", "/v1/messages/count_tokens", "/v1/completions", "/v1/chat/completions", "/v1/responses"),
     *("/tokenize", "/detokenize", "/v1/tokenize"),
 }
 
@@ -47,7 +47,7 @@ async def route(ex: "Exchange") -> None:
         hint = (
             "try GET /v1/models"
             if method in ("GET", "HEAD")
-            else "tandem serves /v1/completions and /v1/chat/completions"
+            else "tandem serves /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages"
         )
         raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path}; {hint}")
     if method not in methods:
@@ -75,6 +75,8 @@ async def route(ex: "Exchange") -> None:
             )
     if path == "/v1/messages":
         return await anthropic_api.messages(ex, await ex.body())
+    if path == "/v1/responses":
+        return await responses_api.responses(ex, await ex.body())
     if path == "/v1/messages/count_tokens":
         return await anthropic_api.count_tokens(ex, await ex.body())
     if path in ("/tokenize", "/detokenize", "/v1/tokenize"):

@@ -156,3 +156,62 @@ def test_llm_cli_runs_a_tool_through_the_bridge(bridge, tmp_path):
     assert out.returncode == 0 or "Chain limit of 2 exceeded" in out.stderr, shown
     assert "Tool call: city_temperature(" in shown and "Lisbo" in shown, shown
     assert "21 degrees" in shown, shown  # the tool ran, and its result went back to the model
+
+
+# --------------------------------------------------------------------------- the Responses API (what Codex speaks)
+
+
+def responses_tool(weather_tool) -> dict:
+    """The same tool in the Responses API's flat shape."""
+    return {"type": "function", **weather_tool["function"]}
+
+
+def test_openai_client_responses_whole_and_streamed_agree(bridge):
+    client = bridge.openai()
+    asked = dict(model="tandem", input="Name three colours.", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**asked)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output_text and whole.usage.output_tokens == 12
+    kinds, text, final = [], "", None
+    for event in client.responses.create(stream=True, **asked):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        final = event
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert text == whole.output_text == final.response.output_text  # greedy: the same text either way
+
+
+def test_openai_client_responses_tool_round_like_codex(bridge, weather_tool):
+    """Codex's loop: a streamed turn that calls a tool, the call echoed back with its output, the next turn
+    reading the first one's prompt from the prefix cache."""
+    client = bridge.openai()
+    tools = [responses_tool(weather_tool), {"type": "web_search"}]  # (not a function tool: left out)
+    items: list = [
+        {"type": "message", "role": "developer", "content": "You answer questions about the weather."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+    ]
+    done = None
+    for event in client.responses.create(
+        model="local-model",
+        input=items,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=100,
+        stream=True,
+        store=False,
+    ):
+        if event.type == "response.output_item.done" and event.item.type == "function_call":
+            items.append(event.item.model_dump(exclude_none=True))
+        done = event
+    assert done.type == "response.completed", done
+    call = items[-1]
+    assert call["type"] == "function_call" and call["name"] == "get_weather" and call["call_id"].startswith("call_")
+    jsonschema.validate(json.loads(call["arguments"]), weather_tool["function"]["parameters"])
+    first_prompt = done.response.usage.input_tokens
+    items.append({"type": "function_call_output", "call_id": call["call_id"], "output": "18 degrees and sunny"})
+    answer = client.responses.create(model="local-model", input=items, tools=tools, temperature=0, max_output_tokens=40)
+    assert answer.status in ("completed", "incomplete") and answer.output_text
+    assert answer.usage.input_tokens_details.cached_tokens >= first_prompt - 1  # (the first turn, from the cache)

@@ -168,7 +168,7 @@ def responses_tool(weather_tool) -> dict:
 
 def test_openai_client_responses_whole_and_streamed_agree(bridge):
     client = bridge.openai()
-    asked = dict(model="tandem", input="Name three colours.", max_output_tokens=12, temperature=0)
+    asked = dict(model="tandem", input="Count from 1 to 50, separated by commas.", max_output_tokens=12, temperature=0)
     whole = client.responses.create(**asked)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert whole.output_text and whole.usage.output_tokens == 12

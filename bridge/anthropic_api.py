@@ -378,6 +378,7 @@ async def messages(ex: "Exchange", body: dict) -> None:
 
 async def count_tokens(ex: "Exchange", body: dict) -> None:
     """``/v1/messages/count_tokens``: the prompt's tokens, as the daemon renders and reads it."""
+    await ex.hello()  # (a model that is loading: waited for)
     chat = chat_messages(body)
     ex.send_json(HTTPStatus.OK, {"input_tokens": await _prompt_tokens(ex, chat, tool_use(body))})
 

@@ -23,6 +23,8 @@ from tandem.protocol import MAX_MESSAGE_BYTES
 
 from .answers import ApiError, json_bytes
 
+LOAD_WAIT = 600.0  # seconds a request waits for a model that is loading
+LOAD_POLL = 0.25
 HEADERS_AFTER = 2.0  # seconds a stream waits for its first chunk before it starts without it
 KEEPALIVE_EVERY = 10.0  # then a keep-alive this often until the first chunk
 SSE_COMMENT = b": keep-alive\n\n"  # (a comment: every SSE client skips it)
@@ -138,7 +140,29 @@ class Exchange:
         if self._client is not None:
             self._client.close()
 
-    async def hello(self):
+    async def hello(self, wait: bool = True):
+        """The daemon's hello, once its model is loaded: a request that comes while
+        it loads (or restarts its worker) waits for it, as Ollama's do, up to
+        ``LOAD_WAIT`` seconds; a daemon whose model failed is a 503 that says why.
+        Without ``wait``, the hello as it is (a context size of 0 while it loads)."""
+        async with self.daemon() as client:
+            if client.server.n_ctx or not wait:
+                return client.server
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + LOAD_WAIT
+            while (st := await client.status()).state == "loading" and loop.time() < deadline:
+                await asyncio.sleep(LOAD_POLL)
+        if st.state != "ready":
+            why = (
+                f"the model did not load: {st.failure}"
+                if st.state == "failed"
+                else f"the model is still loading after {LOAD_WAIT:.0f} s; retry later (tandem status shows it)"
+                if st.state == "loading"
+                else "the daemon is stopping; retry when it is back"
+            )
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, why)
+        self.close()  # (a new hello: the one of the connection made while it loaded has no context size)
+        self._client = None
         async with self.daemon() as client:
             return client.server
 

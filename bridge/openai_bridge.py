@@ -334,8 +334,8 @@ class OpenAIAnswer:
 
 
 async def model_entry(ex: "Exchange") -> dict:
-    """/v1/models' entry for the daemon's model, as it is now."""
-    hello = await ex.hello()
+    """/v1/models' entry for the daemon's model, as it is now (while it loads: a context length of 0)."""
+    hello = await ex.hello(wait=False)
     return {"id": hello.model, "object": "model", "created": 0, "owned_by": "tandem", "context_length": hello.n_ctx}
 
 
@@ -356,6 +356,7 @@ def _events(data: list) -> list[bytes]:
 
 async def generate(ex: "Exchange", req: GenRequest) -> None:
     """/v1/completions and /v1/chat/completions: one daemon request, answered whole or as server-sent events."""
+    await ex.hello()  # (a model that is loading: waited for)
     answer = OpenAIAnswer(req, lambda: Head(ex.request_id, ex.server.model, int(time.time())))
     if not req.stream:
         ex.send_json(HTTPStatus.OK, answer.whole(await ex.run_to_done(req.start)))

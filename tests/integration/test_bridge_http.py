@@ -3,6 +3,7 @@ a bridge that stops while a stream runs, many streams at once on one process."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
@@ -233,3 +234,29 @@ def test_a_client_that_leaves_a_waiting_stream_cancels_its_request(bridge, daemo
     wait_for(lambda: _status(daemon).requests.get("done_cancelled", 0) == before + 1, 30)
     st = _status(daemon)
     assert st.queue_length == 0 and st.active is not None  # the one that left is gone; the long one runs on
+
+
+def test_a_request_that_comes_while_the_model_loads_waits_for_it(start_daemon, bridge_process):
+    """As Ollama's: not a 503, and not a max_tokens error from the context size of 0 a loading daemon
+    reports; /v1/models answers at once meanwhile."""
+    d = start_daemon("--ctx-size", "1024", wait=False, fresh_probe=True)  # (its load checks: seconds of loading)
+    wait_for(lambda: d.socket.exists(), 60)
+    b = bridge_process(d)
+    try:
+        with d.client() as c:
+            loading = c.status().state == "loading"
+        url = urlparse(b.url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+        conn.request("GET", "/v1/models")
+        models = conn.getresponse()
+        assert models.status == 200, models.read()
+        models.read()
+        body = {"model": "claude-haiku-x", "max_tokens": 32000, "messages": [{"role": "user", "content": "Hi"}]}
+        conn.request("POST", "/v1/messages", json.dumps(body), {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        reply = json.loads(answer.read())
+        assert answer.status == 200, reply
+        assert reply["type"] == "message" and reply["usage"]["output_tokens"] >= 1
+        assert loading, "the daemon was ready before the request came: this run did not test the wait"
+    finally:
+        assert b.stop() == 0, "".join(b.lines)

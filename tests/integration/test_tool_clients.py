@@ -213,5 +213,7 @@ def test_openai_client_responses_tool_round_like_codex(bridge, weather_tool):
     first_prompt = done.response.usage.input_tokens
     items.append({"type": "function_call_output", "call_id": call["call_id"], "output": "18 degrees and sunny"})
     answer = client.responses.create(model="local-model", input=items, tools=tools, temperature=0, max_output_tokens=40)
-    assert answer.status in ("completed", "incomplete") and answer.output_text
-    assert answer.usage.input_tokens_details.cached_tokens >= first_prompt - 1  # (the first turn, from the cache)
+    assert answer.status in ("completed", "incomplete") and answer.output  # (text, or another call: the model's choice)
+    # the first turn from the cache (its whole 64-token prefill chunks, with the default mixed kernels)
+    assert answer.usage.input_tokens > first_prompt + 10
+    assert answer.usage.input_tokens_details.cached_tokens >= (first_prompt - 1) // 64 * 64 > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -47,14 +48,44 @@ def temp_socket(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp")) / "b.sock"
 
 
+# What the daemons' load checks found (daemon/worker/invariance.py: keyed by model file, settings and CPU),
+# handed to each later daemon of a run that is given a fresh --state-dir, as a restarted daemon finds them
+# in its own: the daemons a benchmark compares read prompts the same way, and none spends its start on them.
+VERDICTS: dict = {}
+VERDICTS_FILE = "batch-invariance.json"
+
+
+def _state_dir(serve_args: tuple) -> Path | None:
+    args = list(serve_args)
+    return Path(args[args.index("--state-dir") + 1]) if "--state-dir" in args[:-1] else None
+
+
 def start_daemon(socket: Path, *serve_args: str, timeout: float = 180, stderr=None) -> subprocess.Popen:
     """`tandem serve SERVE_ARGS` in a subprocess; returns once it reports ready.
     Its prefix cache's disk tier goes beside the socket (a fresh directory: one
     benchmark's pages never serve another's first request), unless set. Its log
-    goes to ``stderr`` (an open file), or nowhere."""
+    goes to ``stderr`` (an open file), or nowhere. With a ``--state-dir``, the
+    load checks' verdicts earlier daemons of this run found are put there first
+    (``VERDICTS``)."""
+    state = _state_dir(serve_args)
+    if state is not None and VERDICTS and not (state / VERDICTS_FILE).exists():
+        state.mkdir(parents=True, exist_ok=True)
+        (state / VERDICTS_FILE).write_text(json.dumps(VERDICTS))
+    proc = _spawn(socket, serve_args, stderr)
+    _wait_ready(proc, socket, timeout)
+    if state is not None:
+        try:
+            found = json.loads((state / VERDICTS_FILE).read_text())
+            VERDICTS.update({k: v for k, v in found.items() if isinstance(v, dict)})
+        except (OSError, ValueError):
+            pass
+    return proc
+
+
+def _spawn(socket: Path, serve_args: tuple, stderr) -> subprocess.Popen:
     env = dict(os.environ)
     env.setdefault("TANDEM_DISK_CACHE_DIR", str(socket.parent / "kv"))
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -70,6 +101,9 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180, stderr=No
         stderr=subprocess.DEVNULL if stderr is None else stderr,
         env=env,
     )
+
+
+def _wait_ready(proc: subprocess.Popen, socket: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -78,7 +112,7 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180, stderr=No
             try:
                 with Client(socket, connect_timeout=1) as c:
                     if c.status().state == "ready":
-                        return proc
+                        return
             except Exception:
                 pass
         time.sleep(0.1)

@@ -28,7 +28,13 @@ LOAD_POLL = 0.25
 HEADERS_AFTER = 2.0  # seconds a stream waits for its first chunk before it starts without it
 KEEPALIVE_EVERY = 10.0  # then a keep-alive this often until the first chunk
 SSE_COMMENT = b": keep-alive\n\n"  # (a comment: every SSE client skips it)
-_WAITING = object()  # what _kept_alive yields while the first chunk is awaited
+_WAITING = object()  # what _kept_alive yields while a chunk is awaited
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A done callback that reads a cancelled future's outcome (nothing left unretrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class Served(Protocol):
@@ -66,6 +72,7 @@ class Exchange:
         self.request_id = ""  # the daemon request's, once started
         self.done = None  # its Done, once it ends
         self._client: Optional[AsyncClient] = None
+        self._last_write = 0.0  # (the event loop's clock) when the stream last wrote
 
     # ------------------------------------------------------------------ reading
 
@@ -219,7 +226,7 @@ class Exchange:
         """One daemon request streamed: the response starts with ``opening()`` at
         the first chunk, or once the request has waited ``HEADERS_AFTER`` seconds
         for it (a long prompt being read, a request queued), whichever is first;
-        until the first chunk, ``keepalive()`` every ``KEEPALIVE_EVERY`` seconds,
+        then ``keepalive()`` whenever ``KEEPALIVE_EVERY`` seconds pass without a write,
         so that an agent that gives up on a silent server (Qwen Code after 120 s
         without headers, Claude Code and Codex after 300 s without a byte) waits
         for a prompt of any length, and a client that left is noticed at the next
@@ -247,28 +254,34 @@ class Exchange:
     async def _relay_one(self, chunk, started: bool, content_type: str, opening, each, keepalive) -> None:
         if not started:
             await self.start_stream(content_type, opening())
-        await self.write(*(keepalive() if chunk is _WAITING else each(chunk)))
+        pieces = keepalive() if chunk is _WAITING else each(chunk)
+        if not pieces and asyncio.get_running_loop().time() - self._last_write >= KEEPALIVE_EVERY:
+            pieces = keepalive()  # (chunks that write nothing: text held back, a long tool call being written)
+        await self.write(*pieces)
 
     @staticmethod
     async def _kept_alive(chunks: AsyncIterator) -> AsyncIterator:
         """``chunks``, with ``_WAITING`` after ``HEADERS_AFTER`` seconds without the first
-        and every ``KEEPALIVE_EVERY`` seconds after that until it comes."""
+        and every ``KEEPALIVE_EVERY`` seconds without the next."""
         it = chunks.__aiter__()
-        first = asyncio.ensure_future(it.__anext__())
-        try:
-            wait = HEADERS_AFTER
-            while not (await asyncio.wait({first}, timeout=wait))[0]:
-                yield _WAITING
-                wait = KEEPALIVE_EVERY
+        wait = HEADERS_AFTER
+        while True:
+            pending = asyncio.ensure_future(it.__anext__())
             try:
-                yield first.result()
-            except StopAsyncIteration:
-                return
-        finally:
-            if not first.done():  # (the client left, or the bridge stops)
-                first.add_done_callback(lambda f: f.cancelled() or f.exception())  # (nothing left unretrieved)
-                first.cancel()
-        async for chunk in it:
+                while not (await asyncio.wait({pending}, timeout=wait))[0]:
+                    yield _WAITING
+                    wait = KEEPALIVE_EVERY
+                try:
+                    chunk = pending.result()
+                except StopAsyncIteration:
+                    return
+            finally:
+                if not pending.done():  # (the client left, or the bridge stops)
+                    pending.add_done_callback(_retrieved)
+                    pending.cancel()
+                elif not pending.cancelled():
+                    pending.exception()  # (retrieved: an error it ended with is raised above, or moot)
+            wait = KEEPALIVE_EVERY
             yield chunk
 
     # ------------------------------------------------------------------ writing
@@ -294,6 +307,7 @@ class Exchange:
         if pieces:
             async with self.in_time():
                 await self.response.write(b"".join(pieces))
+            self._last_write = asyncio.get_running_loop().time()
 
     async def end_stream(self) -> None:
         async with self.in_time():

@@ -206,7 +206,7 @@ def usage(done: Done) -> dict:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -255,7 +255,10 @@ class ResponsesAnswer:
         return out
 
     def whole(self, done: Done) -> dict:
+        cut = done.finish_reason == FinishReason.LENGTH and not done.tool_calls
         output = [message_item("msg_" + self.id.removeprefix("resp_"), done.text)] if done.text else []
+        if output and cut:
+            output[0]["status"] = "incomplete"
         output += [call_item(c.id, c.function.name, c.function.arguments) for c in done.tool_calls]
         return self.response("completed", done, output)
 
@@ -273,8 +276,9 @@ class ResponsesAnswer:
         return [self._event("response.in_progress", response=self.response("in_progress"))]
 
     def _open_text(self) -> list[dict]:
-        self.text_item = message_item("msg_" + self.id.removeprefix("resp_"), "", "in_progress")
-        at = len(self.output)
+        at = len(self.output)  # (a message after a call is another item, with an id of its own)
+        item_id = "msg_" + self.id.removeprefix("resp_") + (f"_{at}" if at else "")
+        self.text_item = message_item(item_id, "", "in_progress")
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
             self._event("response.output_item.added", output_index=at, item=self.text_item),
@@ -283,10 +287,10 @@ class ResponsesAnswer:
             ),
         ]
 
-    def _close_text(self) -> list[dict]:
+    def _close_text(self, cut: bool = False) -> list[dict]:
         if self.text_item is None:
             return []
-        item, at = message_item(self.text_item["id"], self.text), len(self.output)
+        item, at = message_item(self.text_item["id"], self.text, "incomplete" if cut else "completed"), len(self.output)
         self.text_item = None
         self.output.append(item)
         ids = {"item_id": item["id"], "output_index": at, "content_index": 0}
@@ -333,7 +337,7 @@ class ResponsesAnswer:
         return out
 
     def closing(self, done: Done) -> list[dict]:
-        out = self._close_text()
+        out = self._close_text(cut=done.finish_reason == FinishReason.LENGTH)  # (the text the length cut)
         response = self.response("completed", done, self.output)
         return out + [
             self._event(

@@ -202,3 +202,22 @@ def test_a_failure_after_the_start_is_a_failed_response():
     (event,) = a.failing({"message": "the worker died", "type": "server_error"})
     assert event["type"] == "response.failed" and event["response"]["status"] == "failed"
     assert event["response"]["error"]["message"] == "the worker died"
+
+
+def test_text_after_a_call_is_another_message_item_with_its_own_id(done, chunk):
+    a = answer(stream=True)
+    events = a.opening() + a.chunk(chunk("Let me look."))
+    events += a.chunk(chunk("", deltas=((0, "{}", "call_1", "ls"),))) + a.chunk(chunk("\n"))
+    events += a.closing(done("Let me look.\n", FinishReason.TOOL_CALLS, calls=(("call_1", "ls", "{}"),)))
+    ids = [e["item"]["id"] for e in events if e["type"] == "response.output_item.done"]
+    assert len(ids) == len(set(ids)) == 3
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "function_call", "message"]
+
+
+def test_text_the_length_cut_is_an_incomplete_item(done, chunk):
+    a = answer(stream=True)
+    events = a.opening() + a.chunk(chunk("1, 2, 3")) + a.closing(done("1, 2, 3", FinishReason.LENGTH))
+    item = [e for e in events if e["type"] == "response.output_item.done"][0]["item"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "1, 2, 3"
+    assert events[-1]["type"] == "response.incomplete"
+    assert answer().whole(done("1, 2, 3", FinishReason.LENGTH))["output"][0]["status"] == "incomplete"

@@ -50,7 +50,8 @@ def temp_socket(prefix: str) -> Path:
 
 # What the daemons' load checks found (daemon/worker/invariance.py: keyed by model file, settings and CPU),
 # handed to each later daemon of a run that is given a fresh --state-dir, as a restarted daemon finds them
-# in its own: the daemons a benchmark compares read prompts the same way, and none spends its start on them.
+# in its own: the daemons a benchmark compares read prompts the same way, and none spends its start on them
+# (tests/conftest.py hands them on between the test daemons of a session the same way).
 VERDICTS: dict = {}
 VERDICTS_FILE = "batch-invariance.json"
 
@@ -68,18 +69,30 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180, stderr=No
     load checks' verdicts earlier daemons of this run found are put there first
     (``VERDICTS``)."""
     state = _state_dir(serve_args)
-    if state is not None and VERDICTS and not (state / VERDICTS_FILE).exists():
-        state.mkdir(parents=True, exist_ok=True)
-        (state / VERDICTS_FILE).write_text(json.dumps(VERDICTS))
+    if state is not None:
+        seed_verdicts(state)
     proc = _spawn(socket, serve_args, stderr)
     _wait_ready(proc, socket, timeout)
     if state is not None:
-        try:
-            found = json.loads((state / VERDICTS_FILE).read_text())
-            VERDICTS.update({k: v for k, v in found.items() if isinstance(v, dict)})
-        except (OSError, ValueError):
-            pass
+        keep_verdicts(state)
     return proc
+
+
+def seed_verdicts(state: Path) -> None:
+    """Put the verdicts found so far (``VERDICTS``) into a daemon's state directory ``state``,
+    unless it has its own file."""
+    if VERDICTS and not (state / VERDICTS_FILE).exists():
+        state.mkdir(parents=True, exist_ok=True)
+        (state / VERDICTS_FILE).write_text(json.dumps(VERDICTS))
+
+
+def keep_verdicts(state: Path) -> None:
+    """Add what a daemon with the state directory ``state`` found to ``VERDICTS``."""
+    try:
+        found = json.loads((state / VERDICTS_FILE).read_text())
+        VERDICTS.update({k: v for k, v in found.items() if isinstance(v, dict)})
+    except (OSError, ValueError):
+        pass
 
 
 def _spawn(socket: Path, serve_args: tuple, stderr) -> subprocess.Popen:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.abc
-import json
 import os
 import shutil
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import keep_verdicts, seed_verdicts
 from tandem.client import Client, DaemonNotRunning
 
 if os.environ.get("TANDEM_TEST_WITHOUT_LLAMA_CPP"):  # as if llama-cpp-python were not installed
@@ -81,11 +81,9 @@ def terminate(proc: subprocess.Popen, timeout: float) -> int:
     return proc.returncode
 
 
-# The load checks' verdicts (batch-invariance probe, fast prefill, prompt reader; keyed by the model file, the
-# settings and the CPU: daemon/worker/invariance.py) that test daemons found, handed to every later daemon of
-# the session as a restarted daemon finds them in its state_dir. A test that is about the checks themselves
-# starts its daemon with ``fresh_probe=True``.
-LOAD_VERDICTS: dict = {}
+# The load checks' verdicts that test daemons found are handed to every later daemon of the session
+# (bench.common's seed_verdicts / keep_verdicts), as a restarted daemon finds them in its state_dir. A test
+# that is about the checks themselves starts its daemon with ``fresh_probe=True``.
 
 
 class DaemonProcess:
@@ -95,10 +93,9 @@ class DaemonProcess:
         self.dir = short_tmpdir()
         self.socket = self.dir / "t.sock"
         self.log_path = self.dir / "serve.log"
-        self.verdicts = self.dir / "state" / "tandem" / "batch-invariance.json"
-        if LOAD_VERDICTS and not fresh_probe and not (env or {}).get("XDG_STATE_HOME"):
-            self.verdicts.parent.mkdir(parents=True)
-            self.verdicts.write_text(json.dumps(LOAD_VERDICTS))
+        self.state = self.dir / "state" / "tandem"  # (its state_dir: $XDG_STATE_HOME/tandem)
+        if not fresh_probe and not (env or {}).get("XDG_STATE_HOME"):
+            seed_verdicts(self.state)
         # what the daemon learns (the governor's state) stays in this test's directory
         # ... and so do its settings: no config file of the user's, metrics on a free loopback port
         self.env = {
@@ -155,11 +152,7 @@ class DaemonProcess:
     def stop(self) -> int:
         code = terminate(self.proc, 30)
         self._log.close()
-        try:  # what it found, for the daemons after it
-            found = json.loads(self.verdicts.read_text())
-            LOAD_VERDICTS.update({k: v for k, v in found.items() if isinstance(v, dict)})
-        except (OSError, ValueError):
-            pass
+        keep_verdicts(self.state)  # what it found, for the daemons after it
         return code
 
     def cleanup(self) -> None:

@@ -231,7 +231,7 @@ class Supervisor:
         worker.info = msg.model
         if worker is self.target and self.drafter is not None and (self.drafter_off or not self.drafter.ready):
             self.target.send(DrafterState(id="daemon", available=False))  # a new target: the drafter is down
-        if worker is self.drafter and self.ever_ready and self.target.alive:
+        if worker is self.drafter and (self.ever_ready or worker.policy.restarts) and self.target.alive:
             self.target.send(DrafterState(id="daemon", available=True))  # a restarted drafter: draft again
         if worker is self.target:
             self.scheduler.governor = msg.governor
@@ -249,7 +249,11 @@ class Supervisor:
             msg.model.n_ctx,
             msg.pid,
         )
-        if not self.models_ready:
+        self._become_ready()
+
+    def _become_ready(self) -> None:
+        """Ready once every model needed is loaded (after the first start, the target alone)."""
+        if self.state != "loading" or not self.models_ready:
             return
         if self.drafter is not None and self.drafter.info is not None and self.target.info is not None:
             mismatch = vocab_mismatch(self.target.info, self.drafter.info)
@@ -283,18 +287,17 @@ class Supervisor:
             return  # (a drafter switched off was told to exit)
         how = worker.policy.cause(code)
         name = "model worker" if is_target else "drafter worker"
+        if not self.ever_ready:  # killed while loading (the OOM killer, a user): load again under the policy
+            path = self.config.model_path if is_target else self.config.drafter_path
+            how = f"{how} while loading {path}"
         if is_target:
             log.error("the model worker %s", how)
             if self.state == "failed":  # no restart; still, what it was doing gets its answer
                 self.scheduler.abort(ErrorCode.NOT_READY, f"the daemon has failed: {self.failure}", f"the {name} {how}")
                 return
-        if not self.ever_ready:
-            path = self.config.model_path if is_target else self.config.drafter_path
-            self.fail(f"the {name} {how} while loading {path}")
-            return
         delay = worker.policy.died(time.monotonic())
         if is_target:
-            self.scheduler.abort(
+            self.scheduler.abort(  # (nothing runs before the first ready)
                 ErrorCode.WORKER_DIED,
                 f"the model worker {how} while serving this request; it is being restarted and the request "
                 "may be retried",
@@ -334,6 +337,7 @@ class Supervisor:
             how,
             why,
         )
+        self._become_ready()  # a target that loaded while the drafter could not: serve without it
 
     @staticmethod
     def _restart(worker: WorkerHandle) -> bool:

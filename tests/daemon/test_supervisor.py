@@ -198,12 +198,57 @@ def test_a_worker_killed_as_hung_says_so(role, caplog):
         assert h.replies == [] and "drafter worker did not answer within 120 s" in caplog.text
 
 
-def test_a_death_while_the_models_load_fails_the_daemon_and_stops_it():
-    h = Harness()
-    h.sup.ever_ready = False
-    h.sup.target.die(code=1)
+def loading_harness(drafter: bool = False) -> Harness:
+    """A harness whose workers are still loading (none has said ready)."""
+    h = Harness(drafter=drafter)
+    h.sup.ever_ready, h.sup.state = False, "loading"
+    for w in h.sup.workers:
+        w.info = None
+    return h
+
+
+def test_a_target_killed_while_loading_is_loaded_again_and_the_daemon_serves():
+    h = loading_harness()
+    h.sup.target.die(code=-9)  # the OOM killer, or a user
     h.sup.check(time.monotonic())
-    assert h.sup.state == "failed" and h.stopped and "while loading /m.gguf" in h.sup.failure
+    assert h.sup.state == "loading" and not h.stopped and h.sup.target.policy.restart_due is not None
+    h.restart_due(h.sup.target)
+    assert h.sup.target.starts == 1 and h.sup.state == "ready" and h.sup.ever_ready
+
+
+def test_a_target_that_keeps_dying_while_loading_fails_the_daemon_and_stops_it():
+    h = loading_harness()
+    for _ in range(TARGET_MAX_DEATHS - 1):
+        h.sup.target.die(code=-11)
+        h.sup.check(time.monotonic())
+        h.sup.check(h.sup.target.policy.restart_due)  # restarted; it dies again before it is ready
+    assert h.sup.state == "loading" and not h.stopped
+    h.sup.target.die(code=-11)
+    h.sup.check(time.monotonic())
+    assert h.sup.state == "failed" and h.stopped
+    assert "gave up" in h.sup.failure and "while loading /m.gguf" in h.sup.failure
+
+
+def test_a_drafter_killed_while_loading_is_loaded_again_and_then_drafts():
+    h = loading_harness(drafter=True)
+    h.sup.drafter.die()
+    h.sup.check(time.monotonic())
+    h.sup._on_ready(h.sup.target, Ready(id="target", model=INFO, pid=1))
+    assert h.sup.state == "loading"  # the first start waits for both
+    h.restart_due(h.sup.drafter)
+    assert h.sup.state == "ready"
+    assert [m.available for m in h.sup.target.sent if isinstance(m, DrafterState)][-1] is True
+
+
+def test_a_drafter_that_keeps_dying_while_loading_is_switched_off_and_the_target_serves():
+    h = loading_harness(drafter=True)
+    h.sup._on_ready(h.sup.target, Ready(id="target", model=INFO, pid=1))
+    for _ in range(DRAFTER_MAX_DEATHS):
+        h.sup.drafter.die()
+        h.sup.check(time.monotonic())
+        if h.sup.drafter.policy.restart_due is not None:
+            h.sup.check(h.sup.drafter.policy.restart_due)
+    assert h.sup.drafter_off and h.sup.state == "ready" and not h.stopped
 
 
 @pytest.mark.parametrize(

@@ -195,6 +195,27 @@ def test_a_target_that_cannot_come_back_fails_the_daemon_clearly(short_tmpdir, s
     shutil.rmtree(work, ignore_errors=True)
 
 
+def test_a_target_killed_while_loading_is_loaded_again_and_the_daemon_serves(start_daemon):
+    """The OOM killer (or a user) ends the worker before it said ready: the
+    restart policy loads it again; the daemon does not end."""
+    import psutil
+
+    d = start_daemon("--ctx-size", "512", wait=False)
+    daemon = psutil.Process(d.proc.pid)
+
+    def loading_worker():
+        return next((p for p in daemon.children() if "worker_main" in " ".join(p.cmdline())), None)
+
+    worker = wait_for(loading_worker, what="the worker's start")
+    worker.kill()
+    d.wait_ready(120)
+    with d.client() as c:
+        st = c.status()
+        assert st.worker_restarts == 1 and st.worker_pids["target"] != worker.pid and st.state == "ready"
+        assert c.complete(prompt="Hello", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+    assert "while loading" in d.log()
+
+
 def test_ten_target_deaths_in_a_row_each_survived(start_daemon):
     d = start_daemon("--ctx-size", "512", "--cache-bytes", "16M")
     prompt = PREAMBLE + "Again?"

@@ -14,7 +14,7 @@ from tandem.client import QueueFull, RequestFailed, TandemError
 from tandem.daemon import config
 from tandem.protocol import default_socket_path
 
-from . import ask, cache, config_cmd, models, service, serving, status
+from . import ask, cache, config_cmd, launch, models, service, serving, status
 from .common import say
 
 DESCRIPTION = """\
@@ -26,6 +26,7 @@ Unix socket; nothing leaves this machine.
   tandem serve --model qwen2.5-coder-1.5b run the daemon in the foreground
   tandem status | tandem stop             inspect / stop the daemon
   tandem http                             OpenAI, Ollama and Anthropic APIs on 127.0.0.1 for editors
+  tandem launch claude|codex|qwen|opencode run a coding agent on the local model
   tandem pull NAME | list | show NAME     fetch (resumable, sha256-checked) / list / describe models
   tandem tokens "TEXT"                    count tokens as the served model reads them
   tandem config show                      the effective settings and their sources
@@ -38,6 +39,7 @@ ADD_COMMANDS = (
     ask.add_run,
     ask.add_chat,
     serving.add_http,
+    launch.add_launch,
     status.add_status,
     serving.add_stop,
     ask.add_tokens,
@@ -55,6 +57,7 @@ COMMANDS = {
     "status": status.cmd_status,
     "http": serving.cmd_http,
     "openai": serving.cmd_http,
+    "launch": launch.cmd_launch,
     "tokens": ask.cmd_tokens,
     "stop": serving.cmd_stop,
     "key": serving.cmd_key,

@@ -60,6 +60,8 @@ def _model_lines(st) -> list[str]:
         f"model:     {m.name} ({mib(m.size_bytes)}, context {m.n_ctx:,} of {m.n_ctx_train:,} trained, "
         f"vocab {m.n_vocab:,}, {fim})"
     ]
+    if st.context:
+        lines.append(f"context:   {st.context}")
     if m.devices:
         lines += _placement_lines(m, st.drafter_model)
     if m.batch_invariant is not None:

@@ -119,11 +119,30 @@ OPTIONS: tuple[Option, ...] = (
         "ctx_size",
         "int",
         AUTO,
-        "context length in tokens (auto: the model's, capped at 8192)",
+        "context length in tokens (auto: the model's trained context where the KV caches fit --kv-budget, else "
+        "the longest that fits; `tandem status` says which)",
         minimum=16,
         maximum=1 << 20,
         auto=True,
         metavar="N",
+    ),
+    Option(
+        "kv_budget",
+        "size",
+        AUTO,
+        "memory the KV caches of --ctx-size auto may take (target and model drafter together): auto = a quarter "
+        "of the machine's memory",
+        auto=True,
+        metavar="SIZE",
+    ),
+    Option(
+        "kv_type",
+        "choice",
+        "f16",
+        "the KV cache's element type (llama.cpp's type_k/type_v): q8_0 takes about half of f16's memory and "
+        "q4_0 about a quarter, at some cost in quality; output stays exact either way; q8_0 and q4_0 need "
+        "--flash-attn on",
+        choices=("f16", "q8_0", "q4_0"),
     ),
     Option(
         "threads",
@@ -787,6 +806,13 @@ def check(settings: Settings) -> None:
             f"metrics_addr = {addr!r} (from {settings.sources['metrics_addr']}) is not a loopback address: the "
             "metrics would be reachable from other machines. Use 127.0.0.1:PORT, or set metrics_allow_remote = "
             "true (--metrics-allow-remote on) if you mean it"
+        )
+    v = settings.values
+    if v.kv_type != "f16" and not v.flash_attn:
+        raise ConfigError(
+            f"kv_type = {v.kv_type} (from {settings.sources['kv_type']}) needs flash attention, which is off (from "
+            f"{settings.sources['flash_attn']}): llama.cpp keeps a quantized KV cache only with it. Use --flash-attn "
+            "on, or --kv-type f16"
         )
     check_rpc(settings)
 

@@ -15,6 +15,8 @@ from .cache.arena import cache_budget
 from .config import ServeError
 from .front import sdnotify
 from .front.server import Daemon, ServeConfig
+from .models.context_size import ContextError, choose_context
+from .models.gguf_meta import GGUFError
 from .worker.worker_config import LOOKUP_DRAFTERS
 
 log = logging.getLogger("tandem.daemon")
@@ -49,6 +51,10 @@ def serve(
             loaded = models.drafter_file(drafter_path, v.drafter_quantize, say)
             if loaded != drafter_path:
                 drafter_name, drafter_path = f"{drafter_name} as Q8_0 ({loaded})", loaded
+        context = choose_context(
+            v.ctx_size, path, drafter_path, v.kv_type, v.kv_budget if v.kv_budget is not None else None
+        )
+        log.info("context: %s", context.note)
         daemon = Daemon(
             ServeConfig(
                 settings=s,
@@ -59,11 +65,13 @@ def serve(
                 cache_bytes=cache_budget(v.cache_bytes),
                 drafter_name=drafter_name,
                 drafter_path=drafter_path,
+                n_ctx=context.n_ctx,
+                context_note=context.note,
             ),
             notifier=notifier,
             reload=reload,
         )
-    except (ServeError, models.ModelError) as exc:
+    except (ServeError, models.ModelError, ContextError, GGUFError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     daemon.serve_forever()

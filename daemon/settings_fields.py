@@ -20,7 +20,14 @@ class SettingsFields:
     model: str = "smollm2-135m"
     """preset name (see `tandem models list`) or path of a .gguf file; a preset is pulled if missing"""
     ctx_size: int | None = None
-    """context length in tokens (auto: the model's, capped at 8192)"""
+    """context length in tokens (auto: the model's trained context where the KV caches fit --kv-budget, else the longest
+    that fits; `tandem status` says which)"""
+    kv_budget: int | None = None
+    """memory the KV caches of --ctx-size auto may take (target and model drafter together): auto = a quarter of the
+    machine's memory"""
+    kv_type: Literal["f16", "q8_0", "q4_0"] = "f16"
+    """the KV cache's element type (llama.cpp's type_k/type_v): q8_0 takes about half of f16's memory and q4_0 about a
+    quarter, at some cost in quality; output stays exact either way; q8_0 and q4_0 need --flash-attn on"""
     threads: int | None = None
     """CPU threads for llama.cpp (auto: all cores)"""
     batch_size: int = 512

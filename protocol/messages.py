@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 5)
+PROTOCOL_VERSION: tuple[int, int] = (1, 6)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
@@ -720,6 +720,7 @@ class ModelInfo:
     n_layers: int = 0  # layers llama.cpp places: the repeating ones and the output layer
     layers: dict[str, int] = field(default_factory=dict)  # device name -> layers placed there
     weights: dict[str, int] = field(default_factory=dict)  # llama.cpp weight buffer ("CPU_Mapped", "CUDA0") -> bytes
+    kv_type: str = "f16"  # the KV cache's element type (--kv-type)
 
 
 @dataclass
@@ -759,6 +760,7 @@ class StatusReply(Message):
     # (the model file a prompt reader maps a second time, the prefix cache's arena); {}
     # where the system cannot say
     memory_pss_bytes: dict[str, int] = field(default_factory=dict)
+    context: str = ""  # how the context length was chosen (--ctx-size, or the trained one within --kv-budget)
 
 
 @dataclass

@@ -73,6 +73,8 @@ class ServeConfig:
     cache_bytes: int = 0  # the prefix cache's arena in shared memory; 0 = no prefix cache
     drafter_name: str = "none"  # "none", "ngram", "suffix", or a model drafter's display name
     drafter_path: Optional[Path] = None  # set for a model drafter
+    n_ctx: int = 0  # the context both models get (models/context_size.py); 0: the settings' or the model's
+    context_note: str = ""  # how n_ctx was chosen, for `tandem status`
 
     @property
     def drafter_kind(self) -> str:
@@ -391,6 +393,7 @@ class Daemon:
             governor=s.governor,
             cache=s.cache,
             metrics_addr=self.metrics.address,
+            context=c.context_note,
         )
 
     # ------------------------------------------------------------------ shutdown

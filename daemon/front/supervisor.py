@@ -101,6 +101,7 @@ class Supervisor:
             draft_endpoint=endpoint(socket_dir / f".draft-{os.getpid()}.ipc") if kind == "model" else "",
             cache_shm=cache_shm,
             cache_bytes=cache_bytes,
+            n_ctx=c.n_ctx,
         )
         target = WorkerConfig(
             role="target",

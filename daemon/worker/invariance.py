@@ -32,6 +32,7 @@ def probe_key(model, config: WorkerConfig) -> str:
         st.st_mtime_ns,
         config.settings.kernels,
         model.flash_attn,
+        model.kv_type,
         model.extra_buffers,
         model.step_rows,  # (with repacked weights, steps in passes of this many rows: exact from 3 down)
         model.n_batch,

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 import llama_cpp as llama
 
+from ..models.context_size import KV_TYPES
+
 log = logging.getLogger(__name__)
 
 
@@ -167,7 +169,9 @@ def load_weights(path: Path, extra_buffers: bool, gpu_layers: int, device_names:
     return model, placement
 
 
-def create_context(model, n_ctx: int, n_batch: int, n_threads: int, flash_attn: bool) -> tuple[object, list[int]]:
+def create_context(
+    model, n_ctx: int, n_batch: int, n_threads: int, flash_attn: bool, kv_type: str = "f16"
+) -> tuple[object, list[int]]:
     """(a llama.cpp context over ``model``, NULL where it could not be created;
     the CPU backends created with it, whose kernels ``set_reference`` switches)."""
     params = llama.llama_context_default_params()
@@ -178,6 +182,7 @@ def create_context(model, n_ctx: int, n_batch: int, n_threads: int, flash_attn: 
     params.n_threads = n_threads
     params.n_threads_batch = n_threads
     params.no_perf = True
+    params.type_k = params.type_v = KV_TYPES[kv_type][0]
     params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
     _REFERENCE_KERNELS["created"] = []
     try:

@@ -58,6 +58,7 @@ class LlamaModel(LlamaDecoder):
         gpu_layers: int = 0,
         devices: Optional[Sequence[str]] = None,
         prompt_reader: bool = False,
+        kv_type: str = "f16",
     ):
         self.path = Path(path)
         self.gpu_layers = int(gpu_layers)  # llama.cpp's n_gpu_layers: -1 all, N, 0 none
@@ -74,6 +75,7 @@ class LlamaModel(LlamaDecoder):
         self.n_batch = min(n_batch, self.n_ctx)
         self.n_threads = n_threads or default_threads()
         self.flash_attn = flash_attn
+        self.kv_type = kv_type  # the KV cache's element type (models/context_size.py's KV_TYPES)
         self.reference_kernels = reference_kernels or fast_prefill
         # rows per llama_decode of a step, with fast prefill (the target with --kernels mixed, whose
         # steps must agree): repacked weights (llama.cpp's CPU_REPACK buffer, which it fills only for
@@ -110,7 +112,9 @@ class LlamaModel(LlamaDecoder):
         )
 
     def _create_context(self, flash_attn: bool) -> None:
-        self.ctx, self._cpu_backends = create_context(self.model, self.n_ctx, self.n_batch, self.n_threads, flash_attn)
+        self.ctx, self._cpu_backends = create_context(
+            self.model, self.n_ctx, self.n_batch, self.n_threads, flash_attn, self.kv_type
+        )
         if self.prefill_chunk and not can_switch_kernels(self._cpu_backends):
             log.warning("fast prefill is off: llama.cpp created no CPU backend whose kernels can be switched")
             self.prefill_chunk = 0
@@ -146,6 +150,7 @@ class LlamaModel(LlamaDecoder):
                 extra_buffers=False,
                 fast_prefill=True,
                 prefill_chunk=self.prefill_chunk,
+                kv_type=self.kv_type,  # (its KV state is copied into this context's: the same types)
             )
         except ModelLoadError as exc:  # (a second KV cache that does not fit): prompts read here, as before
             log.warning("no prompt reader: %s", exc)

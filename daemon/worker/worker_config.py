@@ -45,6 +45,7 @@ class WorkerConfig:
     drafter_quantization: str = ""  # the target's: the model drafter's (gguf general.file_type), "" unknown
     spin_count: Optional[int] = None  # GOMP_SPINCOUNT (None: libgomp's default); see ``spin_count_for``
     life: int = 1  # 1 at the daemon's start, 2... for each restart of this worker
+    n_ctx: int = 0  # the context the daemon chose (models/context_size.py); 0: settings' ctx_size or the model's
 
     @property
     def draft_tokens(self) -> int:
@@ -85,6 +86,7 @@ def describe_model(model, config: WorkerConfig, **more: Any) -> ModelInfo:
         n_layers=placement.n_layers,
         layers=dict(placement.layers),
         weights=dict(placement.weights),
+        kv_type=model.kv_type,
         **more,
     )
 
@@ -129,7 +131,8 @@ def load_model(config: WorkerConfig):
     kernels = s.kernels
     model = LlamaModel(
         config.model_path,
-        n_ctx=s.ctx_size,
+        n_ctx=config.n_ctx or s.ctx_size,
+        kv_type=s.kv_type,
         n_threads=s.threads,
         n_batch=s.batch_size,
         extra_buffers=EXTRA_BUFFERS[s.extra_buffers],  # auto: default_extra_buffers

@@ -72,8 +72,8 @@ def run_worker_process(config: WorkerConfig) -> None:
 
             TargetLoop(config, sock).run()
     finally:
-        sock.close()
-        ctx.term()
+        sock.close()  # (what it still has for the daemon goes within its linger)
+        ctx.destroy(linger=0)  # the sockets a loop left open (the target's to its drafter): term would wait on them
     sys.exit(0)
 
 

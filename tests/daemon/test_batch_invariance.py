@@ -122,6 +122,7 @@ class CountingModel:
     def __init__(self, path, verdict):
         self.path, self.verdict, self.probes = path, verdict, 0
         self.flash_attn, self.extra_buffers, self.n_batch, self.n_threads = True, False, 512, 2
+        self.kv_type = "f16"
         self.step_rows = 0
         self.placement = StandInPlacement()
 

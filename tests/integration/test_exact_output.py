@@ -80,6 +80,29 @@ def test_greedy_text_does_not_depend_on_cache_or_drafting(exact_daemon, kind):
         assert ids == fresh
 
 
+def test_a_quantized_kv_cache_keeps_greedy_text_exact(daemon_process, smollm2_path):
+    """--kv-type q8_0: the same checks as f16 (each row is quantized as it is written, so a
+    position's KV does not depend on the pass that wrote it); pages carry the type."""
+    d = daemon_process(
+        smollm2_path, "--drafter", "ngram", "--ctx-size", "2048", "--cache-bytes", "64M", "--kv-type", "q8_0"
+    )
+    d.wait_ready(120)
+    messages = with_house_style(CORPUS["code"][0])
+    try:
+        with d.client() as client:
+            st = client.status()
+            assert st.model.kv_type == "q8_0" and "q8_0 KV cache" in st.context and st.model.n_ctx == 2048
+            assert st.model.batch_invariant is not None  # probed with this cache type (its own verdict)
+            reference = greedy(client, messages, cache=False, draft="off")
+            assert greedy(client, messages, draft="off") == reference  # cold
+            warm = client.generate(messages=messages, max_tokens=TOKENS, temperature=0.0, draft="off")
+            assert [t for chunk in warm for t in chunk.token_ids] == reference and warm.done.usage.cached_tokens > 0
+            assert greedy(client, messages, cache=False, draft="on") == reference
+    finally:
+        d.stop()
+        d.cleanup()
+
+
 def test_seeded_sampling_does_not_depend_on_the_cache(exact_daemon):
     messages = CORPUS["story"][1]
     params = dict(max_tokens=TOKENS, temperature=0.9, top_p=0.95, seed=1234)

@@ -47,6 +47,15 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # --------------------------------------------------------------------------- request translation
 
 
+_WARNED: set[str] = set()  # the kinds of tools left out that were logged (an agent sends them every turn)
+
+
+def _left_out_once(kinds: str) -> None:
+    level = logging.DEBUG if kinds in _WARNED else logging.WARNING
+    _WARNED.add(kinds)
+    log.log(level, "tools left out (the model can call only function tools here): %s", kinds)
+
+
 def _text(content: Any, where: str) -> str:
     """A message's content: a string, or text parts joined."""
     if isinstance(content, str):
@@ -132,7 +141,7 @@ def tool_use(body: dict) -> Optional[ToolUse]:
             fn["description"] = tool["description"]
         out.append(function_tool(fn))
     if left_out:
-        log.warning("tools left out (the model can call only function tools here): %s", ", ".join(left_out))
+        _left_out_once(", ".join(left_out))
     choice = body.get("tool_choice")
     if not out:
         if choice == "required" or isinstance(choice, dict):

@@ -25,6 +25,7 @@ from typing import Callable
 from .common import autostart_args, connect, say
 
 KEY_WHEN_NONE = "tandem"  # agents insist on a key; the bridge asks for none unless `--api-key on`
+ROOM = 8192  # tokens of a session beyond an agent's first request, below which launch warns
 LONG_TIMEOUT_MS = "3600000"  # a long prompt's first read: minutes on a laptop CPU (the bridge keeps streams alive)
 
 
@@ -165,11 +166,11 @@ def cmd_launch(args) -> int:
         return 2
     with connect(args.socket, args.model, args.no_start, args.config) as client:
         model, n_ctx = client.server.model, client.status().model.n_ctx
-    if n_ctx < agent.first_prompt * 2:
+    if n_ctx < agent.first_prompt + ROOM:
         say(
             f"tandem: the served model's context is {n_ctx:,} tokens, and {args.agent}'s first request alone is "
-            f"about {agent.first_prompt:,}: it will run out of room. Serve a model with a longer context "
-            "(e.g. `tandem stop`, then `tandem launch ... --model qwen2.5-coder-1.5b`)"
+            f"about {agent.first_prompt:,}: it will soon run out of room. Serve a longer context: `tandem stop`, "
+            "then a model trained on one (Qwen2.5-Coder: 32k) with --ctx-size, --kv-budget or --kv-type q8_0"
         )
     server = bridge_server.BridgeServer(("127.0.0.1", 0), args.socket, model, verbose=args.verbose, api_key=api_key)
     thread = threading.Thread(target=server.serve_forever, name="tandem-bridge", daemon=True)

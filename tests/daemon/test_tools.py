@@ -9,6 +9,7 @@ import pytest
 
 from tandem.daemon.constraints.tools import (
     GENERIC,
+    CallOpener,
     HERMES,
     LLAMA3,
     HermesParser,
@@ -245,6 +246,89 @@ def test_an_untagged_call_at_the_start_is_a_call():
     parser = HermesParser()
     content, _ = feed_all(parser, '{"answer": 42}', [4])
     assert content == '{"answer": 42}' and parser.calls == []
+
+
+FENCED = '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+
+
+@pytest.mark.parametrize("cut", range(len(FENCED) + 1))
+def test_a_call_in_a_code_fence_at_the_start_is_a_call_and_the_fence_is_not_text(cut):
+    """What Qwen2.5-Coder writes under Claude Code's 12k-token system prompt (the grammar
+    takes over after the fence, so the model never gets to close it)."""
+    for parser in (HermesParser({"get_weather"}), Llama3Parser({"get_weather"})):
+        content, deltas = feed_all(parser, FENCED, [cut])
+        assert content == "" and _calls(deltas) == [("get_weather", '{"city": "Oslo"}')], type(parser)
+
+
+@pytest.mark.parametrize(
+    "text", ["```python\nprint(1)\n```", "```json\n[1, 2]\n```", "``", "```json", "Use ```json\n{}```"]
+)
+def test_a_code_fence_that_holds_no_call_is_text(text):
+    for parser in (HermesParser({"get_weather"}), Llama3Parser({"get_weather"})):
+        for cut in range(len(text) + 1):
+            content, deltas = feed_all(parser.__class__({"get_weather"}), text, [cut])
+            assert content == text and deltas == [], (type(parser), cut)
+
+
+AFTER_TEXT = (
+    'Here\'s the JSON output:\n\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo"}\n}\n```\nDone.'
+)
+
+
+@pytest.mark.parametrize("cut", range(len(AFTER_TEXT) + 1))
+def test_a_call_in_a_code_fence_after_text_is_a_call_as_llama_server_reads_it(cut):
+    """What Qwen2.5-Coder-0.5B writes under Qwen Code's 17k-token prompt: not constrained
+    (it opened no call where one can be), parsed whole once the fence closes."""
+    content, deltas = feed_all(HermesParser({"get_weather"}), AFTER_TEXT, [cut])
+    assert content == "Here's the JSON output:\n\n\nDone."
+    assert _calls(deltas) == [("get_weather", '{"city": "Oslo"}')]
+    text = AFTER_TEXT.replace("get_weather", "get_time")  # no such tool: the block is text
+    assert feed_all(HermesParser({"get_weather"}), text, [cut]) == (text, [])
+    unclosed = AFTER_TEXT[: AFTER_TEXT.index("```\nDone")]  # the output ended inside the fence
+    assert _calls(feed_all(HermesParser({"get_weather"}), unclosed, [min(cut, len(unclosed))])[1])
+    content, deltas = feed_all(HermesParser({"get_weather"}), unclosed, [min(cut, len(unclosed))], cut_off=True)
+    assert deltas == [] and content == unclosed  # cut off by max_tokens: text, not a call
+
+
+class Grammar:
+    """What CallOpener uses of a compiled constraint."""
+
+    def __init__(self, first: bytes):
+        self.first = first  # what the grammar's first token must start with
+        self.consumed: list[int] = []
+
+    def valid_prefix(self, tokens) -> bool:
+        return PIECES[tokens[0]].startswith(self.first)
+
+    def consume(self, token) -> bool:
+        self.consumed.append(token)
+        return True
+
+
+PIECES = {1: b"```", 2: b"json", 3: b"\n", 4: b'{"', 5: b"{\n", 6: b"Hello", 7: b"<tool_call>", 8: b"python", 9: b" "}
+
+
+@pytest.mark.parametrize(
+    "tokens, opens_at, consumed",
+    [
+        ([4], 0, [4]),  # a compact object first: the bare call, from its first token
+        ([1, 2, 3], 2, []),  # ```json and a newline: the call starts at the next token
+        ([9, 1, 3], 2, []),  # ``` and a newline after a space
+        ([5], None, None),  # '{\n' first: not the compact start of a call, nor a fence
+        ([1, 8, 3], None, None),  # ```python: text
+        ([6, 1, 2, 3], None, None),  # a fence after text: text
+        ([6, 7], 1, [7]),  # the tag opens a call anywhere
+    ],
+)
+def test_the_opener_starts_the_call_at_its_token_or_after_a_fence(tokens, opens_at, consumed):
+    bare, tagged = Grammar(b'{"'), Grammar(b"<tool_call>")
+    plan = ToolPlan(HERMES, [WEATHER], "auto", parallel=False, open_token=7, close_token=8)
+    opener = CallOpener(plan, {"bare": bare, "tagged": tagged}, PIECES.__getitem__)
+    opened = [opener.opens(t, first=i == 0) for i, t in enumerate(tokens)]
+    at = next((i for i, c in enumerate(opened) if c is not None), None)
+    assert at == opens_at
+    if at is not None:
+        assert opened[at].consumed == consumed
 
 
 def test_tool_arguments_are_closed_to_keys_the_schema_does_not_declare():

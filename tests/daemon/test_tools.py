@@ -9,9 +9,9 @@ import pytest
 
 from tandem.daemon.constraints.tools import (
     GENERIC,
-    CallOpener,
     HERMES,
     LLAMA3,
+    CallOpener,
     HermesParser,
     Llama3Parser,
     ToolPlan,

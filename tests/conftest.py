@@ -241,9 +241,10 @@ def client(daemon):
         yield c
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def coder_daemon(coder_path):
-    """A daemon on Qwen2.5-Coder-0.5B (fill-in-the-middle tokens) with a 2,048-token context, per module."""
+    """A daemon on Qwen2.5-Coder-0.5B (fill-in-the-middle tokens) with a 2,048-token context, shared by the
+    session's modules (a test must not count on what it holds or counted before)."""
     d = DaemonProcess(coder_path, "--ctx-size", "2048")
     d.wait_ready(120)
     yield d

@@ -34,8 +34,9 @@ def spec_daemon(daemon_process, pair):
 
 
 def test_greedy_with_the_drafter_equals_plain_greedy_on_the_corpus(spec_daemon, pair):
-    corpus = load_corpus()
-    assert len(corpus) >= 3 and all(len(prompts) >= 8 for prompts in corpus.values())
+    # five prompts of each kind (bench/exactness.py compares the whole corpus, both model pairs)
+    corpus = {kind: prompts[:5] for kind, prompts in load_corpus().items()}
+    assert len(corpus) == 4 and all(len(prompts) == 5 for prompts in corpus.values())
     engine = reference_engine(str(pair[0]), flash_attn=True)  # the daemon's defaults
     with spec_daemon.client() as client:
         result = compare(client, corpus, ks=[4], tokens=32, engine=engine)
@@ -47,7 +48,7 @@ def test_greedy_with_the_drafter_equals_plain_greedy_on_the_corpus(spec_daemon, 
         f"\nidentical to the daemon's plain path: {result.identical.get(4, 0)}/{result.total[4]}; "
         f"to one-token plain decoding: {result.identical_to_single.get(4, 0)}/{result.total[4]}\n{report}"
     )
-    assert result.identical.get(4, 0) == result.total[4] == 32, report
+    assert result.identical.get(4, 0) == result.total[4] == 20, report
 
 
 def test_draft_stats_in_done_status_and_run_json(tandem_cli, spec_daemon):
@@ -92,7 +93,7 @@ def test_seeded_sampling_with_the_drafter_reproduces(spec_daemon):
 def test_sampling_distribution_with_and_without_the_drafter_match_chi_squared(spec_daemon):
     """The first two tokens at temperature 1 (top_k 4): the second is a verified
     draft or a residual sample when drafting, a plain sample otherwise."""
-    n = 600
+    n = 400
     counts = {0: collections.Counter(), 2: collections.Counter()}
     with spec_daemon.client() as client:
         for k in counts:

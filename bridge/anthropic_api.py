@@ -49,14 +49,20 @@ log = logging.getLogger("tandem.bridge")
 # --------------------------------------------------------------------------- request translation
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A string, or text blocks joined (tool results carry either)."""
+def _text_of(content: Any, where: str, references: bool = False) -> str:
+    """A string, or text blocks joined (tool results carry either). A ``tool_reference`` block
+    (Claude Code's tool search answers with them: the tool it names may now be called) is a line
+    naming the tool: every tool a request declares is shown to the model whole anyway."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for j, block in enumerate(content):
-            if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if references and kind == "tool_reference" and isinstance(block.get("tool_name"), str):
+                parts.append(f"Tool available: {block['tool_name']}\n")
+                continue
+            if not (kind == "text" and isinstance(block.get("text"), str)):
                 raise bad_request(f"{where}[{j}] must be a text block here")
             parts.append(block["text"])
         return "".join(parts)
@@ -122,7 +128,7 @@ def chat_messages(body: dict) -> list[dict]:
             elif kind == "tool_result" and m["role"] == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise bad_request(f"{where}: a tool_result block needs 'tool_use_id'")
-                result = _text_of(block.get("content"), f"{where}.content")
+                result = _text_of(block.get("content"), f"{where}.content", references=True)
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})

@@ -112,6 +112,35 @@ def test_system_blocks_tool_use_and_tool_results_become_the_daemons_messages():
     ]
 
 
+def test_a_tool_search_result_names_the_tools_it_found():
+    """Claude Code's ToolSearch tool answers with tool_reference blocks (seen from 2.1.328)."""
+    body = {
+        **BASE,
+        "messages": [
+            {"role": "user", "content": "Find the edit tool"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "tool_reference", "tool_name": "Edit"}, {"type": "text", "text": "ok"}],
+                    }
+                ],
+            },
+        ],
+    }
+    assert parse_messages(body, N_CTX).messages[-1] == {
+        "role": "tool",
+        "tool_call_id": "t1",
+        "content": "Tool available: Edit\nok",
+    }
+    body["messages"][0] = {"role": "user", "content": [{"type": "tool_reference", "tool_name": "Edit"}]}
+    with pytest.raises(ApiError, match="not supported"):  # only inside a tool result
+        parse_messages(body, N_CTX)
+
+
 @pytest.mark.parametrize(
     "choice, expected, parallel",
     [

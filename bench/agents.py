@@ -45,7 +45,7 @@ LINE = re.compile(
     r"\((?P<queued>[\d.]+) s queued\), (?P<tps>[\d.]+) tok/s"
 )
 LLAMA_PROMPT = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
-LLAMA_EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)")
+LLAMA_EVAL = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)")
 
 
 def agent_args(agent: str) -> list[str]:
@@ -156,7 +156,7 @@ def run_on_llama_server(agent: str, server: str, model: Path, ctx: int, bin_dir:
         proc.wait(30)
     text = Path(log.name).read_text(errors="replace")
     prompts = [(float(ms), int(n)) for ms, n in LLAMA_PROMPT.findall(text)]
-    evals = [(float(ms), int(n)) for ms, n in LLAMA_EVAL.findall(text) if "prompt" not in ms]
+    evals = [(float(ms), int(n)) for ms, n in LLAMA_EVAL.findall(text)]
     return {
         "exit": done.returncode,
         "wall_s": wall,

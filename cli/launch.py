@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -179,9 +180,13 @@ def cmd_launch(args) -> int:
     env, pre_args = agent.setup(Bridge(url, api_key or KEY_WHEN_NONE, model, n_ctx))
     say(f"tandem: {args.agent} on {model} (context {n_ctx:,}) through {url}")
     try:
-        return subprocess.call([executable, *pre_args, *args.args], env={**os.environ, **env})
-    except KeyboardInterrupt:
-        return 130
+        agent_proc = subprocess.Popen([executable, *pre_args, *args.args], env={**os.environ, **env})
+        # Ctrl-C is the agent's (it gets it from the terminal too): tandem waits for it to end
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return agent_proc.wait()
+        finally:
+            signal.signal(signal.SIGINT, previous)
     finally:
         server.stop()
         thread.join(timeout=15)

@@ -51,9 +51,7 @@ def serve(
             loaded = models.drafter_file(drafter_path, v.drafter_quantize, say)
             if loaded != drafter_path:
                 drafter_name, drafter_path = f"{drafter_name} as Q8_0 ({loaded})", loaded
-        context = choose_context(
-            v.ctx_size, path, drafter_path, v.kv_type, v.kv_budget if v.kv_budget is not None else None
-        )
+        context = choose_context(v.ctx_size, path, drafter_path, v.kv_type, v.kv_budget)
         log.info("context: %s", context.note)
         daemon = Daemon(
             ServeConfig(

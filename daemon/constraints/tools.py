@@ -261,7 +261,7 @@ def make_plan(req: Generate, fmt: str, token_of) -> Optional[ToolPlan]:
     return plan
 
 
-FENCES = ("```json\n", "```\n")  # a code fence an answer may open its call with (small models, long prompts)
+FENCES = ("```json\n",)  # a code fence an answer may open its call with (small models, long prompts)
 FENCE_IN_TEXT = "\n```json\n"  # one after text, on a line of its own
 
 
@@ -284,7 +284,8 @@ class CallOpener:
     An answer that starts with a JSON code fence (```json and a newline) is a call
     too, as llama-server's parser reads one: Qwen2.5-Coder writes its calls that way
     under an agent's 10k-token system prompt. The call is constrained from the token
-    after the fence, which is left out of the answer."""
+    after the fence, which is left out of the answer (so with tools and tool_choice
+    auto, an answer cannot start with a ```json block that is not a call)."""
 
     def __init__(self, plan: ToolPlan, compiled: dict, piece):
         self.open_token = plan.open_token if plan.format != LLAMA3 else plan.python_tag
@@ -373,6 +374,8 @@ class HermesParser(ToolCallParser):
         self.started = False  # something other than whitespace was seen
         self.held = ""  # whitespace after a call: text only if something else follows
         self.fence_open = False  # a ```json block after text is held until it closes
+        self.dropped = ""  # the code fence left out before a call at the answer's start
+        self.fence_close = False  # that call closed: its fence's closing line is not text either
         self._reset_call()
 
     def _reset_call(self) -> None:
@@ -394,12 +397,18 @@ class HermesParser(ToolCallParser):
             if state == "maybe" or (state == "open" and not rest.strip()):
                 return "", []  # a code fence, perhaps: a call may follow it
             if state == "open" and rest.lstrip().startswith("{"):
+                self.dropped = self.buf[: len(self.buf) - len(rest)]  # (given back if no call follows)
                 self.buf = rest  # a call in a code fence: the fence is not part of the answer
             self.started = True
             if self.buf.lstrip().startswith("{"):
                 self.in_call = self.bare = True
                 self._reset_call()
         while True:
+            if self.fence_close:
+                s = self.buf.lstrip()
+                if len(s) < 3 and "```".startswith(s):
+                    return content, deltas  # (held: whitespace, or the closing fence's start)
+                self.buf, self.fence_close = s.removeprefix("```"), False
             if not self.in_call:
                 i = self.buf.find(OPEN)
                 f = 0 if self.fence_open else self.buf.find(FENCE_IN_TEXT)
@@ -408,6 +417,12 @@ class HermesParser(ToolCallParser):
                         content += self._text(self.buf[: f + 1])  # (up to its line's end)
                         self.buf = self.buf[f + 1 :]
                         self.fence_open = True
+                    inside = self.buf[len(FENCES[0]) :].lstrip()
+                    if inside and OPEN.startswith(inside[: len(OPEN)]):  # a tagged call in the fence
+                        if len(inside) < len(OPEN):
+                            return content, deltas
+                        self.buf, self.fence_open = inside, False  # (the fence is not part of the answer)
+                        continue
                     end = self.buf.find("\n```", len(FENCES[0]) - 1)
                     if end < 0:
                         return content, deltas
@@ -474,6 +489,7 @@ class HermesParser(ToolCallParser):
         if end < 0:
             return False
         self.buf = self.buf[end + len(word) :]
+        self.fence_close = self.bare and bool(self.dropped)  # the fence it was written in may close next
         self.in_call = self.bare = False
         self._close(deltas)
         return True
@@ -530,20 +546,20 @@ class HermesParser(ToolCallParser):
         if self.in_call:
             if cut:  # cut off (max_tokens, a stop string) before the model closed it: not a call, none of it
                 if self.bare and self.name is None:  # streamed; held JSON at the start of the answer is text
-                    content = self.buf
+                    content = self.dropped + self.buf
             elif self.name is not None and self.args_done:  # the model ended without the closing tag
                 self._close(deltas)
             elif self.name is None:
                 self._whole(self.buf, deltas)
                 if self.bare and not self.calls:
-                    content = self.buf  # an answer that is JSON, not a call
+                    content = self.dropped + self.buf  # an answer that is JSON, not a call
         elif not self.started:
             content = self.buf  # only whitespace
         elif self.fence_open:  # a code fence the output never closed
             before = len(self.calls)
             if not cut:
                 self._whole(self.buf[len(FENCES[0]) - 1 :], deltas)
-            content = "" if len(self.calls) > before else self._text(self.buf)
+            content = "" if len(self.calls) > before or self.repeated else self._text(self.buf)
         elif self.buf:
             content = self._text(self.buf)
         self.buf = ""
@@ -559,6 +575,7 @@ class Llama3Parser(ToolCallParser):
         self.names = names
         self.buf = ""
         self.holding: Optional[bool] = None  # None: nothing but whitespace seen yet
+        self.dropped = ""  # the code fence left out before a call (given back if it is not one)
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         if self.holding is False:
@@ -571,6 +588,7 @@ class Llama3Parser(ToolCallParser):
         if state == "maybe" or (state == "open" and not rest.strip()):
             return "", []  # a code fence, perhaps: a call may follow it
         if state == "open" and rest.lstrip().startswith("{"):
+            self.dropped = self.buf[: len(self.buf) - len(rest.lstrip())]
             self.buf = start = rest.lstrip()  # a call in a code fence: the fence is not part of the answer
         self.holding = start.startswith("{")
         if self.holding:
@@ -580,8 +598,9 @@ class Llama3Parser(ToolCallParser):
 
     def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         text, self.buf = self.buf, ""
+        body = text.rstrip().removesuffix("```") if self.dropped else text  # (a closed fence)
         try:
-            obj = json.loads(text) if self.holding and not cut else None
+            obj = json.loads(body) if self.holding and not cut else None
         except (ValueError, RecursionError):
             obj = None
         args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
@@ -589,4 +608,4 @@ class Llama3Parser(ToolCallParser):
             deltas: list[ToolCallDelta] = []
             self._add(ToolCall(new_call_id(), FunctionCall(obj["name"], _dump(args))), deltas)
             return "", deltas
-        return text, []
+        return self.dropped + text, []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -288,9 +289,13 @@ class Supervisor:
             return  # (a drafter switched off was told to exit)
         how = worker.policy.cause(code)
         name = "model worker" if is_target else "drafter worker"
-        if not self.ever_ready:  # killed while loading (the OOM killer, a user): load again under the policy
+        if not self.ever_ready:
             path = self.config.model_path if is_target else self.config.drafter_path
             how = f"{how} while loading {path}"
+            if code != -signal.SIGKILL:  # a crash at load (a bad file): it would crash again
+                self.fail(f"the {name} {how}")
+                return
+            # killed (the OOM killer, a user): loaded again under the policy
         if is_target:
             log.error("the model worker %s", how)
             if self.state == "failed":  # no restart; still, what it was doing gets its answer
@@ -318,9 +323,11 @@ class Supervisor:
             log.warning("the drafter worker %s; restarting it in %d s (plain decoding meanwhile)", how, delay)
 
     def _target_gave_up(self, reason: str, how: str) -> None:
+        between = "without finishing a request in between" if self.ever_ready else "before it was ever ready"
         self.fail(
-            f"the model worker {reason} without finishing a request in between (last: it {how}); the daemon gave "
-            "up restarting it. See the log above, fix the cause, and restart the daemon"
+            f"the model worker {reason} {between} (last: it {how}); the daemon gave up restarting it. See the log "
+            "above, fix the cause (killed while loading: is there memory enough for the model?), and restart the "
+            "daemon"
         )
 
     def _drafter_gave_up(self, reason: str, how: str) -> None:

@@ -6,7 +6,10 @@ caches of every context the daemon creates for it (the target's and a model
 drafter's) fit ``--kv-budget``; else the longest that fits, in whole 1,024s. An
 explicit ``--ctx-size`` is taken as given, with a warning when it is over the
 budget. llama.cpp allocates the KV cache of the whole context at load, so this
-is what a context costs in memory whether or not a prompt fills it.
+is what a context costs in memory whether or not a prompt fills it. Not counted:
+the prompt reader's second context (``--prompt-reader``, on by default only over
+repacked weights), which doubles the target's KV cache; and with layers on a GPU
+the budget is still the machine's memory, not the device's.
 
 Per token and layer a context keeps ``n_head_kv * (key_length + value_length)``
 elements; their size is the ``--kv-type``'s (llama.cpp's ``type_k``/``type_v``):
@@ -32,6 +35,7 @@ KV_BUDGET_SHARE = 4  # auto budget: a quarter of the machine's memory
 CONTEXT_STEP = 1024  # a context cut to the budget is a multiple of this
 MIN_CONTEXT = 2048  # ... and never shorter (then over the budget, with a warning)
 FALLBACK_CONTEXT = 4096  # a model file that does not say its trained context
+UNSIZED_CONTEXT = 8192  # auto for a model whose KV size the header does not give (as before the budget)
 
 
 class ContextError(ValueError):
@@ -91,9 +95,14 @@ def choose_context(
     budget = budget or default_kv_budget()
     target = read_metadata(model)
     trained = trained_context(target)
-    per_token = kv_bytes_per_token(target, kv_type)
-    if drafter is not None:
-        per_token += kv_bytes_per_token(read_metadata(drafter), kv_type)
+    try:
+        per_token = kv_bytes_per_token(target, kv_type)
+        if drafter is not None:
+            per_token += kv_bytes_per_token(read_metadata(drafter), kv_type)
+    except ContextError:  # no attention heads (a recurrent model): no KV cache that grows with the context
+        n = requested or min(trained, UNSIZED_CONTEXT)
+        how = "--ctx-size" if requested else f"the model's, at most {UNSIZED_CONTEXT:,}"
+        return ContextChoice(n, trained, 0, budget, f"{n:,} tokens ({how}; its KV size is not known here)")
     fits = budget // per_token
     cost = f"{kv_type} KV cache {{}} of the {mib(budget)} budget (--kv-budget)"
     if requested:
@@ -107,7 +116,7 @@ def choose_context(
         n = trained
         note = f"{n:,} tokens (the model's trained context), " + cost.format(mib(n * per_token))
     else:
-        n = max(fits // CONTEXT_STEP * CONTEXT_STEP, MIN_CONTEXT)
+        n = max(fits // CONTEXT_STEP * CONTEXT_STEP, min(MIN_CONTEXT, trained))
         note = (
             f"{n:,} tokens, not the model's {trained:,}: that would take {mib(trained * per_token)} of {kv_type} "
             f"KV cache, over the {mib(budget)} budget (raise --kv-budget, or --kv-type q8_0 halves it)"

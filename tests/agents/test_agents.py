@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -138,16 +139,24 @@ def run_agent(d, bin_dir: Path, agent: str, root: Path) -> tuple[subprocess.Comp
         "NO_COLOR": "1",
     }
     cmd = [sys.executable, "-m", "tandem.cli", "--socket", str(d.socket), "launch", "--no-start", "--verbose"]
-    done = subprocess.run(
+    proc = subprocess.Popen(
         [*cmd, agent, *agent_args(agent)],
         cwd=repo,
         env=env,
         stdin=subprocess.DEVNULL,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=AGENT_TIMEOUT,
+        start_new_session=True,  # the agent and what it runs: killed together if it overruns
     )
-    return done, parse_log(done.stderr), repo
+    try:
+        out, err = proc.communicate(timeout=AGENT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n(killed after {AGENT_TIMEOUT} s)"
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done, parse_log(err), repo
 
 
 @pytest.mark.parametrize("agent", sorted(AGENTS))

@@ -3,6 +3,8 @@ on the model files this machine has and on headers written for the case."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from tandem.daemon import config
@@ -62,3 +64,16 @@ def test_kv_type_and_budget_are_settings_and_a_quantized_cache_needs_flash_atten
         config.check(config.load({"kv_type": "q4_0", "flash_attn": "off"}, environ={}))
     with pytest.raises(config.ConfigError, match="kv_type"):
         config.load({"kv_type": "q5_1"}, environ={})
+
+
+def test_a_model_without_attention_heads_gets_a_context_without_a_budget(tmp_path):
+    arch = b"mamba"
+    k = b"general.architecture"
+    header = struct.pack("<Q", len(k)) + k + struct.pack("<IQ", 8, len(arch)) + arch
+    ctx = b"mamba.context_length"
+    header += struct.pack("<Q", len(ctx)) + ctx + struct.pack("<II", 4, 1 << 20)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + header)
+    auto = choose_context(None, path, budget=1 << 20)
+    assert auto.n_ctx == 8192 and auto.kv_bytes == 0 and "not known" in auto.note
+    assert choose_context(3000, path).n_ctx == 3000

@@ -219,14 +219,24 @@ def test_a_target_killed_while_loading_is_loaded_again_and_the_daemon_serves():
 def test_a_target_that_keeps_dying_while_loading_fails_the_daemon_and_stops_it():
     h = loading_harness()
     for _ in range(TARGET_MAX_DEATHS - 1):
-        h.sup.target.die(code=-11)
+        h.sup.target.die(code=-9)
         h.sup.check(time.monotonic())
-        h.sup.check(h.sup.target.policy.restart_due)  # restarted; it dies again before it is ready
+        h.sup.check(h.sup.target.policy.restart_due)  # restarted; it is killed again before it is ready
     assert h.sup.state == "loading" and not h.stopped
-    h.sup.target.die(code=-11)
+    h.sup.target.die(code=-9)
     h.sup.check(time.monotonic())
     assert h.sup.state == "failed" and h.stopped
-    assert "gave up" in h.sup.failure and "while loading /m.gguf" in h.sup.failure
+    assert "gave up" in h.sup.failure and "before it was ever ready" in h.sup.failure
+    assert "while loading /m.gguf" in h.sup.failure
+
+
+@pytest.mark.parametrize("code", [1, -11])
+def test_a_worker_that_crashes_while_loading_fails_the_daemon_at_once(code):
+    """A crash at load (a bad file, a llama.cpp abort) would only crash again: no retries."""
+    h = loading_harness()
+    h.sup.target.die(code=code)
+    h.sup.check(time.monotonic())
+    assert h.sup.state == "failed" and h.stopped and f"died (exit code {code}) while loading /m.gguf" in h.sup.failure
 
 
 def test_a_drafter_killed_while_loading_is_loaded_again_and_then_drafts():

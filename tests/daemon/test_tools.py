@@ -261,7 +261,15 @@ def test_a_call_in_a_code_fence_at_the_start_is_a_call_and_the_fence_is_not_text
 
 
 @pytest.mark.parametrize(
-    "text", ["```python\nprint(1)\n```", "```json\n[1, 2]\n```", "``", "```json", "Use ```json\n{}```"]
+    "text",
+    [
+        "```python\nprint(1)\n```",
+        "```json\n[1, 2]\n```",
+        "``",
+        "```json",
+        "Use ```json\n{}```",
+        '```json\n{"a": 1}\n```',  # JSON, not a call (where the output was not constrained): given back whole
+    ],
 )
 def test_a_code_fence_that_holds_no_call_is_text(text):
     for parser in (HermesParser({"get_weather"}), Llama3Parser({"get_weather"})):
@@ -290,6 +298,21 @@ def test_a_call_in_a_code_fence_after_text_is_a_call_as_llama_server_reads_it(cu
     assert deltas == [] and content == unclosed  # cut off by max_tokens: text, not a call
 
 
+@pytest.mark.parametrize("cut", range(60))
+def test_a_tagged_call_in_a_fence_after_text_is_a_call(cut):
+    text = 'Sure.\n```json\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, deltas = feed_all(HermesParser({"get_weather"}), text, [cut])
+    assert content == "Sure.\n" and _calls(deltas) == [("get_weather", '{"city": "Oslo"}')]
+
+
+def test_a_closed_fence_after_a_call_at_the_start_is_not_text():
+    text = '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```'
+    for parser in (HermesParser({"get_weather"}), Llama3Parser({"get_weather"})):
+        for cut in range(len(text) + 1):
+            content, deltas = feed_all(parser.__class__({"get_weather"}), text, [cut])
+            assert content == "" and len(deltas) == 1, (type(parser), cut, content)
+
+
 class Grammar:
     """What CallOpener uses of a compiled constraint."""
 
@@ -313,7 +336,8 @@ PIECES = {1: b"```", 2: b"json", 3: b"\n", 4: b'{"', 5: b"{\n", 6: b"Hello", 7: 
     [
         ([4], 0, [4]),  # a compact object first: the bare call, from its first token
         ([1, 2, 3], 2, []),  # ```json and a newline: the call starts at the next token
-        ([9, 1, 3], 2, []),  # ``` and a newline after a space
+        ([9, 1, 2, 3], 3, []),  # ```json and a newline after a space
+        ([1, 3, 4], None, None),  # a fence that does not say json: text (a code block)
         ([5], None, None),  # '{\n' first: not the compact start of a call, nor a fence
         ([1, 8, 3], None, None),  # ```python: text
         ([6, 1, 2, 3], None, None),  # a fence after text: text

@@ -72,11 +72,13 @@ def make_repo(root: Path) -> Path:
 
 
 def agent_env(root: Path, bin_dir: Path) -> dict[str, str]:
+    """The agent's own HOME and config folders, in ``root`` (its repository: ``root/repo``)."""
     home = root / "home"
     (home / ".codex").mkdir(parents=True, exist_ok=True)
     return {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PWD": str(root / "repo"),  # (opencode takes its project from PWD)
         "HOME": str(home),
         "XDG_CONFIG_HOME": str(home / ".config"),
         "XDG_DATA_HOME": str(home / ".local" / "share"),

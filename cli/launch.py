@@ -180,7 +180,8 @@ def cmd_launch(args) -> int:
     env, pre_args = agent.setup(Bridge(url, api_key or KEY_WHEN_NONE, model, n_ctx))
     say(f"tandem: {args.agent} on {model} (context {n_ctx:,}) through {url}")
     try:
-        agent_proc = subprocess.Popen([executable, *pre_args, *args.args], env={**os.environ, **env})
+        env = {**os.environ, "PWD": os.getcwd(), **env}  # (opencode takes its project from PWD)
+        agent_proc = subprocess.Popen([executable, *pre_args, *args.args], env=env)
         # Ctrl-C is the agent's (it gets it from the terminal too): tandem waits for it to end
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:

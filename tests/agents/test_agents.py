@@ -129,6 +129,7 @@ def run_agent(d, bin_dir: Path, agent: str, root: Path) -> tuple[subprocess.Comp
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PWD": str(repo),  # (opencode takes its project from PWD, not from its working directory)
         "HOME": str(home),  # the agent's own settings and sessions: none of the user's
         "XDG_CONFIG_HOME": str(home / ".config"),
         "XDG_DATA_HOME": str(home / ".local" / "share"),

@@ -33,6 +33,9 @@ from bench.agent_clis import install
 from bench.common import free_port, start_daemon
 from tandem.cli.launch import AGENTS, Bridge
 
+# Claude Code with its core tools only: with all of them a 0.5B model may start background subagents (its
+# Agent tool), each a session of its own that runs long after the turn limit
+CLAUDE_TOOLS = ["--tools", "Bash,Read,Edit,Write"]
 TASKS = {  # each agent's shell tool, named (as tests/agents does)
     "claude": 'Call the Bash tool with {"command": "python3 mark.py"}.',
     "codex": 'Call exec_command with the arguments {"cmd": "python3 mark.py"}.',
@@ -51,7 +54,17 @@ LLAMA_EVAL = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) (?:t
 def agent_args(agent: str) -> list[str]:
     task = TASKS[agent]
     return {
-        "claude": ["-p", task, "--output-format", "json", "--max-turns", "3", "--permission-mode", "bypassPermissions"],
+        "claude": [
+            "-p",
+            task,
+            "--output-format",
+            "json",
+            "--max-turns",
+            "3",
+            "--permission-mode",
+            "bypassPermissions",
+            *CLAUDE_TOOLS,
+        ],
         "codex": ["exec", "--skip-git-repo-check", "-s", "workspace-write", task],
         "qwen": ["-p", task, "--yolo", "--max-session-turns", "3"],
         "opencode": ["run", task],

@@ -40,7 +40,7 @@ from tandem.cli.launch import AGENTS
 
 CTX = 32768
 MAIN_PROMPT = 3000  # tokens: an agent's own requests carry its system prompt and tools (7k and more)
-AGENT_TIMEOUT = 1500  # seconds for one agent's session (its first prompt: minutes)
+AGENT_TIMEOUT = 900  # seconds for one agent session (a cold first prompt: 2-4 minutes here)
 ATTEMPTS = 3
 LOG_LINE = re.compile(
     r"tandem http: \S+ (?P<method>[A-Z]+) (?P<path>\S+) (?P<outcome>\d{3}|client gone|cancelled|500[^,]*)"
@@ -49,6 +49,9 @@ LOG_LINE = re.compile(
 # Each agent is asked to run the repository's script with its own shell tool, named: Qwen2.5-Coder-0.5B
 # under a 6-18k-token system prompt calls tools when told which (asked only to "run" the script, it
 # mostly explains how one would)
+# Claude Code with its core tools only: with all of them a 0.5B model may start background subagents (its
+# Agent tool), each a session of its own that runs long after the turn limit
+CLAUDE_TOOLS = ["--tools", "Bash,Read,Edit,Write"]
 TASKS = {
     "claude": 'Call the Bash tool with {"command": "python3 mark.py"}.',
     "codex": 'Call exec_command with the arguments {"cmd": "python3 mark.py"}.',
@@ -127,7 +130,17 @@ def agent_args(agent: str) -> list[str]:
     """Headless, one task, tools allowed without asking (the repository is a throw-away)."""
     task = TASKS[agent]
     if agent == "claude":
-        return ["-p", task, "--output-format", "json", "--max-turns", "3", "--permission-mode", "bypassPermissions"]
+        return [
+            "-p",
+            task,
+            "--output-format",
+            "json",
+            "--max-turns",
+            "3",
+            "--permission-mode",
+            "bypassPermissions",
+            *CLAUDE_TOOLS,
+        ]
     if agent == "codex":
         return ["exec", "--skip-git-repo-check", "-s", "workspace-write", task]
     if agent == "qwen":

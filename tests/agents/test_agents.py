@@ -196,11 +196,11 @@ def main_turns(requests: list[Logged]) -> list[Logged]:
 
 @pytest.mark.parametrize("agent", sorted(AGENTS))
 def test_the_agent_runs_its_tool_loop_on_tandem_and_later_turns_read_the_cache(agent_daemon, agent_bin, agent):
-    # the same paths in every run (/tmp/tandem-agent-AGENT), so that the agent's prompt differs from the last
-    # run's only in its date and ids: a 0.5B model's choice to call a tool turns on small things; up to three
-    # sessions, each checked in full, until one has a tool call run
-    root = Path(tempfile.gettempdir()) / f"tandem-agent-{agent}"
+    # a 0.5B model's choice to call a tool turns on small things in the prompt (a path, the date): up to three
+    # sessions, each in a folder of its own (the same ones in every run: /tmp/tandem-agent-AGENT-N) and each
+    # checked in full, until one has a tool call run
     for attempt in range(1, ATTEMPTS + 1):
+        root = Path(tempfile.gettempdir()) / f"tandem-agent-{agent}-{attempt}"
         done, requests, repo = run_agent(agent_daemon, agent_bin, agent, root)
         report = f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-6000:]}"
         print(f"\n{agent} #{attempt}: " + "; ".join(f"{r.prompt} ({r.cached} cached) +{r.generated}" for r in requests))

@@ -203,7 +203,8 @@ def test_the_agent_runs_its_tool_loop_on_tandem_and_later_turns_read_the_cache(a
     # a 0.5B model's choice to call a tool turns on small things in the prompt (a path, the date): up to three
     # sessions, each in a folder of its own (the same ones in every run: /tmp/tandem-agent-AGENT-N) and each
     # checked in full, until one has a tool call run
-    for attempt in range(1, ATTEMPTS + 1):
+    attempts = 1 if agent in UNRELIABLE_CALLS else ATTEMPTS  # (another session could not fail the test)
+    for attempt in range(1, attempts + 1):
         root = Path(tempfile.gettempdir()) / f"tandem-agent-{agent}-{attempt}"
         done, requests, repo = run_agent(agent_daemon, agent_bin, agent, root)
         report = f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-6000:]}"
@@ -218,8 +219,8 @@ def test_the_agent_runs_its_tool_loop_on_tandem_and_later_turns_read_the_cache(a
             break
     else:
         if agent not in UNRELIABLE_CALLS:
-            pytest.fail(f"in {ATTEMPTS} sessions the model made no tool call the agent ran\n{report}")
-        print(f"{agent}: in {ATTEMPTS} sessions the 0.5B model made no tool call (see UNRELIABLE_CALLS)")
+            pytest.fail(f"in {attempts} sessions the model made no tool call the agent ran\n{report}")
+        print(f"{agent}: the 0.5B model made no tool call this time (see UNRELIABLE_CALLS)")
         return
     print(f"{agent}: the script ran: {(repo / 'ran.txt').exists()}")
     shutil.rmtree(root, ignore_errors=True)

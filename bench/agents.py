@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,7 +37,10 @@ from tandem.cli.launch import AGENTS, Bridge
 # Claude Code with its core tools only: with all of them a 0.5B model may start background subagents (its
 # Agent tool), each a session of its own that runs long after the turn limit
 CLAUDE_TOOLS = ["--tools", "Bash,Read,Edit,Write"]
-TASKS = {  # each agent's shell tool, named (as tests/agents does)
+# Each agent is asked to run the repository's script with its own shell tool, named: Qwen2.5-Coder-0.5B
+# under a 6-18k-token system prompt calls tools when told which (asked only to "run" the script, it
+# mostly explains how one would). tests/agents runs the same sessions.
+TASKS = {
     "claude": 'Call the Bash tool with {"command": "python3 mark.py"}.',
     "codex": 'Call exec_command with the arguments {"cmd": "python3 mark.py"}.',
     "qwen": "Call the run_shell_command tool to run python3 mark.py",
@@ -52,6 +56,7 @@ LLAMA_EVAL = re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) (?:t
 
 
 def agent_args(agent: str) -> list[str]:
+    """Headless, one task, tools allowed without asking (the repository is a throw-away)."""
     task = TASKS[agent]
     return {
         "claude": [
@@ -71,34 +76,47 @@ def agent_args(agent: str) -> list[str]:
     }[agent]
 
 
+GIT_ID = {  # and a fixed date: the same commit hash, which the agents show the model, in every run
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@t",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@t",
+    "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
+    "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z",
+}
+
+
 def make_repo(root: Path) -> Path:
+    """A fresh git repository ``root/repo`` with the script the task runs (what was there: removed)."""
     repo = root / "repo"
+    shutil.rmtree(repo, ignore_errors=True)
     repo.mkdir(parents=True)
     (repo / "mark.py").write_text(
         "from pathlib import Path\n\nPath(__file__).with_name('ran.txt').write_text('ran')\nprint('marked: 4217')\n"
     )
     (repo / "README.md").write_text("# calc\n\nA tiny repository for an agent to work in.\n")
-    ident = {"GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@b"}
     for cmd in (["git", "init", "-q"], ["git", "add", "."], ["git", "commit", "-qm", "start"]):
-        subprocess.run(cmd, cwd=repo, check=True, env={**os.environ, **ident})
+        subprocess.run(cmd, cwd=repo, check=True, env={**os.environ, **GIT_ID})
     return repo
 
 
 def agent_env(root: Path, bin_dir: Path) -> dict[str, str]:
-    """The agent's own HOME and config folders, in ``root`` (its repository: ``root/repo``)."""
+    """The agent's own, fresh HOME and config folders, in ``root`` (its repository: ``root/repo``):
+    none of the user's settings and sessions."""
     home = root / "home"
-    (home / ".codex").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(home, ignore_errors=True)
+    (home / ".codex").mkdir(parents=True)
     return {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "PWD": str(root / "repo"),  # (opencode takes its project from PWD)
+        "PWD": str(root / "repo"),  # (opencode takes its project from PWD, not from its working directory)
         "HOME": str(home),
         "XDG_CONFIG_HOME": str(home / ".config"),
         "XDG_DATA_HOME": str(home / ".local" / "share"),
         "XDG_CACHE_HOME": str(home / ".cache"),
         "XDG_STATE_HOME": str(home / ".local" / "state"),
         "CODEX_HOME": str(home / ".codex"),
-        "IS_SANDBOX": "1",
+        "IS_SANDBOX": "1",  # (Claude Code refuses bypassPermissions as root otherwise)
         "NO_COLOR": "1",
     }
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from bench.agent_clis import install
+from bench.agents import agent_args, agent_env, make_repo
 from tandem.cli.launch import AGENTS
 
 CTX = 32768
@@ -50,18 +51,6 @@ LOG_LINE = re.compile(
     r"tandem http: \S+ (?P<method>[A-Z]+) (?P<path>\S+) (?P<outcome>\d{3}|client gone|cancelled|500[^,]*)"
     r"(?:, prompt (?P<prompt>[\d,]+) tokens \((?P<cached>[\d,]+) cached\), (?P<generated>[\d,]+) generated)?"
 )
-# Each agent is asked to run the repository's script with its own shell tool, named: Qwen2.5-Coder-0.5B
-# under a 6-18k-token system prompt calls tools when told which (asked only to "run" the script, it
-# mostly explains how one would)
-# Claude Code with its core tools only: with all of them a 0.5B model may start background subagents (its
-# Agent tool), each a session of its own that runs long after the turn limit
-CLAUDE_TOOLS = ["--tools", "Bash,Read,Edit,Write"]
-TASKS = {
-    "claude": 'Call the Bash tool with {"command": "python3 mark.py"}.',
-    "codex": 'Call exec_command with the arguments {"cmd": "python3 mark.py"}.',
-    "qwen": "Call the run_shell_command tool to run python3 mark.py",
-    "opencode": 'Call the bash tool with {"command": "python3 mark.py", "description": "run mark.py"}.',
-}
 
 
 @dataclass
@@ -107,69 +96,9 @@ def agent_daemon(daemon_process, coder_path):
     d.cleanup()
 
 
-def make_repo(root: Path) -> Path:
-    repo = root / "repo"
-    shutil.rmtree(repo, ignore_errors=True)
-    repo.mkdir(parents=True)
-    (repo / "mark.py").write_text(
-        "from pathlib import Path\n\nPath(__file__).with_name('ran.txt').write_text('ran')\nprint('marked: 4217')\n"
-    )
-    (repo / "README.md").write_text("# calc\n\nA tiny repository for an agent to work in.\n")
-    for cmd in (["git", "init", "-q"], ["git", "add", "."], ["git", "commit", "-qm", "start"]):
-        subprocess.run(cmd, cwd=repo, check=True, env={**os.environ, **GIT_ID})
-    return repo
-
-
-GIT_ID = {  # and a fixed date: the same commit hash, which the agents show the model, in every run
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@t",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@t",
-    "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
-    "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z",
-}
-
-
-def agent_args(agent: str) -> list[str]:
-    """Headless, one task, tools allowed without asking (the repository is a throw-away)."""
-    task = TASKS[agent]
-    if agent == "claude":
-        return [
-            "-p",
-            task,
-            "--output-format",
-            "json",
-            "--max-turns",
-            "3",
-            "--permission-mode",
-            "bypassPermissions",
-            *CLAUDE_TOOLS,
-        ]
-    if agent == "codex":
-        return ["exec", "--skip-git-repo-check", "-s", "workspace-write", task]
-    if agent == "qwen":
-        return ["-p", task, "--yolo", "--max-session-turns", "3"]
-    return ["run", task]
-
-
 def run_agent(d, bin_dir: Path, agent: str, root: Path) -> tuple[subprocess.CompletedProcess, list[Logged], Path]:
     repo = make_repo(root)
-    home = root / "home"
-    shutil.rmtree(home, ignore_errors=True)
-    (home / ".codex").mkdir(parents=True)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "PWD": str(repo),  # (opencode takes its project from PWD, not from its working directory)
-        "HOME": str(home),  # the agent's own settings and sessions: none of the user's
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_DATA_HOME": str(home / ".local" / "share"),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"),
-        "CODEX_HOME": str(home / ".codex"),
-        "IS_SANDBOX": "1",  # (Claude Code refuses bypassPermissions as root otherwise)
-        "NO_COLOR": "1",
-    }
+    env = agent_env(root, bin_dir)
     cmd = [sys.executable, "-m", "tandem.cli", "--socket", str(d.socket), "launch", "--no-start", "--verbose"]
     proc = subprocess.Popen(
         [*cmd, agent, *agent_args(agent)],

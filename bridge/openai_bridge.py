@@ -27,6 +27,7 @@ from .translate import (
     bad_request,
     function_tool,
     history_call,
+    prompt_progress,
     read,
     stop_list,
 )
@@ -176,11 +177,12 @@ def _response_format(body: dict) -> Optional[dict]:
 
 
 def _answer_shape(body: dict) -> dict:
-    """``stream`` and ``stream_options.include_usage``."""
+    """``stream``, ``stream_options.include_usage`` and llama-server's ``return_progress``."""
     options = body.get("stream_options")
     return {
         "stream": bool(read(body, "stream", (bool,), False)),
         "include_usage": isinstance(options, dict) and options.get("include_usage") is True,
+        "progress": bool(read(body, "return_progress", (bool,), False)),
     }
 
 
@@ -312,6 +314,12 @@ class OpenAIAnswer:
         return [self._event(None, role=True)] if self.chat else []
 
     def chunk(self, chunk: Chunk) -> list[dict]:
+        if chunk.progress is not None:  # (return_progress) as llama-server sends it: a delta with no content
+            e = self._event(None, role=True)
+            if self.chat:
+                e["choices"][0]["delta"]["content"] = None
+            e["prompt_progress"] = prompt_progress(chunk.progress)
+            return [e]
         out = [self._event(chunk.text)] if chunk.text else []
         if self.chat and chunk.tool_calls:
             e = self.envelope(chunk=True)

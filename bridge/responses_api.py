@@ -33,7 +33,16 @@ from typing import TYPE_CHECKING, Any, Optional
 from tandem.protocol import Chunk, Done, FinishReason, ToolCallDelta
 
 from .answers import sse
-from .translate import GenRequest, Sampling, ToolUse, bad_request, function_tool, history_call, read
+from .translate import (
+    GenRequest,
+    Sampling,
+    ToolUse,
+    bad_request,
+    function_tool,
+    history_call,
+    prompt_progress,
+    read,
+)
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -197,6 +206,7 @@ def parse_responses(body: dict) -> GenRequest:
         response_format=response_format(body),
         model=model,
         stream=bool(read(body, "stream", (bool,), False)),
+        progress=bool(read(body, "return_progress", (bool,), False)),  # (llama-server's)
     )
 
 
@@ -326,6 +336,8 @@ class ResponsesAnswer:
         ]
 
     def chunk(self, chunk: Chunk) -> list[dict]:
+        if chunk.progress is not None:  # (return_progress) on the keep-alive event, as llama-server puts it
+            return [{**self.waiting()[0], "prompt_progress": prompt_progress(chunk.progress)}]
         out: list[dict] = []
         if chunk.text:
             if self.text_item is None:

@@ -22,6 +22,7 @@ from .answers import ApiError
 
 if TYPE_CHECKING:
     from tandem.client.aio import AsyncClient, AsyncStream
+    from tandem.protocol import PromptProgress
 
 # --------------------------------------------------------------------------- the typed request
 
@@ -85,6 +86,7 @@ class GenRequest:
     model: str = ""  # the model the request named, where the answer echoes it (Ollama, Anthropic)
     stream: bool = False  # answer as the dialect's stream (the daemon streams chunks either way)
     include_usage: bool = False  # OpenAI's stream_options.include_usage
+    progress: bool = False  # a streamed answer shows the prompt's reading (llama-server's return_progress)
 
     @property
     def is_chat(self) -> bool:
@@ -104,6 +106,8 @@ class GenRequest:
             )
         params["response_format"] = self.response_format
         params.update((knob, getattr(self, knob)) for knob in TANDEM_KNOBS)
+        if self.progress and self.stream:
+            params["progress"] = True
         return {k: v for k, v in params.items() if v is not None}
 
     def start(self, client: "AsyncClient") -> Awaitable["AsyncStream"]:
@@ -114,6 +118,17 @@ class GenRequest:
         if self.messages is not None:
             return client.generate(messages=self.messages, **params)
         return client.generate(prompt=self.prompt, **params)
+
+
+def prompt_progress(progress: PromptProgress) -> dict:
+    """llama-server's ``prompt_progress``: the prompt's tokens, those from the cache, those in the
+    KV cache now, and the milliseconds since the reading began."""
+    return {
+        "total": progress.total,
+        "cache": progress.cached,
+        "processed": progress.processed,
+        "time_ms": round(progress.seconds * 1000),
+    }
 
 
 # --------------------------------------------------------------------------- reading fields

@@ -129,16 +129,36 @@ def _params(args) -> dict:
         seed=args.seed,
         stop=args.stop,
         draft=args.draft,
+        progress=sys.stderr.isatty(),  # (a long prompt's reading, shown on the terminal)
     )
 
 
+def _progress_line(p) -> str:
+    line = f"[reading the prompt: {p.processed:,} of {p.total:,} tokens"
+    if p.cached:
+        line += f" ({p.cached:,} from the cache)"
+    return line + f", {p.seconds:.0f} s]"
+
+
 def _stream_to_terminal(stream) -> None:
+    shown = False  # a progress line is on stderr, to be cleared before the answer
     try:
         for chunk in stream:
+            if chunk.progress is not None:
+                if chunk.progress.processed < chunk.progress.total and chunk.progress.seconds >= 1:
+                    sys.stderr.write("\r\033[K" + _progress_line(chunk.progress))
+                    sys.stderr.flush()
+                    shown = True
+                continue
+            if shown:
+                sys.stderr.write("\r\033[K")
+                shown = False
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     except KeyboardInterrupt:
         stream.cancel()
+        if shown:
+            sys.stderr.write("\n")
         sys.stdout.write("\n")
         say("[cancelled]")
         raise SystemExit(130) from None

@@ -186,7 +186,8 @@ class Client:
         self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params
     ) -> "Stream":
         """Start a generation; iterate the returned Stream for chunks, then read ``.done``.
-        Params: max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, request_id."""
+        Params: max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, request_id; progress=True:
+        chunks with ``progress`` (no text) while the prompt is read (protocol 1.7)."""
         hello = self.connect()
         req = generate_request(prompt, messages, **params)
         check_daemon_speaks(hello, req)

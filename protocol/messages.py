@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 6)
+PROTOCOL_VERSION: tuple[int, int] = (1, 7)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
@@ -36,6 +36,7 @@ MAX_MESSAGES = 4096
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_DRAFT_TOKENS = 16
 MAX_LINES = 10_000
+PROGRESS_SECONDS = 1.0  # a progress request's prompt progress, at most this often while its prompt is read
 MAX_TOOLS = 128
 MAX_NESTING = 64  # maps and lists inside a schema, a tool's parameters or tool_choice
 MAX_TOOL_NAME_CHARS = 64
@@ -259,6 +260,9 @@ class Decoding(Message):
     draft: str = "auto"  # "auto": the governor decides each round; "on": draft every round; "off": never
     cache: bool = True  # use the prefix cache (if the daemon has one) for this request
     response_format: Optional[ResponseFormat] = None  # constrain the output; None = any text
+    # stream: True: chunks with no text and ``progress`` set while the prompt is read (at its start, about
+    # every PROGRESS_SECONDS, and at its end); from 1.7, ignored by earlier daemons
+    progress: bool = False
 
     def check(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -494,12 +498,25 @@ class Detokenized(Message):
 
 
 @dataclass
+class PromptProgress:
+    """How far the reading of a request's prompt has come (``progress`` requests).
+    ``processed / total`` is the share done; ``(processed - cached) / (total - cached)``
+    the share of the reading itself (llama-server's ``prompt_progress``, in tokens and seconds)."""
+
+    total: int  # the prompt's tokens
+    cached: int  # of them restored from the prefix cache or kept from the request before
+    processed: int  # of them in the model's KV cache now (cached included)
+    seconds: float  # since the reading began
+
+
+@dataclass
 class Chunk(Message):
     op: ClassVar[Op] = Op.CHUNK
     id: str
     text: str  # new text since the previous chunk (may be empty while text is held back)
     token_ids: list[int]  # tokens generated since the previous chunk
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # new pieces of tool calls (with tools)
+    progress: Optional[PromptProgress] = None  # set (no text, no tokens) while the prompt is read: 1.7
 
 
 @dataclass

@@ -29,10 +29,12 @@ from tandem.protocol import (
     DraftStats,
     ErrorCode,
     FinishReason,
+    PromptProgress,
     Timings,
     ToolCallDelta,
     Usage,
 )
+from tandem.protocol.messages import PROGRESS_SECONDS
 
 from ..constraints.constraint import Constraint, ConstraintError, field_name
 from ..constraints.tools import CallOpener, ToolPlan
@@ -141,7 +143,9 @@ class Engine:
 
     def _run(self, state: RequestState, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool]) -> Done:
         try:
-            logits = self._prefill(state, should_cancel)
+            logits = self._prefill(state, self._reporting(state, emit, should_cancel))
+            if state.req.progress and state.req.stream:
+                emit(self._progress_chunk(state, len(state.tokens)))
         except DecodeAborted:
             if state.cache is not None:
                 state.cache.release()
@@ -224,6 +228,37 @@ class Engine:
             )
         return constraint, None
 
+    def _reporting(
+        self, state: RequestState, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool]
+    ) -> Callable[[], bool]:
+        """``should_cancel`` for the prefill; for a streamed ``progress`` request it
+        also emits the prompt's progress, about every PROGRESS_SECONDS (the first
+        time when the reading starts: the cache's share is known then)."""
+        if not (state.req.progress and state.req.stream):
+            return should_cancel
+        last = [-PROGRESS_SECONDS]
+
+        def checked() -> bool:
+            now = self.clock()
+            if now - last[0] >= PROGRESS_SECONDS:
+                last[0] = now
+                reading_at = getattr(self.model, "reading_at", None)
+                emit(self._progress_chunk(state, reading_at() if reading_at is not None else state.cached))
+            return should_cancel()
+
+        state.on_reading = checked
+        return checked
+
+    def _progress_chunk(self, state: RequestState, processed: int) -> Chunk:
+        since = state.reading_from or self.clock()
+        progress = PromptProgress(
+            total=len(state.tokens),
+            cached=state.cached,
+            processed=min(max(processed, state.cached), len(state.tokens)),
+            seconds=round(self.clock() - since, 3),
+        )
+        return Chunk(id=state.req.id, text="", token_ids=[], progress=progress)
+
     def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
         """Restore what the prefix cache holds of the prompt, start the drafter,
         read the rest; the logits after the prompt. A long prefill can be cancelled."""
@@ -254,6 +289,9 @@ class Engine:
         else:
             self.model.clear()
         self._start_drafter(state)
+        state.reading_from = self.clock()
+        if state.on_reading is not None:
+            state.on_reading()  # (the first report: what the cache held)
         if chunk:
             logits = self.model.prefill(tokens[state.cached :], abort=should_cancel)
         else:

@@ -57,6 +57,13 @@ class LlamaDecoder:
         self.n_past = 0  # tokens in the KV cache of sequence 0
         # the tokens at those positions (-1: unknown), so a next request can keep the prefix it shares
         self.history: list[int] = []
+        self._reading: Optional["LlamaDecoder"] = None  # the prompt reader, while it reads this context's prompt
+
+    def reading_at(self) -> int:
+        """The tokens in the KV cache of the context that reads a prompt now
+        (the prompt reader's while it reads one for this context; else ``n_past``)."""
+        reading = self._reading
+        return reading.n_past if reading is not None else self.n_past
 
     def set_prefill_group(self, tokens: int) -> None:
         """Read up to ``tokens`` of whole prefill chunks per llama_decode (rounded
@@ -145,9 +152,11 @@ class LlamaDecoder:
         reads ``tokens`` and the result is copied back, also where it stopped early."""
         reader = self.prompt_reader.holding(self)
         self._prefilled = None
+        self._reading = reader
         try:
             logits = reader.prefill(tokens, abort)
         finally:
+            self._reading = None
             self.prompt_reader.give_back(self)
         self._prefilled = (self.n_past, logits.copy())
         return logits

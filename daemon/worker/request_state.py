@@ -5,7 +5,7 @@ knobs and output so far (``Engine._begin`` makes it; the engine's rounds and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from tandem.protocol import Decoding, DraftStats, FinishReason
 
@@ -42,6 +42,8 @@ class RequestState:
     content: str = ""  # with tools: the text outside the calls, as streamed
     cached: int = 0  # prompt tokens restored from the prefix cache
     prefilled: float = 0.0
+    reading_from: float = 0.0  # when the reading of what the cache did not hold began
+    on_reading: Optional[Callable[[], bool]] = None  # a progress request's reporting cancel check (Engine._reporting)
     first_token_at: float = 0.0
     completion: list[int] = field(default_factory=list)
     drafted_last: bool = False  # the previous round drafted

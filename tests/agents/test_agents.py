@@ -10,8 +10,9 @@ its own, which carries the result of a tool call the model made and the agent
 ran; and from that second request on find in the prefix cache all of the
 turn before's prompt, down to its last whole 64-token chunk (the daemon's
 usage, as the bridge's --verbose log prints it): what is new in a turn is the
-model's answer as the agent re-renders it and the tool's output. Side requests (opencode's title, Qwen Code's next-speaker check) are told
-apart by size: they are shorter than the agent's first turn. Whether a 0.5B
+model's answer as the agent re-renders it and the tool's output. Side
+requests (opencode's title, Qwen Code's next-speaker check) are told apart by
+size: they are shorter than the agent's first turn. Whether a 0.5B
 model calls a tool at all turns on small things in its 6-18k-token prompt (the
 date, a path): a test runs up to three sessions, each checked in full, until
 one has a tool call run. Whether the model gets the call right (the script's

@@ -353,3 +353,28 @@ def test_call_deltas_merge_the_pieces_of_one_call_and_start_each_new_one_with_it
         {"index": 1, "id": "call_2", "type": "function", "function": {"name": "b", "arguments": "{}"}},
         {"index": 2, "function": {"arguments": "x"}},
     ]
+
+
+def test_return_progress_streams_llama_servers_prompt_progress(chunk):
+    from tandem.protocol import PromptProgress
+
+    progress = PromptProgress(total=17545, cached=4096, processed=8192, seconds=12.3456)
+    reading = chunk("")
+    reading.progress = progress
+    asked = parse_chat({"messages": USER, "stream": True, "return_progress": True})
+    assert asked.daemon_params()["progress"] is True
+    event = answer(asked).chunk(reading)
+    assert event == [
+        {
+            **CHAT_CHUNK,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}
+            ],
+            "prompt_progress": {"total": 17545, "cache": 4096, "processed": 8192, "time_ms": 12346},
+        }
+    ]
+    completion = answer(parse_completions({"prompt": "x", "stream": True, "return_progress": True})).chunk(reading)
+    assert completion[0]["choices"][0]["text"] == "" and completion[0]["prompt_progress"]["processed"] == 8192
+    # not streamed, or not asked: the daemon is not asked for it
+    assert "progress" not in parse_chat({"messages": USER, "return_progress": True}).daemon_params()
+    assert "progress" not in parse_chat({"messages": USER, "stream": True}).daemon_params()

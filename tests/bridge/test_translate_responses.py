@@ -221,3 +221,16 @@ def test_text_the_length_cut_is_an_incomplete_item(done, chunk):
     assert item["status"] == "incomplete" and item["content"][0]["text"] == "1, 2, 3"
     assert events[-1]["type"] == "response.incomplete"
     assert answer().whole(done("1, 2, 3", FinishReason.LENGTH))["output"][0]["status"] == "incomplete"
+
+
+def test_return_progress_rides_on_the_keep_alive_event(chunk):
+    from tandem.protocol import PromptProgress
+
+    a = answer(stream=True, return_progress=True)
+    assert a.opening()[-1]["type"] == "response.in_progress"
+    reading = chunk("")
+    reading.progress = PromptProgress(total=6286, cached=5440, processed=5952, seconds=1.5)
+    (event,) = a.chunk(reading)
+    assert event["type"] == "response.in_progress" and event["sequence_number"] == 2
+    assert event["prompt_progress"] == {"total": 6286, "cache": 5440, "processed": 5952, "time_ms": 1500}
+    assert parse_responses({**BASE, "stream": True, "return_progress": True}).daemon_params()["progress"] is True

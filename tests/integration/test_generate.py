@@ -268,3 +268,29 @@ def test_leaving_a_stream_early_cancels_it(client):
     assert done.usage.completion_tokens == 3
     assert time.perf_counter() - t0 < 20
     assert stream.request_id not in client._router.buffers
+
+
+def test_progress_requests_see_the_prompt_read_and_the_same_text(client):
+    # a streamed request with progress: chunks with no text say how far its prompt's reading has come (the first
+    # when it begins: what the cache held; the last when it ends), all before the first token; the text is the
+    # text without them
+    prompt = "A short story about a lighthouse keeper and the sea. " * 40  # ~500 tokens, some from the cache
+    plain = client.complete(prompt=prompt, max_tokens=16, temperature=0.0)
+    client.cache_clear()
+    stream = client.generate(prompt=prompt, max_tokens=16, temperature=0.0, progress=True)
+    chunks = list(stream)
+    reports = [c.progress for c in chunks if c.progress is not None]
+    assert len(reports) >= 2, chunks
+    first_text = next(i for i, c in enumerate(chunks) if c.token_ids)
+    assert all(c.progress is not None for c in chunks[:first_text])
+    assert all(c.progress is None for c in chunks[first_text:])
+    assert all(c.text == "" and c.token_ids == [] and c.tool_calls == [] for c in chunks if c.progress is not None)
+    total = stream.done.usage.prompt_tokens
+    assert {p.total for p in reports} == {total}
+    assert reports[0].processed == reports[0].cached == stream.done.usage.cached_tokens
+    assert reports[-1].processed == total
+    assert [p.processed for p in reports] == sorted(p.processed for p in reports)
+    assert stream.done.text == plain.text and stream.text == plain.text
+    # not streamed, or not asked: no progress chunks
+    quiet = client.generate(prompt=prompt + " More.", max_tokens=4, temperature=0.0)
+    assert all(c.progress is None for c in quiet)

@@ -116,6 +116,35 @@ def test_chat_streamed_and_not(api):
     assert parts.choices[0].message.content
 
 
+def test_return_progress_streams_the_prompts_reading_to_the_openai_client(api):
+    # llama-server's return_progress: chunks with prompt_progress (and no content) while the prompt is read, the
+    # first with what the cache held and the last at its end; the openai package passes them through
+    messages = [{"role": "user", "content": f"Note {time.time_ns()}. " + "Summarise this line of text. " * 60}]
+    chunks = list(
+        api.chat.completions.create(
+            model="any",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_progress": True},
+        )
+    )
+    reports = [(ch.model_extra or {}).get("prompt_progress") for ch in chunks]
+    progress = [r for r in reports if r]
+    assert len(progress) >= 2, chunks
+    first_content = next(i for i, ch in enumerate(chunks) if ch.choices and ch.choices[0].delta.content)
+    assert all(reports[i] is None for i in range(first_content, len(chunks)))
+    usage = chunks[-1].usage
+    assert {r["total"] for r in progress} == {usage.prompt_tokens}
+    assert progress[0]["processed"] == progress[0]["cache"] == usage.prompt_tokens_details.cached_tokens
+    assert progress[-1]["processed"] == usage.prompt_tokens and progress[-1]["time_ms"] >= 0
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    again = api.chat.completions.create(model="any", messages=messages, max_tokens=8, temperature=0)
+    assert text == again.choices[0].message.content
+
+
 def test_errors_have_openais_shape(api, bridge):
     cases = [
         (dict(n=2), openai.BadRequestError, "n"),

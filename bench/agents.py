@@ -9,9 +9,10 @@ wall time. Later turns are read against the time their new tokens alone take
 at the first request's prefill rate (goal: TTFT <= 1.1x that).
 
 With ``--llama-server PATH`` (bench/build_llama_server.sh vendored builds one),
-the chat-completions agents (Qwen Code, opencode) also run against llama-server
-serving the same file with the same context, in the same run: its log gives
-each request's prompt tokens read and decode rate.
+each agent also runs against llama-server serving the same file with the same
+context, in the same run (it speaks all four dialects: Anthropic Messages,
+Responses and chat completions): its log gives each request's prompt tokens
+read and decode rate.
 
     python -m bench.agents --agents opencode,qwen --out bench/results/DATE-agents
 """
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--agents", default=",".join(AGENTS))
-    ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run the chat agents against it")
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run each agent against it")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
         finally:
             daemon.terminate()
             daemon.wait(60)
-        if args.llama_server and agent in ("qwen", "opencode"):
+        if args.llama_server:
             results["llama-server"][agent] = run_on_llama_server(
                 agent, args.llama_server, model, args.ctx, bin_dir, args.timeout
             )

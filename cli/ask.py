@@ -147,8 +147,11 @@ def _stream_to_terminal(stream) -> None:
             if chunk.progress is not None:
                 if chunk.progress.processed < chunk.progress.total and chunk.progress.seconds >= 1:
                     sys.stderr.write("\r\033[K" + _progress_line(chunk.progress))
-                    sys.stderr.flush()
                     shown = True
+                elif shown and chunk.progress.processed >= chunk.progress.total:
+                    sys.stderr.write("\r\033[K")  # read: the line goes (also when no text follows)
+                    shown = False
+                sys.stderr.flush()
                 continue
             if shown:
                 sys.stderr.write("\r\033[K")
@@ -162,6 +165,10 @@ def _stream_to_terminal(stream) -> None:
         sys.stdout.write("\n")
         say("[cancelled]")
         raise SystemExit(130) from None
+    except BaseException:
+        if shown:
+            sys.stderr.write("\n")  # (an error's message on a line of its own)
+        raise
     sys.stdout.write("\n")
     done = stream.done
     if done.finish_reason == FinishReason.LENGTH:

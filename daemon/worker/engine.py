@@ -269,7 +269,9 @@ class Engine:
             live = len(tokens)
             state.cached = state.cache.restore(tokens, live, keep=0) if state.cache is not None else live
             self._start_drafter(state)
-            state.prefilled = self.clock()
+            state.prefilled = state.reading_from = self.clock()
+            if state.on_reading is not None:
+                state.on_reading()  # (nothing to read: the first report has it all)
             return resent.copy()
         # what the model still holds of this prompt from the request before (an
         # agent's next turn, an editor's next keystroke): kept, to the token; with

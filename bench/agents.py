@@ -152,6 +152,8 @@ def run_on_tandem(agent: str, socket: Path, bin_dir: Path, timeout: float) -> di
         "wall_s": time.monotonic() - start,
         "requests": requests,
         "ran": (repo / "ran.txt").exists(),
+        "stdout_tail": done.stdout[-2000:],
+        "stderr_tail": done.stderr[-4000:],
     }
 
 
@@ -193,6 +195,8 @@ def run_on_llama_server(agent: str, server: str, model: Path, ctx: int, bin_dir:
     evals = [(float(ms), int(n)) for ms, n in LLAMA_EVAL.findall(text)]
     return {
         "exit": done.returncode,
+        "stdout_tail": done.stdout[-2000:],
+        "stderr_tail": done.stderr[-4000:],
         "wall_s": wall,
         "prompt_reads": [{"tokens": n, "ms": ms} for ms, n in prompts],
         "decode_tps": [n / ms * 1000 for ms, n in evals if ms > 0],

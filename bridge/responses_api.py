@@ -30,7 +30,7 @@ import time
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Optional
 
-from tandem.protocol import Chunk, Done, FinishReason, ToolCallDelta
+from tandem.protocol import MAX_TOKENS_LIMIT, Chunk, Done, FinishReason, ToolCallDelta
 
 from .answers import sse
 from .translate import (
@@ -195,7 +195,8 @@ def parse_responses(body: dict) -> GenRequest:
         log.debug("reasoning %s: the model has no reasoning controls; ignored", reasoning)
     model = read(body, "model", (str,), "")
     sampling = Sampling(
-        max_tokens=read(body, "max_output_tokens", (int,)),
+        # (none given, as Codex sends it: until the model stops or the context is full, as the API does)
+        max_tokens=read(body, "max_output_tokens", (int,), MAX_TOKENS_LIMIT),
         temperature=read(body, "temperature", (int, float)),
         top_p=read(body, "top_p", (int, float)),
     ).normalised()

@@ -12,6 +12,7 @@ import pytest
 
 from tandem.bridge.answers import ApiError
 from tandem.bridge.responses_api import ResponsesAnswer, parse_responses
+from tandem.protocol import MAX_TOKENS_LIMIT
 from tandem.protocol import FinishReason
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -43,7 +44,8 @@ def test_codexs_first_request_is_its_developer_and_user_messages_with_its_functi
     ]  # (its namespace and web_search entries are not function tools: left out)
     assert req.tools.choice == "auto" and req.tools.parallel is True
     assert req.stream is True and req.model == "local-model"
-    assert req.daemon_params().get("max_tokens") is None  # (Codex sends no max_output_tokens: to the end)
+    # Codex sends no max_output_tokens: to the end (the daemon's own default, 256, cut its answers)
+    assert req.daemon_params()["max_tokens"] == MAX_TOKENS_LIMIT
 
 
 def test_codexs_tool_round_renders_the_first_request_as_its_prefix():

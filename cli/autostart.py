@@ -26,13 +26,14 @@ def daemon_answers(socket_path: Path) -> bool:
 
 
 def ensure_pulled(name: str, say, why: str) -> None:
-    """Pull preset ``name`` in the foreground, with progress, unless it is there (saying ``why`` first)."""
+    """Pull preset or ``hf.co/`` model ``name`` in the foreground, with progress, unless it is there
+    (saying ``why`` first)."""
     from tandem.daemon import models  # the daemon side is only needed to start one
 
-    if name in models.PRESETS and not models.is_pulled(name):
+    if models.needs_pull(name):
         say(why)
         try:
-            models.pull(name, progress=say, show_pip_progress=sys.stderr.isatty())
+            models.pull_any(name, progress=say, show_progress=sys.stderr.isatty())
         except models.ModelError as exc:
             raise TandemError(str(exc)) from None
 

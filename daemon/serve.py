@@ -80,7 +80,7 @@ def serve(
 
 
 def _resolve(model: str, progress: Callable[[str], None]) -> tuple[str, Path]:
-    if model in models.PRESETS and not models.is_pulled(model):
+    if models.needs_pull(model):
         progress(f"tandem: model '{model}' is not downloaded yet; pulling it")
-        models.pull(model, progress=progress)
+        models.pull_any(model, progress)
     return models.resolve(model)

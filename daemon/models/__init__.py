@@ -94,7 +94,16 @@ def preset_path(name: str) -> Path:
 
 
 def resolve(model: str) -> tuple[str, Path]:
-    """A preset name or a .gguf path -> (display name, path). The file must exist."""
+    """A preset name, a pulled ``hf.co/ORG/REPO[:QUANT]`` or a .gguf path -> (display name, path).
+    The file must exist (no network call)."""
+    from . import hub
+
+    if hub.is_hub_name(model):
+        ref = hub.parse(model)
+        path = hub.pulled(ref)
+        if path is None:
+            raise ModelError(f"model '{ref.name}' is not pulled yet; run: tandem pull {ref.name}")
+        return ref.name, path
     if model in PRESETS:
         path = preset_path(model)
         if not path.is_file():
@@ -106,11 +115,43 @@ def resolve(model: str) -> tuple[str, Path]:
     known = ", ".join(PRESETS)
     if path.suffix == ".gguf" or os.sep in model:
         raise ModelError(f"model file not found: {path}. Give an existing .gguf path or a preset ({known}).")
-    raise ModelError(f"unknown model '{model}'. Presets: {known}; or give the path of a .gguf file.")
+    raise ModelError(
+        f"unknown model '{model}'. Presets: {known}; or hf.co/ORG/REPO[:QUANT] from Hugging Face; "
+        f"or the path of a .gguf file."
+    )
 
 
 def is_pulled(name: str) -> bool:
+    """A preset's file, or a ``hf.co/`` model's, is in the store (no network call)."""
+    from . import hub
+
+    if hub.is_hub_name(name):
+        return hub.pulled(hub.parse(name)) is not None
     return preset_path(name).is_file()
+
+
+def needs_pull(model: str) -> bool:
+    """``model`` names a preset or a Hugging Face model that is not in the store yet."""
+    from . import hub
+
+    return (model in PRESETS or hub.is_hub_name(model)) and not is_pulled(model)
+
+
+def pull_any(model: str, progress: "ProgressFn", show_progress: bool = False) -> Path:
+    """``pull`` for a preset, ``hub.pull`` for ``hf.co/ORG/REPO[:QUANT]`` (a tqdm bar on
+    stderr with ``show_progress``)."""
+    from . import hub
+
+    if hub.is_hub_name(model):
+        make_bar = None
+        if show_progress:
+            from tqdm import tqdm
+
+            def make_bar(total: int):
+                return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=model, file=sys.stderr)
+
+        return hub.pull(hub.parse(model), progress=progress, make_bar=make_bar)
+    return pull(model, progress=progress, show_pip_progress=show_progress)
 
 
 def list_models() -> list[tuple[str, Optional[Path], str]]:
@@ -122,6 +163,10 @@ def list_models() -> list[tuple[str, Optional[Path], str]]:
         path = preset_path(p.name)
         known_files.add(p.filename)
         rows.append((p.name, path if path.is_file() else None, p.description))
+    from . import hub
+
+    for name, path, _ in hub.pulled_models():
+        rows.append((name, path, "Hugging Face"))
     store = models_dir()
     if store.is_dir():
         for f in sorted(store.glob("*.gguf")):

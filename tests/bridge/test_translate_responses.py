@@ -12,8 +12,7 @@ import pytest
 
 from tandem.bridge.answers import ApiError
 from tandem.bridge.responses_api import ResponsesAnswer, parse_responses
-from tandem.protocol import MAX_TOKENS_LIMIT
-from tandem.protocol import FinishReason
+from tandem.protocol import MAX_TOKENS_LIMIT, FinishReason
 
 RECORDED = Path(__file__).parent / "recorded"
 BASE = {"model": "local-model", "input": "Hi"}

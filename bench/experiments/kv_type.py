@@ -63,7 +63,10 @@ def main(argv=None) -> int:
             with Client(socket) as c:
                 ttft, tps, prompt = [], [], 0
                 for _ in range(args.runs):
-                    stream = c.generate(messages=long_prompt, max_tokens=64, temperature=0.0, ignore_eos=True)
+                    # (cache off: each run reads the whole prompt, not what the model kept from the run before)
+                    stream = c.generate(
+                        messages=long_prompt, max_tokens=64, temperature=0.0, ignore_eos=True, cache=False
+                    )
                     for _chunk in stream:
                         pass
                     ttft.append(stream.done.timings.time_to_first_token_seconds)

@@ -108,10 +108,15 @@ def _check_model(client: Client, asked: Optional[str]) -> None:
     """A daemon that answers with another model than ``--model`` asked for: say so, never answer as if."""
     if not asked:
         return
-    from tandem.daemon.models import PRESETS
+    from tandem.daemon.models import PRESETS, ModelError, hub
 
     served = client.server.model
     names = {asked, Path(asked).name, PRESETS[asked].filename if asked in PRESETS else asked}
+    if hub.is_hub_name(asked):
+        try:
+            names.add(hub.parse(asked).name)  # (the daemon names it hf.co/ORG/REPO:QUANT, the quant upper-cased)
+        except ModelError:
+            pass
     if served not in names:
         client.close()
         raise TandemError(

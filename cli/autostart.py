@@ -30,12 +30,12 @@ def ensure_pulled(name: str, say, why: str) -> None:
     (saying ``why`` first)."""
     from tandem.daemon import models  # the daemon side is only needed to start one
 
-    if models.needs_pull(name):
-        say(why)
-        try:
+    try:
+        if models.needs_pull(name):
+            say(why)
             models.pull_any(name, progress=say, show_progress=sys.stderr.isatty())
-        except models.ModelError as exc:
-            raise TandemError(str(exc)) from None
+    except models.ModelError as exc:  # (also a malformed hf.co/ name)
+        raise TandemError(str(exc)) from None
 
 
 def start_daemon(

@@ -43,6 +43,7 @@ def _size(n: int) -> str:
 
 def cmd_list(args) -> int:
     from tandem.daemon import models
+    from tandem.daemon.models import hub
     from tandem.daemon.models.gguf_meta import facts
 
     rows, missing = [], []
@@ -51,7 +52,9 @@ def cmd_list(args) -> int:
             missing.append(name)
             continue
         f = facts(path)
-        rows.append((name, _size(path.stat().st_size), f.get("parameter_size", ""), f.get("quantization", ""), path))
+        pulled = hub.manifest_of(path)  # (a split model: all its parts)
+        size = sum(p["size"] for p in pulled["files"]) if pulled else path.stat().st_size
+        rows.append((name, _size(size), f.get("parameter_size", ""), f.get("quantization", ""), path))
     w = max([len(r[0]) for r in rows] + [20])
     print(f"{'NAME':{w}} {'SIZE':>9}  {'PARAMS':6} {'QUANT':7} WHERE")
     for name, size, params, quant, path in rows:
@@ -176,7 +179,7 @@ def cmd_rm(args) -> int:
     if daemon_answers(args.socket):
         with Client(args.socket) as client:
             served = client.status().model
-        if served is not None and Path(served.path) == path.resolve():
+        if served is not None and Path(served.path).resolve() == path.resolve():
             raise TandemError(f"the daemon at {args.socket} serves {args.name}: stop it first (`tandem stop`)")
     if from_hub:
         size = sum(f["size"] for f in (hub.manifest_of(path) or {"files": []})["files"])

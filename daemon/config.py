@@ -112,8 +112,9 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         "str",
         "smollm2-135m",
-        "preset name (see `tandem models list`) or path of a .gguf file; a preset is pulled if missing",
-        metavar="PRESET|PATH",
+        "preset name (see `tandem models list`), hf.co/ORG/REPO[:QUANT] from Hugging Face, or path of a .gguf "
+        "file; a preset or hf.co/ model is pulled if missing",
+        metavar="PRESET|HF|PATH",
     ),
     Option(
         "ctx_size",

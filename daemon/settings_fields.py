@@ -18,7 +18,8 @@ class SettingsFields:
     socket: Path | None = None
     """the daemon's Unix socket (auto: $XDG_RUNTIME_DIR/tandem/tandem.sock, else /tmp/tandem-<uid>/tandem.sock)"""
     model: str = "smollm2-135m"
-    """preset name (see `tandem models list`) or path of a .gguf file; a preset is pulled if missing"""
+    """preset name (see `tandem models list`), hf.co/ORG/REPO[:QUANT] from Hugging Face, or path of a .gguf file; a
+    preset or hf.co/ model is pulled if missing"""
     ctx_size: int | None = None
     """context length in tokens (auto: the model's trained context where the KV caches fit --kv-budget, else the longest
     that fits; `tandem status` says which)"""

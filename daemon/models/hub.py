@@ -16,6 +16,8 @@ quant (``Q4_K_M.json``) and ``.partial/`` while a pull runs.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -29,7 +31,7 @@ from typing import Callable, Optional
 from . import ModelError, models_dir
 
 DEFAULT_QUANT = "Q4_K_M"  # llama-server's and Ollama's default for a repository's GGUFs
-PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/", "hf://")
+PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "https://hf.co/", "huggingface.co/", "hf.co/", "hf://")
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 REPO = re.compile(rf"^({_PART})/({_PART})$")
 QUANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
@@ -73,7 +75,8 @@ def parse(model: str) -> HubRef:
             f"'{model}' is not a Hugging Face model name: give hf.co/ORG/REPO or hf.co/ORG/REPO:QUANT "
             f"(for example hf.co/Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:Q4_K_M)"
         )
-    return HubRef(repo, quant.upper() if quant else None)
+    quant = quant.upper()
+    return HubRef(repo, quant if quant and quant != "LATEST" else None)  # (":latest", Ollama's tag: the default)
 
 
 def repo_dir(repo: str) -> Path:
@@ -144,13 +147,17 @@ def _manifest(repo: str, quant: str) -> Path:
 
 
 def _read_manifest(path: Path) -> Optional[dict]:
+    """A manifest as ``pull`` writes it, or None (missing, broken, or some other JSON file)."""
     try:
         m = json.loads(path.read_text())
-        if not isinstance(m, dict) or not isinstance(m.get("files"), list) or not m["files"]:
-            return None
-        return m
     except (OSError, ValueError):
         return None
+    if not isinstance(m, dict) or not isinstance(m.get("repo"), str) or not isinstance(m.get("quant"), str):
+        return None
+    files = m.get("files")
+    if not isinstance(files, list) or not files or not all(isinstance(f, dict) for f in files):
+        return None
+    return m
 
 
 def _complete(m: dict, folder: Path) -> Optional[Path]:
@@ -188,7 +195,7 @@ def manifest_of(path: Path) -> Optional[dict]:
     """The manifest of the pulled model whose first file is ``path`` (None: not one pulled from the hub)."""
     for m_path in sorted(path.parent.glob("*.json")):
         m = _read_manifest(m_path)
-        if m is not None and m["files"][0].get("name") == path.name and _complete(m, path.parent) is not None:
+        if m is not None and m["files"][0].get("name") == path.name and _complete(m, path.parent) == path:
             return m
     return None
 
@@ -219,9 +226,11 @@ def remove(ref: HubRef) -> list[Path]:
                 (folder / f["name"]).unlink(missing_ok=True)
                 removed.append(folder / f["name"])
             path.unlink(missing_ok=True)
-    shutil.rmtree(folder / ".partial", ignore_errors=True)
-    if folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()
+    if not any(folder.glob("*.json")):  # no other quant of the repository is left: nor anything else
+        shutil.rmtree(folder / ".partial", ignore_errors=True)
+        (folder / ".lock").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()
     return removed
 
 
@@ -243,7 +252,13 @@ def _hub_error(ref: HubRef, exc: Exception) -> ModelError:
     if isinstance(exc, errors.RepositoryNotFoundError):
         return ModelError(f"no repository {ref.repo} on {where} (a private one needs HF_TOKEN); check the name")
     if isinstance(exc, errors.HfHubHTTPError):
-        return ModelError(f"{where} answered {exc}")
+        status = exc.response.status_code if exc.response is not None else 0
+        hint = " (is HF_TOKEN right, and does it have access?)" if status in (401, 403) else ""
+        return ModelError(f"{where} answered {exc}{hint}")
+    if isinstance(exc, OSError) and not isinstance(exc, ConnectionError) and exc.errno is not None:
+        return ModelError(f"{ref.name}: could not write the model: {exc}")  # (a full disk, a read-only store)
+    if isinstance(exc, OSError) and "Consistency check failed" in str(exc):
+        return ModelError(f"{ref.name}: the download stopped short of the file's size; run the pull again (it resumes)")
     return ModelError(f"could not reach {where} to pull {ref.name}: {type(exc).__name__}: {exc}")
 
 
@@ -278,6 +293,28 @@ def pull(ref: HubRef, progress: ProgressFn = lambda line: None, make_bar: Option
     quant, files = choose(ref, list(siblings))
     folder = repo_dir(ref.repo)
     folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder, ref, progress):
+        return _pull_files(ref, info, quant, files, siblings, folder, progress, make_bar, tqdm)
+
+
+@contextlib.contextmanager
+def _locked(folder: Path, ref: HubRef, progress: ProgressFn):
+    """One pull of a repository at a time (another tandem pulling the same waits for it)."""
+    with open(folder / ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"{ref.name}: another pull of {ref.repo} is running; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _pull_files(
+    ref: HubRef, info, quant: str, files: list[str], siblings: dict, folder: Path, progress, make_bar, tqdm
+):
+    have = pulled(ref)  # (pulled by the pull this one waited for)
+    if have is not None:
+        return have
     entries = []
     for name in files:
         s = siblings[name]
@@ -305,22 +342,30 @@ def pull(ref: HubRef, progress: ProgressFn = lambda line: None, make_bar: Option
     tmp = _manifest(ref.repo, quant).with_suffix(".json.tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, _manifest(ref.repo, quant))
-    shutil.rmtree(folder / ".partial", ignore_errors=True)
+    try:
+        (folder / ".partial").rmdir()  # (only if no other quant's pull left files there)
+    except OSError:
+        pass
     progress(f"{ref.name}: sha256 verified; saved {folder / entries[0]['name']} in {time.monotonic() - started:.0f} s")
     return folder / entries[0]["name"]
 
 
 def _fetch(ref: HubRef, revision: str, e: dict, folder: Path, progress: ProgressFn, bar) -> None:
-    """One file, into ``.partial/`` (resumed from what is there), then checked and put in place."""
+    """One file, into ``.partial/SHA256.part`` (resumed from what is there: the same content, as
+    its name is its hash), then checked and put in place."""
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
     final = folder / e["name"]
-    if final.is_file() and final.stat().st_size == e["size"]:  # put in place only once checked
-        bar.update(e["size"])
-        return
-    partial = folder / ".partial" / (e["name"] + ".part")
+    if final.is_file() and final.stat().st_size == e["size"]:
+        # a part put in place by a pull that stopped before its manifest: checked again (the hub may
+        # have changed the file since), unless a manifest already vouches for it
+        if _vouched(folder, e) or _sha256(final) == e["sha256"]:
+            bar.update(e["size"])
+            return
+        final.unlink()
+    partial = folder / ".partial" / f"{e['sha256']}.part"
     partial.parent.mkdir(exist_ok=True)
     have = partial.stat().st_size if partial.is_file() else 0
     if have > e["size"]:
@@ -343,9 +388,9 @@ def _fetch(ref: HubRef, revision: str, e: dict, folder: Path, progress: Progress
                 displayed_filename=e["name"],
                 _tqdm_bar=bar,
             )
+        digest = _sha256(partial)
     except Exception as exc:
         raise _hub_error(ref, exc) from None
-    digest = _sha256(partial)
     if digest != e["sha256"]:
         partial.unlink(missing_ok=True)
         raise ModelError(
@@ -353,3 +398,12 @@ def _fetch(ref: HubRef, revision: str, e: dict, folder: Path, progress: Progress
             f"Run the pull again"
         )
     os.replace(partial, final)
+
+
+def _vouched(folder: Path, e: dict) -> bool:
+    """A manifest in ``folder`` lists this file with this sha256 (it was checked when it was pulled)."""
+    for path in folder.glob("*.json"):
+        m = _read_manifest(path)
+        if m is not None and any(f.get("name") == e["name"] and f.get("sha256") == e["sha256"] for f in m["files"]):
+            return True
+    return False

@@ -17,6 +17,8 @@ from tandem.daemon.models import ModelError, hub
         ("huggingface.co/bartowski/gemma-3-4b-it-GGUF:IQ3_XXS", "bartowski/gemma-3-4b-it-GGUF", "IQ3_XXS"),
         ("https://huggingface.co/unsloth/gpt-oss-20b-GGUF/", "unsloth/gpt-oss-20b-GGUF", None),
         ("hf://ggml-org/Qwen3-0.6B-GGUF:Q8_0", "ggml-org/Qwen3-0.6B-GGUF", "Q8_0"),
+        ("https://hf.co/ggml-org/Qwen3-0.6B-GGUF", "ggml-org/Qwen3-0.6B-GGUF", None),
+        ("hf.co/ggml-org/Qwen3-0.6B-GGUF:latest", "ggml-org/Qwen3-0.6B-GGUF", None),  # (Ollama's tag: the default)
     ],
 )
 def test_names_parse_to_a_repository_and_a_quant(name, repo, quant):

@@ -96,7 +96,7 @@ def test_a_corrupted_download_is_refused_and_nothing_is_kept(env, hub):
     assert done.returncode != 0
     assert "not the hub's" in done.stderr and "nothing kept" in done.stderr
     leftovers = [p for p in store(env).rglob("*") if p.is_file()] if store(env).exists() else []
-    assert leftovers == []
+    assert [p.name for p in leftovers if p.name != ".lock"] == []  # (the pulls' lock file may stay)
     serve = tandem(env, "show", f"hf.co/{REPO}:Q4_1")
     assert serve.returncode != 0 and "not pulled yet" in serve.stderr
 

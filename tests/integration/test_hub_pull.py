@@ -185,3 +185,19 @@ def test_a_split_gguf_is_pulled_whole_and_served_from_its_first_part(env, hub, s
     finally:
         whole.stop()
         whole.cleanup()
+
+
+def test_run_with_a_hub_model_starts_a_daemon_on_it_and_takes_its_name_in_any_spelling(env, hub, tmp_path):
+    sock = str(tmp_path / "run.sock")
+    env = {**env, "XDG_STATE_HOME": str(tmp_path / "state"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    bad = tandem(env, "--socket", sock, "run", "--model", "hf.co/justone", "Hi")  # (no daemon: it would start one)
+    assert bad.returncode != 0 and "hf.co/ORG/REPO" in bad.stderr and "Traceback" not in bad.stderr
+    try:
+        first = tandem(env, "--socket", sock, "run", "--model", f"hf.co/{REPO}:q4_1", "--max-tokens", "4", "Hi")
+        assert first.returncode == 0, first.stderr  # pulled, started, answered
+        again = tandem(
+            env, "--socket", sock, "run", "--model", f"huggingface.co/{REPO}:Q4_1", "--max-tokens", "4", "Hi"
+        )
+        assert again.returncode == 0, again.stderr  # the daemon's hf.co/...:Q4_1 is the model asked for
+    finally:
+        tandem(env, "--socket", sock, "stop")

@@ -37,6 +37,7 @@ from .translate import (
     json_text,
     read,
 )
+from .translate import effort as effort_of
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -115,7 +116,7 @@ def chat_messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise bad_request(f"messages.{i}.content must be a string or an array of blocks")
-        text, calls = [], []
+        text, calls, thought = [], [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             where = f"messages.{i}.content.{j}"
@@ -134,14 +135,19 @@ def chat_messages(body: dict) -> list[dict]:
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
             elif kind in ("image", "document"):
                 raise bad_request(f"{where}: tandem's models read text only ({kind} blocks)")
+            elif kind == "thinking" and m["role"] == "assistant":
+                if isinstance(block.get("thinking"), str):
+                    thought.append(block["thinking"])  # (sent back: the templates that show it get it)
             elif kind in ("thinking", "redacted_thinking"):
-                continue  # a previous turn's reasoning: not shown to the model again
+                continue  # (redacted: Anthropic's encrypted reasoning, which no local model wrote)
             else:
                 raise bad_request(f"{where}: block type {kind!r} is not supported here")
         if text or calls:
             msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
+            if thought:
+                msg["reasoning"] = "".join(thought)
             out.append(msg)
     return out
 
@@ -149,10 +155,11 @@ def chat_messages(body: dict) -> list[dict]:
 THINKING = ("enabled", "adaptive", "disabled")
 
 
-def reasoning_controls(body: dict) -> None:
-    """``thinking`` (enabled, adaptive or disabled, with ``budget_tokens``), ``output_config.effort`` and
-    ``context_management``, as Claude Code sends them: checked for shape, then left to the model, which has
-    no reasoning controls of its own here (the models tandem serves today do not think aloud)."""
+def reasoning_controls(body: dict, req: Optional[GenRequest] = None) -> None:
+    """``thinking`` (enabled with ``budget_tokens``: thinking on with that budget; disabled: off; adaptive: the
+    model's default), ``output_config.effort`` (low, medium, high, max) and ``context_management``, as Claude
+    Code sends them: checked for shape, and set on ``req`` for a reasoning model (a model that does not think
+    ignores them; context_management is the client's)."""
     thinking = body.get("thinking")
     if thinking is not None:
         if not isinstance(thinking, dict) or thinking.get("type") not in THINKING:
@@ -166,12 +173,16 @@ def reasoning_controls(body: dict) -> None:
     effort = (body.get("output_config") or {}).get("effort")
     if effort is not None and not isinstance(effort, str):
         raise bad_request("output_config.effort must be a string")
-    if thinking is not None or effort is not None or body.get("context_management") is not None:
-        log.debug(
-            "thinking %s, effort %s, context_management: the model has no reasoning controls; ignored",
-            (thinking or {}).get("type"),
-            effort,
-        )
+    if req is None:
+        return
+    if thinking is not None and thinking["type"] != "adaptive":
+        req.think = thinking["type"] == "enabled"
+        if req.think and thinking.get("budget_tokens") is not None:
+            req.max_thinking_tokens = thinking["budget_tokens"]
+    if effort is not None:
+        think, req.reasoning_effort = effort_of(effort)
+        if think is not None:
+            req.think = think
 
 
 def tool_use(body: dict) -> Optional[ToolUse]:
@@ -232,19 +243,22 @@ def parse_messages(body: dict, n_ctx: int) -> GenRequest:
     if not isinstance(model, str) or not model:
         raise bad_request("model: the name of the model is required (any name: one is served)")
     messages = chat_messages(body)
-    reasoning_controls(body)
     sampling = _sampling(body, n_ctx)
     tools = tool_use(body)
     stream = bool(body.get("stream", False))
-    return GenRequest(messages=messages, sampling=sampling, tools=tools, model=model, stream=stream)
+    req = GenRequest(messages=messages, sampling=sampling, tools=tools, model=model, stream=stream)
+    reasoning_controls(body, req)
+    return req
 
 
 # --------------------------------------------------------------------------- rendering the result
 
 
 def content_blocks(done: Done) -> list[dict]:
-    """The reply's content: its text (an empty one when there is nothing else), then its calls."""
+    """The reply's content: its thinking, its text (an empty one when there is nothing else), then its calls."""
     blocks: list[dict] = []
+    if done.reasoning:  # (no signature: nothing of Anthropic's to verify; sent back, it is shown to the model again)
+        blocks.append({"type": "thinking", "thinking": done.reasoning, "signature": ""})
     if done.text or not done.tool_calls:
         blocks.append({"type": "text", "text": done.text})
     for call in done.tool_calls:
@@ -312,8 +326,11 @@ class MessageEvents:
     def _close(self) -> list[tuple[str, dict]]:
         if self.index < 0 or not self.kind:
             return []
+        out = []
+        if self.kind == "thinking":  # (a thinking block ends with its signature, as Anthropic's: none here)
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
         self.kind = ""
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return out + [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _open(self, block: dict) -> list[tuple[str, dict]]:
         out = self._close()
@@ -329,6 +346,10 @@ class MessageEvents:
 
     def chunk(self, chunk: Chunk) -> list[tuple[str, dict]]:
         out: list[tuple[str, dict]] = []
+        if chunk.reasoning:
+            if self.kind != "thinking":
+                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": chunk.reasoning}))
         if chunk.text:
             if self.kind != "text":
                 out += self._open({"type": "text", "text": ""})

@@ -13,7 +13,7 @@ is served, as github.com/ollama/ollama docs/api.md defines it:
   default), ``keep_alive`` (accepted; the model stays resident).
 - ``POST /api/chat``: ``messages`` (with ``tool_calls`` and ``tool`` results),
   ``tools``, ``format``, ``options``, ``stream``.
-- ``POST /api/embed``/``/api/embeddings``: 501 (tandem has no embedding path);
+- ``POST /api/embed``/``/api/embeddings``: embeddings.py, with ``--embedding-model``;
   pulling, pushing, creating, copying and deleting models: 501 naming the
   ``tandem`` command that does it.
 
@@ -178,14 +178,14 @@ def check_model(name: Any, served: str) -> None:
     """A request names the served model (with or without ``:latest``, or
     ``tandem``), or gets an error: 404 for a model tandem does not have, 400 for
     a pulled one that is not the resident target (one target is the design)."""
-    from tandem.daemon.models import PRESETS, is_pulled
+    from tandem.daemon.models import is_pulled, preset_names
 
     if not isinstance(name, str) or not name:
         raise ApiError(HTTPStatus.BAD_REQUEST, "'model' is required (the name /api/tags lists)")
     base = _base(name)
     if base in (served, "tandem"):
         return
-    if base in PRESETS and is_pulled(base):
+    if base in preset_names() and is_pulled(base):
         raise ApiError(
             HTTPStatus.BAD_REQUEST,
             f"model '{name}' is pulled but this daemon serves '{served}' (one resident target): restart it with "
@@ -245,6 +245,8 @@ async def show(ex: "Exchange", body: dict) -> None:
         fim = bool(facts.get("fim"))
     if fim:
         capabilities.append("insert")
+    if getattr(info, "reasoning", "") and path == Path(info.path):
+        capabilities.append("thinking")  # (the resident model: its chat template renders thinking)
     reply = {
         "license": str(model_info.get("general.license", "")),
         "modelfile": f"# served by tandem\nFROM {path}\n",
@@ -349,8 +351,22 @@ def parse_generate(body: dict, n_ctx: int) -> Optional[GenRequest]:
         req.messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + [
             {"role": "user", "content": prompt}
         ]
+        _think(body, req)
     req.stream = _stream(body)
     return req
+
+
+def _think(body: dict, req: GenRequest) -> None:
+    """Ollama's ``think``: true or false, or gpt-oss's "low", "medium" or "high" (thinking on, that effort)."""
+    think = body.get("think")
+    if think is None:
+        return
+    if isinstance(think, bool):
+        req.think = think
+    elif think in ("low", "medium", "high"):
+        req.think, req.reasoning_effort = True, think
+    else:
+        raise bad_request(f'\'think\' must be true, false, "low", "medium" or "high", got {think!r}')
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -371,6 +387,8 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string")
         msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m["role"] == "assistant" and isinstance(m.get("thinking"), str) and m["thinking"]:
+            msg["reasoning"] = m["thinking"]  # (sent back: the templates that show it get it)
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls, pending = [], []
             for j, call in enumerate(m["tool_calls"]):
@@ -415,9 +433,11 @@ def parse_chat(body: dict, n_ctx: int) -> GenRequest:
     tools = _tools(body)
     rf = _format(body)
     model = body.get("model") or ""
-    return GenRequest(
+    req = GenRequest(
         messages=messages, sampling=sampling, tools=tools, response_format=rf, model=model, stream=_stream(body)
     )
+    _think(body, req)
+    return req
 
 
 # --------------------------------------------------------------------------- rendering the result
@@ -462,20 +482,24 @@ class OllamaAnswer:
     def __init__(self, req: GenRequest, chat: bool, now: Callable[[], str] = _now):
         self.model, self.chat, self.now = req.model, chat, now
 
-    def piece(self, text: str) -> dict:
+    def piece(self, text: str, thinking: str = "") -> dict:
         base: dict[str, Any] = {"model": self.model, "created_at": self.now()}
         if self.chat:
             base["message"] = {"role": "assistant", "content": text}
+            if thinking:
+                base["message"]["thinking"] = thinking
         else:
             base["response"] = text
+            if thinking:
+                base["thinking"] = thinking
         base["done"] = False
         return base
 
     def chunk(self, chunk: Chunk) -> list[dict]:
-        return [self.piece(chunk.text)] if chunk.text else []
+        return [self.piece(chunk.text, chunk.reasoning)] if chunk.text or chunk.reasoning else []
 
     def whole(self, done: Done, total_seconds: float) -> dict:
-        out = self.piece(done.text)
+        out = self.piece(done.text, done.reasoning)
         out.update(done_fields(done, total_seconds))
         if self.chat and done.tool_calls:
             out["message"]["tool_calls"] = ollama_calls(done)

@@ -25,6 +25,8 @@ from .translate import (
     ToolUse,
     arguments_text,
     bad_request,
+    checked,
+    effort,
     function_tool,
     history_call,
     prompt_progress,
@@ -94,6 +96,10 @@ def _chat_message(m: Any, i: int) -> dict:
     message: dict[str, Any] = {"role": role, "content": _content(m.get("content"), i)}
     if role == "assistant" and m.get("tool_calls"):
         message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+    if role == "assistant":  # the thinking before it, as llama-server (reasoning_content) or vLLM (reasoning) send it
+        thought = m.get("reasoning_content") or m.get("reasoning")
+        if isinstance(thought, str) and thought:
+            message["reasoning"] = thought
     if role == "tool":
         if not isinstance(m.get("tool_call_id"), str):
             raise bad_request(
@@ -213,7 +219,25 @@ def parse_chat(body: dict) -> GenRequest:
     params = _sampling(body, MAX_TOKENS_LIMIT)  # the API's default: until the model stops or the context is full
     tools = _tools(body)
     response_format = _response_format(body)
-    return GenRequest(messages=messages, tools=tools, response_format=response_format, **params, **_answer_shape(body))
+    req = GenRequest(messages=messages, tools=tools, response_format=response_format, **params, **_answer_shape(body))
+    _reasoning(body, req)
+    return req
+
+
+def _reasoning(body: dict, req: GenRequest) -> None:
+    """A reasoning model's controls: OpenAI's ``reasoning_effort`` ("none" turns thinking off),
+    ``chat_template_kwargs.enable_thinking`` (llama-server's and vLLM's), and tandem's ``think`` and
+    ``max_thinking_tokens``."""
+    value = read(body, "reasoning_effort", (str,))
+    if value is not None:
+        req.think, req.reasoning_effort = effort(value)
+    kwargs = read(body, "chat_template_kwargs", (dict,))
+    if kwargs and kwargs.get("enable_thinking") is not None:
+        req.think = checked(kwargs["enable_thinking"], (bool,), key="chat_template_kwargs.enable_thinking")
+    think = read(body, "think", (bool,))
+    if think is not None:
+        req.think = think
+    req.max_thinking_tokens = read(body, "max_thinking_tokens", (int,))
 
 
 # --------------------------------------------------------------------------- rendering the result
@@ -240,6 +264,7 @@ def usage(done: Done) -> dict:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     }
 
 
@@ -289,6 +314,9 @@ class OpenAIAnswer:
         reply = self.envelope()
         if self.chat:
             message = assistant_message(done)
+            thought = message.pop("reasoning", "")
+            if thought:
+                message["reasoning_content"] = thought  # (llama-server's and DeepSeek's field)
             if done.tool_calls:
                 message["content"] = done.text or None
             choice = {"index": 0, "message": message, "logprobs": None}
@@ -320,7 +348,13 @@ class OpenAIAnswer:
                 e["choices"][0]["delta"]["content"] = None
             e["prompt_progress"] = prompt_progress(chunk.progress)
             return [e]
-        out = [self._event(chunk.text)] if chunk.text else []
+        out = []
+        if self.chat and chunk.reasoning:
+            e = self._event(None)
+            e["choices"][0]["delta"] = {"reasoning_content": chunk.reasoning}
+            out.append(e)
+        if chunk.text:
+            out.append(self._event(chunk.text))
         if self.chat and chunk.tool_calls:
             e = self.envelope(chunk=True)
             delta = {"tool_calls": call_deltas(chunk.tool_calls)}

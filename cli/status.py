@@ -29,6 +29,8 @@ def cmd_status(args) -> int:
         lines.append(_lookup_governor_line(st.governor))
     elif st.governor:
         lines.append(_governor_line(st.governor))
+    if st.embedding != "none":
+        lines.append(_embedding_line(st))
     if st.cache:
         lines += _cache_lines(st.cache)
     lines += _work_lines(st)
@@ -118,6 +120,8 @@ def _exact_line(m) -> str:
 
 def _drafter_line(st) -> str:
     line = f"drafter:   {st.drafter}, {st.draft_tokens} tokens per draft"
+    if not st.draft_tokens:  # (--drafter auto found none: st.drafter says why)
+        return f"drafter:   {st.drafter}"
     if st.model and st.model.draft_off:
         line += ", not drafting: it would change greedy output here (--exact off drafts anyway)"
     elif st.model and st.model.exact_steps:
@@ -181,6 +185,16 @@ def _cache_lines(c) -> list[str]:
             + (f"; {d.dropped:,} damaged or foreign files ignored" if d.dropped else "")
         )
     return lines
+
+
+def _embedding_line(st) -> str:
+    m = st.embedding_model
+    if m is None:  # loading, restarting or off: the name says which
+        return f"embedding: {st.embedding}"
+    return (
+        f"embedding: {st.embedding} ({mib(m.size_bytes)}, inputs up to {m.n_ctx:,} tokens; "
+        f"{st.requests.get('embed', 0):,} requests, {st.tokens.get('embedding', 0):,} tokens)"
+    )
 
 
 def _work_lines(st) -> list[str]:

@@ -30,6 +30,7 @@ from tandem.protocol import (
     Detokenize,
     Detokenized,
     Done,
+    Embedded,
     HelloReply,
     Message,
     Status,
@@ -44,11 +45,13 @@ from .core import (
     MessageLike,
     ReplyRouter,
     StreamState,
+    check_daemon_embeds,
     check_daemon_speaks,
     check_socket_exists,
     complete_request,
     dealer_options,
     dropped,
+    embed_request,
     generate_request,
     gone_message,
     hello_request,
@@ -244,6 +247,15 @@ class AsyncClient:
         raise_for_terminal(reply)
         assert isinstance(reply, Detokenized)
         return reply.text
+
+    async def embed(self, input=None, tokens=None, *, timeout: Optional[float] = 600.0, **options) -> Embedded:
+        """As Client.embed."""
+        hello = await self.connect()
+        check_daemon_embeds(hello)
+        reply = await self._request(embed_request(input, tokens, **options), timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, Embedded)
+        return reply
 
     async def cancel(self, request_id: str) -> bool:
         await self.connect()

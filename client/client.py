@@ -28,6 +28,7 @@ from tandem.protocol import (
     Detokenize,
     Detokenized,
     Done,
+    Embedded,
     HelloReply,
     Message,
     Shutdown,
@@ -43,11 +44,13 @@ from .core import (
     MessageLike,
     ReplyRouter,
     StreamState,
+    check_daemon_embeds,
     check_daemon_speaks,
     check_socket_exists,
     complete_request,
     dealer_options,
     dropped,
+    embed_request,
     generate_request,
     gone_message,
     hello_request,
@@ -257,6 +260,28 @@ class Client:
         raise_for_terminal(reply)
         assert isinstance(reply, Detokenized)
         return reply.text
+
+    def embed(
+        self,
+        input: Union[str, list[str], None] = None,
+        tokens: Optional[list] = None,
+        *,
+        timeout: Optional[float] = 600.0,
+        **options,
+    ) -> Embedded:
+        """Embedding vectors from the daemon's embedding model (``tandem serve --embedding-model``):
+        ``input`` one text or a list of texts (``tokens``: token ids of that model instead), one
+        vector per input in ``.embeddings``, unit length unless ``normalize=False``. Options:
+        truncate (default True: an input longer than the model's context is cut; False: an error),
+        dimensions (keep the first N), request_id. It waits in the embed queue, never behind a
+        generation, and yields the cores to one that runs. ``RequestFailed`` with code
+        NO_EMBEDDING_MODEL when the daemon has none."""
+        hello = self.connect()
+        check_daemon_embeds(hello)
+        reply = self._request(embed_request(input, tokens, **options), timeout)
+        raise_for_terminal(reply)
+        assert isinstance(reply, Embedded)
+        return reply
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request (any client's). True if it was found."""

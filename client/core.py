@@ -24,6 +24,7 @@ from tandem.protocol import (
     Complete,
     Decoding,
     Done,
+    Embed,
     Error,
     Generate,
     Hello,
@@ -177,6 +178,33 @@ def tokenize_request(
     return _checked(Tokenize(id=new_id(), text=text, messages=chat, tools=tool_list, **options))
 
 
+def embed_request(
+    input: Union[str, Iterable[str], None] = None, tokens: Optional[Iterable[Any]] = None, **options: Any
+) -> Embed:
+    """An embed request: ``input`` one text or a list of them, or ``tokens`` one list of token ids
+    or a list of such lists. Options: truncate, dimensions, normalize, request_id."""
+    texts = [input] if isinstance(input, str) else list(input or [])
+    ids = list(tokens or [])
+    if ids and all(isinstance(t, int) for t in ids):
+        ids = [ids]  # one input's tokens
+    request_id = options.pop("request_id", None) or new_id()
+    if not all(isinstance(t, str) for t in texts):
+        raise InvalidRequest("invalid request: 'input' must be a text or a list of texts")
+    if not all(isinstance(t, list) and all(isinstance(i, int) for i in t) for t in ids):
+        raise InvalidRequest("invalid request: 'tokens' must be a list of token ids or a list of such lists")
+    return _checked(Embed(id=request_id, input=texts, tokens=ids, **options))
+
+
+def check_daemon_embeds(hello: Any) -> None:
+    """Refuse to send embed to a daemon that has no such op (its minor is below 1.8)."""
+    version = tuple(hello.protocol_version[:2])
+    if version < (1, 8):
+        raise InvalidRequest(
+            f"the daemon speaks protocol {version[0]}.{version[1]}, which has no embed op: restart it from this "
+            "tandem (tandem service restart, or stop it and run tandem serve --embedding-model MODEL)"
+        )
+
+
 def check_daemon_speaks(hello: Any, req: Decoding) -> None:
     """Refuse to send tools to a daemon that would silently ignore them (its minor is below 1.1)."""
     version = tuple(hello.protocol_version[:2])
@@ -204,6 +232,8 @@ def assistant_message(done: Done) -> dict:
     calls exactly as ``done`` gave them (so the next turn's prompt re-renders the
     tokens it generated, and the prefix cache serves them)."""
     message: dict = {"role": "assistant", "content": done.text}
+    if done.reasoning:
+        message["reasoning"] = done.reasoning  # (templates that show it get it back; others drop it)
     if done.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}

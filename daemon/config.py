@@ -117,6 +117,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="PRESET|HF|PATH",
     ),
     Option(
+        "chat_template_file",
+        "path",
+        AUTO,
+        "a Jinja chat template to render chats with instead of the one in the GGUF file (as llama-server's "
+        "--chat-template-file): a model whose file has none, or a fixed one (auto: the file's)",
+        auto=True,
+        metavar="FILE",
+    ),
+    Option(
         "ctx_size",
         "int",
         AUTO,
@@ -180,9 +189,11 @@ OPTIONS: tuple[Option, ...] = (
         "str",
         "none",
         "speculative decoding: a small model with the target's tokenizer (its own "
-        "worker process), 'ngram' (prompt lookup: the last 4 tokens' latest match in the context), "
+        "worker process), 'auto' (a pulled model with the target's tokenizer: the preset's drafter, else "
+        "the best small one; none if none is pulled, saying which to pull), 'ngram' (prompt lookup: the last "
+        "4 tokens' latest match in the context), "
         "'suffix' (the longest match in the context and in earlier replies; no model either), or 'none'",
-        metavar="PRESET|PATH|ngram|suffix|none",
+        metavar="PRESET|PATH|auto|ngram|suffix|none",
     ),
     Option(
         "drafter_quantize",
@@ -237,6 +248,17 @@ OPTIONS: tuple[Option, ...] = (
         True,
         "with a response_format: read the tokens its grammar forces (a schema's fixed keys, closing braces) as "
         "drafts, verified in one batch, instead of sampling them one by one; off = one by one",
+    ),
+    Option(
+        "thinking_budget",
+        "int",
+        -1,
+        "a reasoning model's thinking, in tokens, for requests that set no budget of their own (their max_thinking_"
+        "tokens, or Anthropic's budget_tokens): after this many the daemon writes the thinking's closing and the model "
+        "answers; 0 = no thinking; -1 = no budget (as llama-server's --reasoning-budget)",
+        minimum=-1,
+        maximum=1 << 20,
+        metavar="N",
     ),
     Option(
         "cache_bytes",
@@ -393,6 +415,17 @@ OPTIONS: tuple[Option, ...] = (
         "auto",
         "as device, for the model drafter",
         metavar="NAME[,NAME...]",
+    ),
+    Option(
+        "embedding_model",
+        "str",
+        "none",
+        "a model for embeddings (the embed op, /v1/embeddings, /api/embed), in a worker process of its own beside "
+        "the target, at the lowest CPU priority (a running generation keeps its speed): a preset, "
+        "hf.co/ORG/REPO[:QUANT] or the path of a .gguf file, pulled if missing; an embedding model (BERT, "
+        "nomic-bert...) pools as its file says, a generative one by the mean of its last hidden states; "
+        "none = no embeddings",
+        metavar="PRESET|HF|PATH|none",
     ),
     Option(
         "rpc",

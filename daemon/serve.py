@@ -16,8 +16,8 @@ from .config import ServeError
 from .front import sdnotify
 from .front.server import Daemon, ServeConfig
 from .models.context_size import ContextError, choose_context
+from .models.drafter_auto import pick_drafter
 from .models.gguf_meta import GGUFError
-from .worker.worker_config import LOOKUP_DRAFTERS
 
 log = logging.getLogger("tandem.daemon")
 
@@ -45,12 +45,17 @@ def serve(
             notifier.extend_timeout(120)  # a model download: tell systemd we are still starting
 
         name, path = _resolve(v.model, say)
-        drafter_name, drafter_path = v.drafter, None
-        if v.drafter not in ("none", *LOOKUP_DRAFTERS):
-            drafter_name, drafter_path = _resolve(v.drafter, say)
+        _check_template_file(v.chat_template_file)
+        drafter_name, drafter_path, drafter_why = pick_drafter(
+            v.drafter, v.model, name, path, lambda drafter: _resolve(drafter, say)
+        )
+        if drafter_path is not None:
             loaded = models.drafter_file(drafter_path, v.drafter_quantize, say)
             if loaded != drafter_path:
                 drafter_name, drafter_path = f"{drafter_name} as Q8_0 ({loaded})", loaded
+        embedding_name, embedding_path = "", None
+        if v.embedding_model != "none":  # resolved (and pulled) as the target is
+            embedding_name, embedding_path = _resolve(v.embedding_model, say)
         context = choose_context(v.ctx_size, path, drafter_path, v.kv_type, v.kv_budget)
         log.info("context: %s", context.note)
         daemon = Daemon(
@@ -63,8 +68,11 @@ def serve(
                 cache_bytes=cache_budget(v.cache_bytes),
                 drafter_name=drafter_name,
                 drafter_path=drafter_path,
+                drafter_why=drafter_why,
                 n_ctx=context.n_ctx,
                 context_note=context.note,
+                embedding_name=embedding_name,
+                embedding_path=embedding_path,
             ),
             notifier=notifier,
             reload=reload,
@@ -77,6 +85,19 @@ def serve(
         print(f"tandem serve: {daemon.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_template_file(path: Optional[Path]) -> None:
+    """--chat-template-file: a readable UTF-8 file, or a clear error before anything loads."""
+    if path is None:
+        return
+    try:
+        path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ServeError(
+            f"--chat-template-file {path}: cannot read it ({exc}); give a readable UTF-8 Jinja file, or leave "
+            "the option out to use the GGUF file's template"
+        ) from None
 
 
 def _resolve(model: str, progress: Callable[[str], None]) -> tuple[str, Path]:

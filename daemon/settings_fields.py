@@ -20,6 +20,9 @@ class SettingsFields:
     model: str = "smollm2-135m"
     """preset name (see `tandem models list`), hf.co/ORG/REPO[:QUANT] from Hugging Face, or path of a .gguf file; a
     preset or hf.co/ model is pulled if missing"""
+    chat_template_file: Path | None = None
+    """a Jinja chat template to render chats with instead of the one in the GGUF file (as llama-server's
+    --chat-template-file): a model whose file has none, or a fixed one (auto: the file's)"""
     ctx_size: int | None = None
     """context length in tokens (auto: the model's trained context where the KV caches fit --kv-budget, else the longest
     that fits; `tandem status` says which)"""
@@ -37,9 +40,10 @@ class SettingsFields:
     max_queue: int = 16
     """requests that may wait; more get a `busy` reply"""
     drafter: str = "none"
-    """speculative decoding: a small model with the target's tokenizer (its own worker process), 'ngram' (prompt lookup:
-    the last 4 tokens' latest match in the context), 'suffix' (the longest match in the context and in earlier
-    replies; no model either), or 'none'"""
+    """speculative decoding: a small model with the target's tokenizer (its own worker process), 'auto' (a pulled model
+    with the target's tokenizer: the preset's drafter, else the best small one; none if none is pulled, saying which
+    to pull), 'ngram' (prompt lookup: the last 4 tokens' latest match in the context), 'suffix' (the longest match in
+    the context and in earlier replies; no model either), or 'none'"""
     drafter_quantize: Literal["auto", "off"] = "auto"
     """auto: a drafter file at 16 or 32 bits (F16, BF16, F32) is quantized once to Q8_0 into the model cache and that
     copy is loaded (its steps cost about half; at 8 bits its guesses are confirmed as often); off: the file as given"""
@@ -63,6 +67,10 @@ class SettingsFields:
     jump_forward: bool = True
     """with a response_format: read the tokens its grammar forces (a schema's fixed keys, closing braces) as drafts,
     verified in one batch, instead of sampling them one by one; off = one by one"""
+    thinking_budget: int = -1
+    """a reasoning model's thinking, in tokens, for requests that set no budget of their own (their max_thinking_tokens,
+    or Anthropic's budget_tokens): after this many the daemon writes the thinking's closing and the model answers; 0
+    = no thinking; -1 = no budget (as llama-server's --reasoning-budget)"""
     cache_bytes: int | None = None
     """prefix cache: keep the KV state of recent prompts, in pages, in this much shared memory and restore it instead of
     prefilling a prompt's start again; both models' pages count. 0 = off. auto: 1G, or half of the free space of
@@ -126,6 +134,11 @@ class SettingsFields:
     """as gpu_layers, for the model drafter (its own process; --rpc servers are the target's only)"""
     drafter_device: str = "auto"
     """as device, for the model drafter"""
+    embedding_model: str = "none"
+    """a model for embeddings (the embed op, /v1/embeddings, /api/embed), in a worker process of its own beside the
+    target, at the lowest CPU priority (a running generation keeps its speed): a preset, hf.co/ORG/REPO[:QUANT] or
+    the path of a .gguf file, pulled if missing; an embedding model (BERT, nomic-bert...) pools as its file says, a
+    generative one by the mean of its last hidden states; none = no embeddings"""
     rpc: str = ""
     """offload the target's layers to llama.cpp rpc-server processes, HOST:PORT[,HOST:PORT...], built from the same
     llama.cpp (bench/build_rpc.sh); needs llama-cpp-python built with GGML_RPC. Loopback addresses only, unless

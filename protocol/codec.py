@@ -33,7 +33,7 @@ from .messages import (
 )
 
 NDARRAY_EXT = 1
-_PRIMITIVE = (int, str)
+_PRIMITIVE = (int, str, float)
 
 
 class ProtocolError(Exception):
@@ -154,7 +154,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, list):
             (inner,) = typing.get_args(tp)
             if inner in _PRIMITIVE and all(type(v) is inner for v in value):
-                return value  # fast path: long token lists
+                return value  # fast path: long token lists, embedding vectors
             return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
     elif origin is dict:
         if isinstance(value, dict):

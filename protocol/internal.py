@@ -18,9 +18,12 @@ from .messages import (
     REQUESTS,
     CacheCleared,
     CacheInfo,
+    Cancel,
     Chunk,
     Detokenized,
     Done,
+    Embed,
+    Embedded,
     Error,
     GovernorInfo,
     Message,
@@ -128,14 +131,39 @@ class Drafted(Message):
     page_bytes: int = 0  # bytes of one prefix-cache page of the drafter's KV (0: no prefix cache)
 
 
+@dataclass
+class Pace(Message):
+    """the daemon tells the embedding worker that a generation started (``generating``
+    true: embed in small slices on one thread, so the target keeps its speed) or that
+    none runs (false: every thread, whole batches)."""
+
+    op: ClassVar[Op] = Op.PACE
+    id: str
+    generating: bool
+
+
 WORKER_REQUESTS: dict[Op, type] = {**REQUESTS, Op.DRAFTER_STATE: DrafterState}
 """What the target worker decodes: the daemon's requests, and the drafter's state."""
 WORKER_REPLIES: dict[Op, type] = {
     m.op: m
-    for m in (Chunk, Done, Error, CacheCleared, Ready, Progress, DrafterHung, Tokenized, Detokenized, CacheState)
+    for m in (
+        Chunk,
+        Done,
+        Error,
+        CacheCleared,
+        Ready,
+        Progress,
+        DrafterHung,
+        Tokenized,
+        Detokenized,
+        CacheState,
+        Embedded,
+    )
 }
 """What the daemon decodes from its workers (the drafter worker sends only ready or error)."""
 DRAFTER_REQUESTS: dict[Op, type] = {m.op: m for m in (DraftRequest, Shutdown)}
 """What the drafter worker decodes, from the target worker (draft) and the daemon (shutdown)."""
 DRAFTER_REPLIES: dict[Op, type] = {m.op: m for m in (Drafted, Error)}
 """What the target worker decodes from the drafter worker."""
+EMBEDDER_REQUESTS: dict[Op, type] = {m.op: m for m in (Embed, Pace, Cancel, Shutdown)}
+"""What the embedding worker decodes, from the daemon (cancel: of the embed it is computing)."""

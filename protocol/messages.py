@@ -19,12 +19,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
-their defaults. 1.1 added tools and tool calls: a client refuses to send tools to
-a 1.0 daemon, which would ignore them. 1.2 added ``done.drafter_died`` (a drafter's
-death no longer fails the request: DRAFTER_DIED is not sent) and ``done.stop_sequence``."""
+their defaults. 1.8 added the embed op and reasoning (thinking) fields. 1.1 added tools and
+tool calls: a client refuses to send tools to a 1.0 daemon, which would ignore them. 1.2 added
+``done.drafter_died`` (a drafter's death no longer fails the request: DRAFTER_DIED is not
+sent) and ``done.stop_sequence``."""
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """Largest message body the daemon accepts (bytes of msgpack)."""
@@ -40,8 +41,14 @@ PROGRESS_SECONDS = 1.0  # a progress request's prompt progress, at most this oft
 MAX_TOOLS = 128
 MAX_NESTING = 64  # maps and lists inside a schema, a tool's parameters or tool_choice
 MAX_TOOL_NAME_CHARS = 64
+REASONING_EFFORTS = ("low", "medium", "high")
 TOOL_CHOICES = ("none", "auto", "required")
 DRAFT_MODES = ("auto", "on", "off")
+MAX_EMBED_INPUTS = 256  # texts (or token lists) in one embed request
+EMBED_FIX = (
+    "Start the daemon with one: tandem serve --embedding-model MODEL (a preset such as qwen2.5-coder-0.5b, "
+    "hf.co/ORG/REPO[:QUANT] or the path of a .gguf file)"
+)
 FIM_FIX = (
     "Serve a code model that has them (tandem serve --model qwen2.5-coder-1.5b), "
     "or send 'generate' with the text before the cursor as 'prompt'."
@@ -71,6 +78,8 @@ class Op(str, enum.Enum):
     DETOKENIZE = "detokenize"  # token ids -> text
     DRAFT = "draft"  # internal: target worker -> drafter worker
     DRAFTED = "drafted"  # internal: drafter worker -> target worker
+    EMBED = "embed"  # texts (or token ids) -> embedding vectors, from the embedding model (1.8)
+    PACE = "pace"  # internal: daemon -> embedding worker, a generation started or ended
 
 
 class FinishReason(str, enum.Enum):
@@ -94,6 +103,7 @@ class ErrorCode(enum.IntEnum):
     CHAT_TEMPLATE = 107  # messages given but the model has no usable chat template
     FIM_UNSUPPORTED = 108  # complete sent but the model has no fill-in-the-middle tokens
     BAD_CONSTRAINT = 109  # response_format does not compile (bad schema, regex or grammar)
+    NO_EMBEDDING_MODEL = 110  # embed sent but the daemon serves no embedding model (--embedding-model)
     INTERNAL = 200  # a bug: the message says what failed
     WORKER_DIED = 201  # the model worker process died during the request; it is restarted
     SHUTTING_DOWN = 202  # the daemon is stopping
@@ -133,6 +143,9 @@ class ChatMessage:
     tool_calls: Optional[list[ToolCall]] = None  # assistant: the calls it made
     tool_call_id: Optional[str] = None  # tool: which call this is the result of
     name: Optional[str] = None  # tool: the function's name (some templates show it)
+    # assistant: the thinking that came before this reply (done.reasoning), sent back for templates
+    # that show it (gpt-oss on tool-call turns, Qwen3 within a tool loop); others drop it: 1.8
+    reasoning: Optional[str] = None
 
 
 @dataclass
@@ -169,6 +182,7 @@ class Usage:
     cached_tokens: int = (
         0  # prompt tokens not prefilled: restored from pages, or kept in the KV from the request before
     )
+    reasoning_tokens: int = 0  # of completion_tokens, those the model thought in (1.8)
 
 
 @dataclass
@@ -300,8 +314,23 @@ class Generate(Decoding):
     # "required": it calls at least one tool; {"type": "function", "function": {"name": N}}: it calls N
     tool_choice: Any = None
     parallel_tool_calls: bool = True  # False: at most one call per turn
+    # reasoning models (1.8): think False: answer without thinking (a template's enable_thinking off, or a
+    # thinking budget of 0); None: the model's default. reasoning_effort: low, medium or high (gpt-oss's
+    # system prompt). max_thinking_tokens: the thinking is ended (its closing tag written for the model)
+    # after this many tokens; None: the daemon's --thinking-budget (by default none)
+    think: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+    max_thinking_tokens: Optional[int] = None
 
     def check(self) -> None:
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise ValueError(
+                f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {self.reasoning_effort!r}"
+            )
+        if self.max_thinking_tokens is not None and not 0 <= self.max_thinking_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(
+                f"'max_thinking_tokens' must be between 0 and {MAX_TOKENS_LIMIT}, got {self.max_thinking_tokens}"
+            )
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' (plain text) or 'messages' (chat)")
         if self.messages is not None and not self.messages:
@@ -469,6 +498,43 @@ class Detokenize(Message):
             raise ValueError("too many tokens")
 
 
+@dataclass
+class Embed(Message):
+    """Embedding vectors of ``input`` (texts) or ``tokens`` (token ids of the embedding
+    model's vocabulary), one per entry, in order, from the daemon's embedding model
+    (``--embedding-model``, its own worker). Not queued behind generation: embed
+    requests have their own queue, and a running generation has priority over them (1.8)."""
+
+    op: ClassVar[Op] = Op.EMBED
+    id: str
+    input: list[str] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    # an entry longer than the embedding context: True cuts it to fit (as Ollama does by default);
+    # False answers PROMPT_TOO_LONG, naming the entry
+    truncate: bool = True
+    dimensions: Optional[int] = None  # keep the first N dimensions (then normalized); None: all of them
+    normalize: bool = True  # unit length (L2), as OpenAI's and Ollama's /api/embed are; False: as pooled
+
+    def check(self) -> None:
+        if bool(self.input) == bool(self.tokens):
+            raise ValueError(
+                "give 'input' (a list of texts) or 'tokens' (a list of token id lists), one of them and not empty"
+            )
+        n = len(self.input) or len(self.tokens)
+        if n > MAX_EMBED_INPUTS:
+            raise ValueError(f"{n} inputs in one request; the limit is {MAX_EMBED_INPUTS}: send them in several")
+        for i, text in enumerate(self.input):
+            if not text:
+                raise ValueError(f"'input[{i}]' is empty: there is nothing to embed")
+        for i, ids in enumerate(self.tokens):
+            if not ids:
+                raise ValueError(f"'tokens[{i}]' is empty: there is nothing to embed")
+            if min(ids) < 0:
+                raise ValueError(f"'tokens[{i}]' has a negative token id")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"'dimensions' must be 1 or more, got {self.dimensions}")
+
+
 # --------------------------------------------------------------------------- replies
 
 
@@ -480,6 +546,7 @@ class HelloReply(Message):
     daemon_version: str
     model: str
     n_ctx: int
+    embedding_model: str = ""  # the embedding model's name; "" when the daemon has none (1.8)
 
 
 @dataclass
@@ -495,6 +562,21 @@ class Detokenized(Message):
     op: ClassVar[Op] = Op.DETOKENIZE
     id: str
     text: str
+
+
+@dataclass
+class Embedded(Message):
+    """The reply to ``embed``: one vector per input, in order (1.8)."""
+
+    op: ClassVar[Op] = Op.EMBED
+    id: str
+    model: str  # the embedding model's name
+    embeddings: list[list[float]]
+    prompt_tokens: int  # tokens read, every input together (after truncation)
+    input_tokens: list[int] = field(default_factory=list)  # tokens read of each input
+    truncated: int = 0  # inputs cut to fit the embedding context (truncate)
+    seconds: float = 0.0  # the embedding worker's time on the request
+    queued_seconds: float = 0.0  # waiting for the embedding worker
 
 
 @dataclass
@@ -517,6 +599,7 @@ class Chunk(Message):
     token_ids: list[int]  # tokens generated since the previous chunk
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # new pieces of tool calls (with tools)
     progress: Optional[PromptProgress] = None  # set (no text, no tokens) while the prompt is read: 1.7
+    reasoning: str = ""  # new thinking text (a reasoning model's; not in ``text``): 1.8
 
 
 @dataclass
@@ -652,6 +735,7 @@ class Done(Message):
     # a constrained output (response_format or a tool call) ended before its grammar was complete
     # (max_tokens, a stop string): finish_reason says which; the cut-off call is not in tool_calls
     incomplete: bool = False
+    reasoning: str = ""  # a reasoning model's thinking (the chunks' reasoning concatenated; not in text): 1.8
 
     @classmethod
     def cancelled(
@@ -738,6 +822,9 @@ class ModelInfo:
     layers: dict[str, int] = field(default_factory=dict)  # device name -> layers placed there
     weights: dict[str, int] = field(default_factory=dict)  # llama.cpp weight buffer ("CPU_Mapped", "CUDA0") -> bytes
     kv_type: str = "f16"  # the KV cache's element type (--kv-type)
+    # the thinking the chat template renders and the daemon parses: "think" (<think>...</think>: Qwen3,
+    # DeepSeek-R1), "harmony" (gpt-oss's analysis channel), "" (none): 1.8
+    reasoning: str = ""
 
 
 @dataclass
@@ -778,6 +865,9 @@ class StatusReply(Message):
     # where the system cannot say
     memory_pss_bytes: dict[str, int] = field(default_factory=dict)
     context: str = ""  # how the context length was chosen (--ctx-size, or the trained one within --kv-budget)
+    # the embedding model's name and state ("none" without one; "(loading)", "(restarting)", "(off: why)"): 1.8
+    embedding: str = "none"
+    embedding_model: Optional[ModelInfo] = None
 
 
 @dataclass
@@ -798,7 +888,7 @@ class ShutdownReply(Message):
 
 
 REQUESTS: dict[Op, type] = {
-    m.op: m for m in (Hello, Generate, Complete, Cancel, Status, Shutdown, CacheClear, Tokenize, Detokenize)
+    m.op: m for m in (Hello, Generate, Complete, Cancel, Status, Shutdown, CacheClear, Tokenize, Detokenize, Embed)
 }
 REPLIES: dict[Op, type] = {
     m.op: m
@@ -814,6 +904,7 @@ REPLIES: dict[Op, type] = {
         CacheCleared,
         Tokenized,
         Detokenized,
+        Embedded,
     )
 }
 """What a client decodes: the daemon's replies. The daemon's own processes speak

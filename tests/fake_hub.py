@@ -60,7 +60,8 @@ class FakeHub:
 
     async def _info(self, request: web.Request) -> web.Response:
         repo = f"{request.match_info['org']}/{request.match_info['name']}"
-        self.requests.append(f"info {repo}")
+        rev = request.match_info.get("rev")
+        self.requests.append(f"info {repo}" + (f"@{rev}" if rev else ""))
         files = self.repos.get(repo)
         if files is None:
             return web.json_response(

@@ -33,7 +33,7 @@ import abc
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from tandem.protocol import ChatMessage, ErrorCode, FunctionCall, Generate, Tool, ToolCall, ToolCallDelta
@@ -42,7 +42,8 @@ from ..drafting.interfaces import RequestError
 from ..worker.textstream import held_suffix
 from .constraint import JSON_OPTIONS
 
-HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
+HERMES, LLAMA3, GENERIC, HARMONY = "hermes", "llama3", "generic", "harmony"
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
@@ -58,6 +59,8 @@ def detect_format(template: Optional[str]) -> str:
     """The tool-call syntax a chat template teaches its model."""
     if not template or "tools" not in template:
         return GENERIC
+    if "<|channel|>" in template and "to=" in template:  # gpt-oss: a call is a commentary message to functions.NAME
+        return HARMONY
     if OPEN in template:
         return HERMES
     if PYTHON_TAG in template or "ipython" in template or '"parameters"' in template:
@@ -157,6 +160,10 @@ def message_dicts(messages: Sequence[ChatMessage], fmt: str) -> list[dict]:
             d["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             d["name"] = m.name
+        if m.reasoning:  # Qwen3's templates read reasoning_content, gpt-oss's thinking; others neither
+            d["reasoning_content"] = m.reasoning
+            if not (calls and m.content):  # (gpt-oss's refuses a call turn with both: its text is the analysis then)
+                d["thinking"] = m.reasoning
         out.append(d)
     return out
 
@@ -185,6 +192,7 @@ class ToolPlan:
     open_token: Optional[int] = None  # the single token that opens a call (hermes), when the vocabulary has one
     close_token: Optional[int] = None
     python_tag: Optional[int] = None  # llama3's <|python_tag|> token, when the vocabulary has one
+    markers: dict = field(default_factory=dict)  # harmony: HARMONY_TOKENS -> their token ids
 
     @property
     def forced(self) -> bool:
@@ -219,6 +227,8 @@ class ToolPlan:
         ``tagged`` starts at the token that opens a call, ``bare`` at a first token
         that opens a JSON object (Qwen2.5-Coder often writes its call untagged).
         Each covers the call from its first token, the one that opened it."""
+        if self.format == HARMONY:
+            return {"start": self._harmony()}
         body = "body: %json " + json.dumps(self.call_schema())
         bare = f"start: body\n{body}\n"
         if self.format == LLAMA3:
@@ -240,8 +250,36 @@ class ToolPlan:
         # no one token opens a call (a generic prompt to a small vocabulary): text that does not start one, or calls
         return {"start": f"start: TEXT | call{more}\nTEXT: /[^<][\\s\\S]*/\n{call}\n{body}\n"}
 
+    def _harmony(self) -> str:
+        """gpt-oss's whole reply, from its first token: its analysis messages (any text), then a final answer
+        (any text; not with a forced call) or a call: ``<|channel|>commentary to=functions.NAME
+        <|constrain|>json<|message|>`` and that tool's arguments (its ``<|call|>`` ends the reply)."""
+        m = {text: f"<[{token}]>" for text, token in self.markers.items()}
+        start, channel, message, end, constrain = (m[t] for t in HARMONY_TOKENS)
+        tools = [t for t in self.tools if self.choice in ("auto", "required") or t.function.name == self.choice]
+        calls, rules = [], []
+        for i, t in enumerate(tools):
+            schema = closed(_NO_ARGUMENTS if t.function.parameters is None else t.function.parameters)
+            calls.append(f"call{i}")
+            rules.append(
+                f'call{i}: {json.dumps(t.function.name)} " " {constrain} "json" {message} args{i}\n'
+                f"args{i}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+            )
+        answer = "call" if self.forced else f'call | {channel} "final" {message} TEXT'
+        return "\n".join(
+            [
+                f"start: thought* ({answer})",
+                f'thought: {channel} "analysis" {message} TEXT {end} {start} "assistant"',
+                f'call: {channel} "commentary to=functions." ({" | ".join(calls)})',
+                "TEXT: /(?s:.*)/",
+                *rules,
+            ]
+        )
+
     def parser(self) -> "ToolCallParser":
         names = {t.function.name for t in self.tools}
+        if self.format == HARMONY:
+            return HarmonyCallParser(names)
         return Llama3Parser(names) if self.format == LLAMA3 else HermesParser(names)
 
 
@@ -256,6 +294,10 @@ def make_plan(req: Generate, fmt: str, token_of) -> Optional[ToolPlan]:
         plan.open_token, plan.close_token = token_of(OPEN), token_of(CLOSE)
         if plan.open_token is None or plan.close_token is None:
             plan.open_token = plan.close_token = None
+    elif fmt == HARMONY:
+        plan.markers = {text: token_of(text) for text in HARMONY_TOKENS}
+        if None in plan.markers.values():  # (a template of gpt-oss's on another vocabulary: shown as text)
+            plan.format = GENERIC
     else:
         plan.python_tag = token_of(PYTHON_TAG)
     return plan
@@ -609,3 +651,24 @@ class Llama3Parser(ToolCallParser):
             self._add(ToolCall(new_call_id(), FunctionCall(obj["name"], _dump(args))), deltas)
             return "", deltas
         return self.dropped + text, []
+
+
+class HarmonyCallParser(ToolCallParser):
+    """gpt-oss's calls: the reasoning splitter (models/reasoning.HarmonySplitter) keeps a
+    commentary message to ``functions.NAME`` out of the answer and hands over its name and
+    arguments (``call``) once the reply ends there (its ``<|call|>`` ends generation)."""
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__()
+        self.names = names
+        self.pending: Optional[tuple[str, str]] = None  # (name, arguments) of the call the reply ended with
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        return text, []
+
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        deltas: list[ToolCallDelta] = []
+        if self.pending is not None and not cut and self.pending[0] in self.names:
+            name, arguments = self.pending
+            self._add(ToolCall(id=new_call_id(), function=FunctionCall(name, arguments)), deltas)
+        return "", deltas

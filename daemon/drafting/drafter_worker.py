@@ -82,8 +82,9 @@ class Drafting:
         model.truncate(req.keep)
         tokens: list[int] = []
         ids, probs, lens = [], [], []
-        if not req.append or model.n_past + len(req.append) >= model.n_ctx:
-            # nothing to read, or no room in this drafter's context: no drafts this time
+        if not req.append or model.n_past + len(req.append) >= model.n_ctx or max(req.append) >= model.n_vocab:
+            # nothing to read, no room in this drafter's context, or an id past its vocabulary (a target's
+            # padding, models/vocab.py: never a text's token): no drafts this time
             return Drafted(
                 id=req.id,
                 tokens=[],

@@ -35,7 +35,8 @@ log = logging.getLogger("tandem.daemon")
 prometheus_client.disable_created_metrics()  # no *_created series: they double the output and nobody reads them
 
 REASONS = ("stop", "length", "cancelled", "error", "busy")
-ROLES = ("target", "drafter")
+ROLES = ("target", "drafter", "embedding")
+EMBED_OUTCOMES = ("done", "error", "busy")
 MAX_POSITIONS = 16  # protocol.MAX_DRAFT_TOKENS
 
 # 5 ms to 2 s, where per-token latencies of a CPU daemon fall; first tokens after a long prompt take longer
@@ -55,6 +56,7 @@ class Metrics:
         self._cache_metrics(r)
         self._disk_metrics(r)
         self._worker_metrics(r)
+        self._embedding_metrics(r)
         self._last_cache: Optional[tuple[int, ...]] = None
         self._draft_total = DraftStats()
         r.register(_Live(live))
@@ -181,7 +183,25 @@ class Metrics:
             registry=r,
         )
 
+    def _embedding_metrics(self, r: CollectorRegistry) -> None:
+        """Embed requests (the embedding model's worker), their inputs and tokens."""
+        self.embed_requests = Counter(
+            "tandem_embedding_requests",
+            "Embed requests by how they ended (done, error or busy)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in EMBED_OUTCOMES:
+            self.embed_requests.labels(outcome)
+        self.embed_inputs = Counter("tandem_embedding_inputs", "Inputs embedded (one vector each)", registry=r)
+        self.embed_tokens = Counter("tandem_embedding_tokens", "Tokens the embedding model read", registry=r)
+
     # ------------------------------------------------------------------ events
+
+    def embed_ended(self, outcome: str, inputs: int = 0, tokens: int = 0) -> None:
+        self.embed_requests.labels(outcome if outcome in EMBED_OUTCOMES else "error").inc()
+        self.embed_inputs.inc(inputs)
+        self.embed_tokens.inc(tokens)
 
     def request_ended(self, reason: str, done: Optional[Done] = None, streamed: bool = True) -> None:
         """A terminal message. Per-token latency of a ``streamed`` request was observed

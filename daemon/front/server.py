@@ -31,6 +31,7 @@ from tandem.protocol import (
     Complete,
     Decoding,
     Detokenize,
+    Embed,
     Error,
     ErrorCode,
     Generate,
@@ -49,6 +50,8 @@ from ..cache.arena import create_arena, destroy_arena, remove_stale_arenas
 from ..config import RELOADABLE, ConfigError, ServeError, Settings
 from ..version import __version__
 from .client_socket import ClientSocket, InstanceLock, prepare_socket
+from .embed_queue import EmbedQueue
+from .embedder import Embedder
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .sdnotify import Notifier
@@ -73,8 +76,11 @@ class ServeConfig:
     cache_bytes: int = 0  # the prefix cache's arena in shared memory; 0 = no prefix cache
     drafter_name: str = "none"  # "none", "ngram", "suffix", or a model drafter's display name
     drafter_path: Optional[Path] = None  # set for a model drafter
+    drafter_why: str = ""  # --drafter auto: what it chose and why ("auto: ..."), shown in status
     n_ctx: int = 0  # the context both models get (models/context_size.py); 0: the settings' or the model's
     context_note: str = ""  # how n_ctx was chosen, for `tandem status`
+    embedding_name: str = ""  # --embedding-model's display name ("": none)
+    embedding_path: Optional[Path] = None  # its file: loaded in a worker of its own
 
     @property
     def drafter_kind(self) -> str:
@@ -155,6 +161,14 @@ class Daemon:
             metrics=self.metrics,
             max_queue=self.settings.values.max_queue,
         )
+        self.embeds = EmbedQueue(
+            reply=self.clients.send,
+            to_worker=lambda msg: self.supervisor.embedder.send(msg),
+            metrics=self.metrics,
+            max_queue=self.settings.values.max_queue,
+            model=self.config.embedding_name if self.config.embedding_path is not None else "",
+            counters=self.scheduler.counters,
+        )
 
     def _setup_workers(self) -> None:
         remove_stale_arenas()
@@ -162,6 +176,8 @@ class Daemon:
         self.supervisor = Supervisor(
             self.zctx, self.config, self.scheduler, self.metrics, self.notifier, lambda: self.stopping, self._stop
         )
+        if self.config.embedding_path is not None:
+            self.supervisor.embedding = Embedder(self.config, self.metrics, self.embeds, lambda: self.stopping)
         arena = self.kv_arena
         self.supervisor.start(self.socket_dir, str(arena.path) if arena else "", arena.size if arena else 0)
 
@@ -187,6 +203,7 @@ class Daemon:
             CacheClear: self.handle_cache_clear,
             Tokenize: self.handle_tokenize,
             Detokenize: self.handle_tokenize,
+            Embed: self.handle_embed,
         }
 
     # ------------------------------------------------------------------ main loop
@@ -229,6 +246,10 @@ class Daemon:
         self.supervisor.check(time.monotonic())
         if self.supervisor.can_take_work and self.scheduler.start_next():
             self.supervisor.target.policy.heard(time.monotonic())  # the hung-worker deadline counts from here
+        embedding = self.supervisor.embedding
+        if embedding is not None and not self.stopping:
+            embedding.pace(self.scheduler.busy)  # (before an embed starts: it starts in the right pace)
+            embedding.start_next()
 
     def reload(self) -> None:
         """SIGHUP: re-read the settings (flags given at start still win) and apply
@@ -310,6 +331,7 @@ class Daemon:
                 daemon_version=__version__,
                 model=self.config.model_name,
                 n_ctx=info.n_ctx if info else 0,
+                embedding_model=self.embeds.model,
             ),
         )
 
@@ -348,8 +370,14 @@ class Daemon:
             return
         self.scheduler.tokenize(identity, msg)  # straight to the target: answered between decoding steps
 
+    def handle_embed(self, identity: bytes, msg: Embed) -> None:
+        # its own queue and worker: never behind a generation (a running one has the cores first)
+        owner = self.scheduler.jobs[msg.id].identity if msg.id in self.scheduler.jobs else None
+        self.embeds.admit(identity, msg, self.failure, owner or self.scheduler.tokenizing.get(msg.id))
+
     def _on_client_gone(self, identity: bytes) -> None:
         self.scheduler.client_gone(identity)
+        self.embeds.client_gone(identity)
 
     def live_metrics(self) -> dict:
         """The present, for a metrics scrape (called on the metrics thread: reads only)."""
@@ -386,7 +414,7 @@ class Daemon:
             worker_pids=pids,
             worker_restarts=sum(w.policy.restarts for w in sup.workers),
             failure=self.failure,
-            drafter=c.drafter_name + sup.drafter_note(),
+            drafter=c.drafter_name + (f" ({c.drafter_why})" if c.drafter_why else "") + sup.drafter_note(),
             drafter_model=sup.drafter.info if sup.drafter is not None else None,
             draft_tokens=self.settings.values.draft_tokens if c.drafter_name != "none" else 0,
             draft=s.counters.draft if s.counters.draft.rounds else None,
@@ -394,6 +422,8 @@ class Daemon:
             cache=s.cache,
             metrics_addr=self.metrics.address,
             context=c.context_note,
+            embedding=c.embedding_name + sup.embedding.note() if sup.embedding is not None else "none",
+            embedding_model=sup.embedder.info if sup.embedder is not None else None,
         )
 
     # ------------------------------------------------------------------ shutdown
@@ -418,6 +448,7 @@ class Daemon:
         self.notifier.stopping("stopping: answering queued requests and stopping the workers")
         scheduler = self.scheduler
         scheduler.shutting_down()  # from here on every new request is answered SHUTTING_DOWN
+        self.embeds.shutting_down()
         target = self.supervisor.target
         if scheduler.active is not None and target.alive and target.sock is not None:
             scheduler.cancel_active()

@@ -27,6 +27,7 @@ from tandem.protocol.internal import WORKER_REPLIES, CacheState, DrafterHung, Dr
 from ..drafting.governor import state_file
 from ..models.vocab import vocab_mismatch
 from ..worker.worker_config import WorkerConfig, spin_count_for
+from .embedder import Embedder
 from .metrics import Metrics
 from .restart_policy import RestartPolicy
 from .scheduler import Scheduler
@@ -88,6 +89,7 @@ class Supervisor:
         self.drafter_off = ""  # why drafting was switched off for good ("" while it is not)
         self.target: Optional[WorkerHandle] = None
         self.drafter: Optional[WorkerHandle] = None
+        self.embedding: Optional[Embedder] = None  # with --embedding-model (embedder.py), set before start
         self._process = psutil.Process()  # the daemon's own
 
     def start(self, socket_dir: Path, cache_shm: str, cache_bytes: int) -> None:
@@ -132,6 +134,8 @@ class Supervisor:
             self.drafter = WorkerHandle(self.zctx, drafter, socket_dir, policy)
             self.drafter.start()  # first: it binds the endpoint the target connects to
         self.target.start()
+        if self.embedding is not None:
+            self.embedding.start(self.zctx, socket_dir, DEATH_WINDOW_SECONDS)
 
     @property
     def failure(self) -> str:
@@ -172,6 +176,8 @@ class Supervisor:
             if w.policy.due(now) and not self._restart(w):
                 w.policy.start_failed(now)
         self._check_hung(now)
+        if self.embedding is not None:
+            self.embedding.check_hung(now, generating=self.scheduler.busy)
 
     def stop_workers(self) -> None:
         for w in self.workers:
@@ -182,7 +188,11 @@ class Supervisor:
 
     @property
     def workers(self) -> list[WorkerHandle]:
-        return [w for w in (self.target, self.drafter) if w is not None]
+        return [w for w in (self.target, self.drafter, self.embedder) if w is not None]
+
+    @property
+    def embedder(self) -> Optional[WorkerHandle]:
+        return self.embedding.handle if self.embedding is not None else None
 
     def _drain_worker(self, worker: WorkerHandle, limit: int = 1024) -> None:
         for _ in range(limit):
@@ -199,6 +209,8 @@ class Supervisor:
                 continue
             if isinstance(msg, Ready):
                 self._on_ready(worker, msg)
+            elif worker is self.embedder:
+                self.embedding.on_message(msg)
             elif worker is self.target:
                 self._on_target_message(msg, frames)
             elif isinstance(msg, Error):  # the drafter says only ready or why it could not load
@@ -231,6 +243,8 @@ class Supervisor:
 
     def _on_ready(self, worker: WorkerHandle, msg: Ready) -> None:
         worker.info = msg.model
+        if worker is self.embedder:
+            self.embedding.on_ready()
         if worker is self.target and self.drafter is not None and (self.drafter_off or not self.drafter.ready):
             self.target.send(DrafterState(id="daemon", available=False))  # a new target: the drafter is down
         if worker is self.drafter and (self.ever_ready or worker.policy.restarts) and self.target.alive:
@@ -283,6 +297,10 @@ class Supervisor:
     def _on_death(self, worker: WorkerHandle) -> None:
         """A worker died: answer what it was doing, then restart it after its
         policy's backoff, or give up (the policy's action)."""
+        if worker is self.embedder:
+            self._drain_worker(worker)  # what it said before it went (why it could not load) first
+            self.embedding.on_death(worker.reap())
+            return
         code = worker.reap()
         is_target = worker is self.target
         if self.is_stopping() or (not is_target and (self.state == "failed" or self.drafter_off)):

@@ -94,16 +94,17 @@ def preset_path(name: str) -> Path:
 
 
 def resolve(model: str) -> tuple[str, Path]:
-    """A preset name, a pulled ``hf.co/ORG/REPO[:QUANT]`` or a .gguf path -> (display name, path).
-    The file must exist (no network call)."""
+    """A preset name (PyPI or hub), a pulled ``hf.co/ORG/REPO[:QUANT]`` or a .gguf path -> (display
+    name, path). The file must exist (no network call)."""
     from . import hub
 
-    if hub.is_hub_name(model):
-        ref = hub.parse(model)
+    ref = hub_ref(model)
+    if ref is not None:
         path = hub.pulled(ref)
+        name = ref.name if hub.is_hub_name(model) else model
         if path is None:
-            raise ModelError(f"model '{ref.name}' is not pulled yet; run: tandem pull {ref.name}")
-        return ref.name, path
+            raise ModelError(f"model '{name}' is not pulled yet; run: tandem pull {name}")
+        return name, path
     if model in PRESETS:
         path = preset_path(model)
         if not path.is_file():
@@ -112,7 +113,7 @@ def resolve(model: str) -> tuple[str, Path]:
     path = Path(model).expanduser()
     if path.is_file():
         return path.name, path.resolve()
-    known = ", ".join(PRESETS)
+    known = ", ".join(preset_names())
     if path.suffix == ".gguf" or os.sep in model:
         raise ModelError(f"model file not found: {path}. Give an existing .gguf path or a preset ({known}).")
     raise ModelError(
@@ -121,28 +122,50 @@ def resolve(model: str) -> tuple[str, Path]:
     )
 
 
+def preset_names() -> list[str]:
+    """Every preset: the PyPI ones, then the hub ones (hub_presets.py)."""
+    from .hub_presets import HUB_PRESETS
+
+    return [*PRESETS, *HUB_PRESETS]
+
+
+def hub_ref(model: str):
+    """The ``hub.HubRef`` of a ``hf.co/`` name or a hub preset (None for anything else)."""
+    from . import hub
+    from .hub_presets import HUB_PRESETS
+
+    if model in HUB_PRESETS:
+        return HUB_PRESETS[model].ref
+    return hub.parse(model) if hub.is_hub_name(model) else None
+
+
 def is_pulled(name: str) -> bool:
     """A preset's file, or a ``hf.co/`` model's, is in the store (no network call)."""
     from . import hub
 
-    if hub.is_hub_name(name):
-        return hub.pulled(hub.parse(name)) is not None
+    ref = hub_ref(name)
+    if ref is not None:
+        return hub.pulled(ref) is not None
     return preset_path(name).is_file()
 
 
 def needs_pull(model: str) -> bool:
     """``model`` names a preset or a Hugging Face model that is not in the store yet."""
-    from . import hub
-
-    return (model in PRESETS or hub.is_hub_name(model)) and not is_pulled(model)
+    return (model in PRESETS or hub_ref(model) is not None) and not is_pulled(model)
 
 
 def pull_any(model: str, progress: "ProgressFn", show_progress: bool = False) -> Path:
-    """``pull`` for a preset, ``hub.pull`` for ``hf.co/ORG/REPO[:QUANT]`` (a tqdm bar on
-    stderr with ``show_progress``)."""
+    """``pull`` for a PyPI preset, ``hub.pull`` for a hub preset or ``hf.co/ORG/REPO[:QUANT]`` (a
+    tqdm bar on stderr with ``show_progress``)."""
     from . import hub
+    from .hub_presets import HUB_PRESETS
 
-    if hub.is_hub_name(model):
+    ref = hub_ref(model)
+    if ref is not None:
+        preset = HUB_PRESETS.get(model)
+        if preset is not None and hub.pulled(ref) is None:
+            at = f" at {preset.revision[:12]}" if preset.revision else ""
+            progress(f"{model}: {preset.description}, from {ref.name}{at}")
         make_bar = None
         if show_progress:
             from tqdm import tqdm
@@ -150,13 +173,14 @@ def pull_any(model: str, progress: "ProgressFn", show_progress: bool = False) ->
             def make_bar(total: int):
                 return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=model, file=sys.stderr)
 
-        return hub.pull(hub.parse(model), progress=progress, make_bar=make_bar)
+        revision = HUB_PRESETS[model].revision if model in HUB_PRESETS else None
+        return hub.pull(ref, progress=progress, make_bar=make_bar, revision=revision)
     return pull(model, progress=progress, show_pip_progress=show_progress)
 
 
 def list_models() -> list[tuple[str, Optional[Path], str]]:
-    """(name, path or None when not pulled, description) for every preset, then
-    any other .gguf files in the store."""
+    """(name, path or None when not pulled, description) for every preset (PyPI, then
+    hub), then the other models pulled from the hub, then any other .gguf files in the store."""
     rows: list[tuple[str, Optional[Path], str]] = []
     known_files = set()
     for p in PRESETS.values():
@@ -164,9 +188,17 @@ def list_models() -> list[tuple[str, Optional[Path], str]]:
         known_files.add(p.filename)
         rows.append((p.name, path if path.is_file() else None, p.description))
     from . import hub
+    from .hub_presets import HUB_PRESETS
 
+    named = set()
+    for hp in HUB_PRESETS.values():
+        path = hub.pulled(hp.ref)
+        named.add(path)
+        drafter = f"; drafter {hp.drafter}" if hp.drafter else ""
+        rows.append((hp.name, path, f"{hp.description} (about {hp.approx_bytes / 1e9:.1f} GB, {hp.source}{drafter})"))
     for name, path, _ in hub.pulled_models():
-        rows.append((name, path, "Hugging Face"))
+        if path not in named:  # (one pulled as a preset: listed under the preset's name)
+            rows.append((name, path, "Hugging Face"))
     store = models_dir()
     if store.is_dir():
         for f in sorted(store.glob("*.gguf")):

@@ -24,11 +24,14 @@ class ChatTemplate:
         except Exception as exc:  # jinja2 raises TemplateSyntaxError and friends
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
 
-    def render(self, messages: Sequence[dict], tools: Optional[list[dict]] = None) -> tuple[str, bool]:
+    def render(
+        self, messages: Sequence[dict], tools: Optional[list[dict]] = None, variables: Optional[dict] = None
+    ) -> tuple[str, bool]:
         """``messages`` as the template's maps (tools.message_dicts), ``tools`` in OpenAI's
-        shape -> (prompt text, whether BOS/EOS should still be added when tokenizing)."""
+        shape, ``variables`` more template variables (``enable_thinking``, ``reasoning_effort``)
+        -> (prompt text, whether BOS/EOS should still be added when tokenizing)."""
         try:
-            result = self._formatter(messages=list(messages), tools=tools or None)
+            result = self._formatter(messages=list(messages), tools=tools or None, **(variables or {}))
         except Exception as exc:  # templates raise on roles they do not support, etc.
             raise ChatTemplateError(f"the model's chat template rejected these messages: {exc}") from None
         return result.prompt, not result.added_special

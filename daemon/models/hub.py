@@ -270,11 +270,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def pull(ref: HubRef, progress: ProgressFn = lambda line: None, make_bar: Optional[Callable] = None) -> Path:
+def pull(
+    ref: HubRef,
+    progress: ProgressFn = lambda line: None,
+    make_bar: Optional[Callable] = None,
+    revision: Optional[str] = None,
+) -> Path:
     """Fetch ``ref``'s GGUF (all its parts) into the store, each checked against the hub's
     sha256 before it is put in place; the first file's path. A model that is pulled: returned
     with no network call. ``make_bar(total_bytes)`` (a tqdm) counts the bytes of every part; without
-    it, only ``progress`` lines."""
+    it, only ``progress`` lines. ``revision``: a commit (or branch) to pull instead of main."""
     have = pulled(ref)
     if have is not None:
         progress(f"{ref.name}: already present at {have}")
@@ -286,7 +291,7 @@ def pull(ref: HubRef, progress: ProgressFn = lambda line: None, make_bar: Option
         raise ModelError("pulling from Hugging Face needs huggingface_hub: pip install huggingface_hub") from None
 
     try:
-        info = HfApi(endpoint=_endpoint()).model_info(ref.repo, files_metadata=True)
+        info = HfApi(endpoint=_endpoint()).model_info(ref.repo, revision=revision, files_metadata=True)
     except Exception as exc:  # (connection errors, offline mode, a missing or gated repository: the hub's types)
         raise _hub_error(ref, exc) from None
     siblings = {s.rfilename: s for s in info.siblings or []}

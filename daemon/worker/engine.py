@@ -42,6 +42,7 @@ from ..drafting.governor import PLAIN, Governor, GovernorBank, task_key
 from ..drafting.interfaces import DecodeAborted, Drafter, Model, RequestError
 from ..drafting.sampler import Sampler
 from ..models.chat import ChatTemplate
+from . import thinking
 from .pass_timing import PassTimer
 from .prompts import PromptBuilder
 from .request_state import RequestState
@@ -151,9 +152,15 @@ class Engine:
                 state.cache.release()
             return self._cancelled_in_prefill(state)
         try:
-            if state.constraint is not None:
-                logits = state.constraint.mask(logits)
-            new_tokens = [state.sampler.sample(logits)]
+            fits = len(state.inject) < min(state.req.max_tokens, self.model.n_ctx - len(state.tokens))
+            if state.inject and fits:
+                # the prompt opened a thinking the request may not do (a budget of 0): closed at once
+                new_tokens = self.rounds.written(state, seen=True)
+            else:
+                state.inject = []
+                if state.constraint is not None:
+                    logits = state.constraint.mask(logits)
+                new_tokens = [state.sampler.sample(logits)]
             state.first_token_at = self.clock()
             while True:
                 self._take(state, new_tokens, emit)
@@ -181,7 +188,7 @@ class Engine:
             stream = TextStream(req.stop, req.stop_at_blank_line, req.max_lines)
         else:
             stream = TextStream(req.stop)
-        return RequestState(
+        state = RequestState(
             req=req,
             tokens=tokens,
             sampler=Sampler(req.temperature, req.top_k, req.top_p, req.seed),
@@ -198,6 +205,8 @@ class Engine:
             pending=pending,
             draft_off=draft_off,
         )
+        thinking.begin(state, self.prompts, self.model, plan)
+        return state
 
     def _constraint(self, req: Decoding, plan: Optional[ToolPlan]) -> tuple[Optional[Constraint], Optional[CallOpener]]:
         """(the constraint from the first token, the one that starts when a tool call opens)."""
@@ -336,16 +345,25 @@ class Engine:
         accepted_ids: list[int] = []
         text = ""
         opened = False
-        for token in new_tokens:
+        thought = r = ""
+        splitter, written = state.splitter, state.injected
+        state.injected = 0
+        for i, token in enumerate(new_tokens):
             if model.is_eog(token) and not req.ignore_eos:
                 state.finish = FinishReason.STOP
                 break
             state.completion.append(token)
             accepted_ids.append(token)
-            text += state.stream.push(model.piece(token))
+            if splitter is None:
+                text += state.stream.push(model.piece(token))
+            else:
+                r, a = thinking.split(state, token, model.piece(token))
+                thought, text = thought + r, text + a
             if state.stream.stopped_by is not None:
                 state.finish = FinishReason.STOP
                 break
+            if i < written:
+                continue  # (written for the model: they open no call; a grammar took them in Rounds.written)
             if state.constraint is not None:
                 if not state.constraint.consume(token):
                     raise ConstraintError(f"the grammar refused token {token}, which it had allowed")
@@ -355,10 +373,19 @@ class Engine:
             if state.pending is not None:
                 state.constraint = state.pending.opens(token, first=len(state.completion) == 1)
                 opened = state.constraint is not None
+                if opened and splitter is not None and splitter.thinking:
+                    # a call opened inside the thinking ends it: the call is the answer's (and parsed)
+                    splitter.thinking = False
+                    if r:
+                        thought, text = thought[: len(thought) - len(r)], text + r
             if len(state.completion) >= req.max_tokens or len(state.tokens) + len(state.completion) >= model.n_ctx:
                 state.finish = FinishReason.LENGTH
                 break
             if opened:
+                break
+            if splitter is not None and thinking.budget_spent(state, model):
+                if i + 1 < len(new_tokens):
+                    self.model.truncate(len(state.context()) - 1)  # (the round's later tokens are dropped)
                 break
         if opened and state.finish is None:
             self._open_call(state, cut=len(accepted_ids) < len(new_tokens))
@@ -368,8 +395,11 @@ class Engine:
             state.content += text
             if state.parser.repeated and state.finish is None:
                 state.finish = FinishReason.STOP  # the same call again: the turn ends with the calls made
+        elif splitter is not None:
+            state.content += text
+        state.thought += thought
         if req.stream and accepted_ids:
-            emit(Chunk(id=req.id, text=text, token_ids=accepted_ids, tool_calls=deltas))
+            emit(Chunk(id=req.id, text=text, token_ids=accepted_ids, tool_calls=deltas, reasoning=thought))
 
     def _open_call(self, state: RequestState, cut: bool) -> None:
         """tool_choice auto: the model opened a call; what follows is constrained to the
@@ -389,8 +419,11 @@ class Engine:
         if self.drafter is not None and req.cache:  # (cache: false: nothing of it is kept, here either)
             self.drafter.finished(state.context(), len(state.tokens))
         tail = state.stream.flush()
+        thought = ""
+        if state.splitter is not None:
+            thought, tail = thinking.finish(state, tail)
         deltas: list[ToolCallDelta] = []
-        text = state.stream.text
+        text = state.content if state.splitter is not None else state.stream.text
         finish = state.finish
         # a grammar that did not get to its end (max_tokens, a stop string): the output is not complete (a
         # repeated call ends the turn where the calls before it were complete, whatever the round read after it)
@@ -408,18 +441,24 @@ class Engine:
             tail, deltas = state.parser.feed(tail)
             rest, more = state.parser.finish(cut)
             tail, deltas = tail + rest, deltas + more
-            state.content += tail
-            text = state.content
+            text = state.content = state.content + tail
             if state.parser.calls and finish == FinishReason.STOP and state.stream.stopped_by is None:
                 finish = FinishReason.TOOL_CALLS  # (a stop string keeps stop and its stop_sequence)
-        if (tail or deltas) and req.stream:
-            emit(Chunk(id=req.id, text=tail, token_ids=[], tool_calls=deltas))
+        elif state.splitter is not None:
+            text = state.content = state.content + tail
+        if (tail or deltas or thought) and req.stream:
+            emit(Chunk(id=req.id, text=tail, token_ids=[], tool_calls=deltas, reasoning=thought))
         generation_seconds = self.clock() - state.first_token_at
         return Done(
             id=req.id,
             text=text,
             finish_reason=finish,
-            usage=Usage(prompt_tokens=len(state.tokens), completion_tokens=len(completion), cached_tokens=state.cached),
+            usage=Usage(
+                prompt_tokens=len(state.tokens),
+                completion_tokens=len(completion),
+                cached_tokens=state.cached,
+                reasoning_tokens=state.reasoning_tokens,
+            ),
             timings=Timings(
                 time_to_first_token_seconds=state.first_token_at - state.started,
                 prompt_seconds=state.prefilled - state.started,
@@ -437,6 +476,7 @@ class Engine:
             tool_calls=list(state.parser.calls) if state.parser is not None else [],
             draft_off=state.draft_off,
             incomplete=incomplete,
+            reasoning=state.thought,
         )
 
     def _governor(self, req: Decoding, tokens: list[int], k: int) -> Optional[Governor]:

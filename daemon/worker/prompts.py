@@ -10,9 +10,10 @@ from typing import Optional
 
 from tandem.protocol import FIM_FIX, Complete, Decoding, ErrorCode, Generate
 
-from ..constraints.tools import GENERIC, ToolPlan, detect_format, make_plan, message_dicts, tool_dict
+from ..constraints.tools import GENERIC, HARMONY, ToolPlan, detect_format, make_plan, message_dicts, tool_dict
 from ..constraints.tools import with_generic_prompt as _generic_prompt
 from ..drafting.interfaces import Model, RequestError
+from ..models import reasoning as reasoning_formats
 from ..models.chat import ChatTemplate, ChatTemplateError
 
 
@@ -24,6 +25,11 @@ class PromptBuilder:
         self.chat_template = chat_template
         # the tool-call syntax the chat template teaches (tools.py)
         self.tool_format = detect_format(chat_template.template if chat_template is not None else None)
+        # the thinking the template renders (reasoning.py): "think", "harmony" or ""
+        self.reasoning_kind = reasoning_formats.detect(chat_template.template if chat_template is not None else None)
+        self.reasoning = reasoning_formats.Reasoning.of(self.reasoning_kind, self._single_token)
+        self.opens_thinking = False  # the last chat prompt built left the model inside its thinking
+        self.default_budget: Optional[int] = None  # --thinking-budget (None: -1, no budget)
 
     def tool_plan(self, req: Decoding) -> Optional[ToolPlan]:
         if not isinstance(req, Generate):
@@ -52,10 +58,15 @@ class PromptBuilder:
                 messages = _generic_prompt(messages, plan.tools)
             elif plan is not None:
                 tools = [tool_dict(t) for t in plan.tools]
+                if self.tool_format == HARMONY:  # (gpt-oss's template writes every tool's description)
+                    for tool in tools:
+                        tool["function"].setdefault("description", "")
+            variables = reasoning_formats.template_variables(self.reasoning_kind, *self.thinking_controls(req))
             try:
-                text, add_special = self.chat_template.render(messages, tools)
+                text, add_special = self.chat_template.render(messages, tools, variables)
             except ChatTemplateError as exc:
                 raise RequestError(ErrorCode.CHAT_TEMPLATE, str(exc)) from None
+            self.opens_thinking = reasoning_formats.opens_thinking(self.reasoning_kind, text)
             tokens = self.model.tokenize(text, add_special=add_special, parse_special=True)
         else:
             tokens = self.model.tokenize(req.prompt or "", add_special=True, parse_special=True)
@@ -69,6 +80,30 @@ class PromptBuilder:
                 f"--ctx-size (this model was trained on {self.model.n_ctx_train:,}).",
             )
         return tokens
+
+    def thinking_controls(self, req: Generate) -> tuple[Optional[bool], Optional[str]]:
+        """(think, reasoning_effort) as the template gets them. Thinking is off for a
+        constrained output (a response_format other than text: its grammar holds from the
+        first token), for a call a <think> model must make (required or a named tool: the
+        same), and for a budget of 0."""
+        think = req.think
+        rf = req.response_format
+        if rf is not None and rf.type != "text":
+            think = False
+        if self.reasoning_kind == reasoning_formats.THINK and req.tool_choice_name() not in (None, "none", "auto"):
+            think = False
+        budget = req.max_thinking_tokens if req.max_thinking_tokens is not None else self.default_budget
+        if budget == 0:
+            think = False
+        return think, req.reasoning_effort
+
+    def thinking_budget(self, req: Decoding) -> Optional[int]:
+        """How many tokens the request may think (None: no limit but max_tokens)."""
+        if not isinstance(req, Generate) or self.reasoning is None or req.messages is None:
+            return None
+        if self.thinking_controls(req)[0] is False:
+            return 0
+        return req.max_thinking_tokens if req.max_thinking_tokens is not None else self.default_budget
 
     def fim_prompt(self, req: Complete) -> list[int]:
         """``<prefix token> prefix <suffix token> suffix <middle token>`` (the model

@@ -14,6 +14,7 @@ from ..constraints.tools import CallOpener, ToolCallParser
 from ..drafting.governor import Governor
 from ..drafting.interfaces import Drafter
 from ..drafting.sampler import Sampler
+from ..models.reasoning import Reasoning, Splitter
 from .textstream import TextStream
 
 if TYPE_CHECKING:
@@ -55,6 +56,15 @@ class RequestState:
     round_ended: Optional[float] = None
     finish: Optional[FinishReason] = None
     draft_off: Optional[str] = None  # drafting asked for but off: it would change greedy output here
+    # a reasoning model's chat: its format, the split of the output into thinking and answer, the thinking
+    # so far and its tokens, the budget (None: none), and tokens to write for the model before its next one
+    reasoning: Optional[Reasoning] = None
+    splitter: Optional[Splitter] = None
+    thought: str = ""
+    reasoning_tokens: int = 0
+    thinking_budget: Optional[int] = None
+    inject: list[int] = field(default_factory=list)
+    injected: int = 0  # of the round being taken, the leading tokens that were written, not sampled
 
     def context(self) -> list[int]:
         return self.tokens + self.completion

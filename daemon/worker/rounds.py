@@ -36,9 +36,35 @@ class Rounds:
     def next_round(self, state: RequestState) -> list[int]:
         """The tokens the request's next round adds: a round of the kind its
         governor asks for, or (none) one that drafts with its drafter, if any."""
+        if state.inject:
+            return self.written(state, seen=False)
         if state.governor is None:
             return self._round(state, state.drafter)[0]
         return self._governed_round(state)
+
+    def written(self, state: RequestState, seen: bool) -> list[int]:
+        """A round of tokens written for the model (``state.inject``: the closing of a
+        thinking whose budget is spent), read in one pass, and the token it samples
+        after them. ``seen``: the model has read the context's last token already
+        (right after the prompt). The same pass whatever the round before was, so
+        the output stays the same with drafting on or off."""
+        model, context = self.model, state.context()
+        written = state.inject[: max(0, model.n_ctx - len(context) - 1)]
+        state.inject = []
+        if not written:  # (no room left for them: the context is full after the next token anyway)
+            return self._round(state, None)[0]
+        started = self.clock()
+        rows = written if seen else [context[-1], *written]
+        logits = model.decode(rows, logits_for=(len(rows) - 1,))[0]
+        if state.constraint is not None:
+            if state.constraint.valid_prefix(written) == len(written):  # (gpt-oss's calls' grammar takes the closing)
+                for token in written:
+                    state.constraint.consume(token)
+            logits = state.constraint.mask(logits)
+        token = state.sampler.sample(logits)
+        state.last_round = (0, 0, 0.0, self.clock() - started, len(rows))
+        state.drafted_last, state.round_ended, state.injected = False, None, len(written)
+        return [*written, token]
 
     def _governed_round(self, state: RequestState) -> list[int]:
         """A round of the kind the governor asks for, timed for it. While the

@@ -64,6 +64,11 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     model = load_model(c)
     template = None
     source = model.chat_template()
+    if c.settings.chat_template_file is not None:
+        try:
+            source = Path(c.settings.chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:  # (checked at start: it went away since)
+            log.warning("--chat-template-file: cannot read it now (%s); the GGUF file's template is used", exc)
     if source:
         try:
             template = ChatTemplate(
@@ -120,6 +125,9 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
     )
     engine.batch_invariant = info.batch_invariant
     engine.draft_off = info.draft_off
+    info.reasoning = engine.prompts.reasoning_kind
+    budget = c.settings.thinking_budget
+    engine.prompts.default_budget = budget if budget >= 0 else None
     return engine, info
 
 

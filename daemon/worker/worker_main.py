@@ -3,8 +3,8 @@
 The daemon starts it (see worker_handle.py) with a ``WorkerConfig`` as JSON on
 stdin. It arranges to die with the daemon, sets the process environment before
 llama.cpp is loaded, connects the worker's PAIR socket to the daemon, and runs
-the loop of its role: ``TargetLoop`` (target_worker.py) or ``DrafterLoop``
-(drafter_worker.py).
+the loop of its role: ``TargetLoop`` (target_worker.py), ``DrafterLoop``
+(drafter_worker.py) or ``EmbedLoop`` (embedding/embed_worker.py).
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def run_worker_process(config: WorkerConfig) -> None:
             from ..drafting.drafter_worker import DrafterLoop
 
             DrafterLoop(config, sock).run()
+        elif config.role == "embedding":
+            from ..embedding.embed_worker import EmbedLoop
+
+            EmbedLoop(config, sock).run()
         else:
             from .target_worker import TargetLoop
 

@@ -105,6 +105,7 @@ def test_system_blocks_tool_use_and_tool_results_become_the_daemons_messages():
                 {"id": "toolu_1", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}},
                 {"id": "toolu_2", "function": {"name": "get_time", "arguments": "{}"}},
             ],
+            "reasoning": "The user wants...",  # (sent back: a template that shows it gets it)
         },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no clock"},
@@ -399,10 +400,16 @@ def test_an_empty_system_message_with_its_own_keys_renders_nothing():
 
 
 @pytest.mark.parametrize(
-    "thinking",
-    [{"type": "adaptive", "display": "omitted"}, {"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}],
+    "thinking, controls",
+    [
+        ({"type": "adaptive", "display": "omitted"}, {}),  # (the model's default)
+        ({"type": "enabled", "budget_tokens": 1024}, {"think": True, "max_thinking_tokens": 1024}),
+        ({"type": "disabled"}, {"think": False}),
+    ],
 )
-def test_thinking_effort_and_context_management_are_accepted_and_change_nothing(thinking):
+def test_thinking_and_effort_become_the_daemons_reasoning_controls(thinking, controls):
+    """Claude Code's thinking and effort reach the daemon (a model that does not think ignores them);
+    context_management is the client's business and changes nothing."""
     body = {
         **BASE,
         "thinking": thinking,
@@ -412,7 +419,12 @@ def test_thinking_effort_and_context_management_are_accepted_and_change_nothing(
     }
     plain = parse_messages(BASE, N_CTX)
     req = parse_messages(body, N_CTX)
-    assert req.messages == plain.messages and req.daemon_params() == plain.daemon_params()
+    assert req.messages == plain.messages
+    assert req.daemon_params() == {**plain.daemon_params(), "reasoning_effort": "high", **controls}
+    max_effort = parse_messages({**BASE, "output_config": {"effort": "max"}}, N_CTX)
+    assert max_effort.reasoning_effort == "high" and max_effort.think is None
+    later = parse_messages({**BASE, "output_config": {"effort": "extreme"}}, N_CTX)  # (a word the API adds later)
+    assert later.reasoning_effort is None and later.think is None
 
 
 def test_a_system_message_between_turns_stays_between_them():

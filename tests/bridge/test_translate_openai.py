@@ -244,6 +244,7 @@ def test_a_whole_completion(done):
             "completion_tokens": 5,
             "total_tokens": 17,
             "prompt_tokens_details": {"cached_tokens": 4},
+            "completion_tokens_details": {"reasoning_tokens": 0},
         },
     }
     assert list(reply) == ["id", "object", "created", "model", "system_fingerprint", "choices", "usage"]
@@ -324,6 +325,7 @@ def test_streamed_chat_events(done, chunk):
             "completion_tokens": 5,
             "total_tokens": 17,
             "prompt_tokens_details": {"cached_tokens": 4},
+            "completion_tokens_details": {"reasoning_tokens": 0},
         },
     }
     assert closing[2] == "[DONE]" and len(closing) == 3

@@ -42,6 +42,10 @@ PURE = [
     "tandem.daemon.worker.worker_main",
     "tandem.daemon.worker.target_worker",
     "tandem.daemon.drafting.drafter_worker",
+    "tandem.daemon.embedding.vectors",
+    "tandem.daemon.embedding.embed_worker",
+    "tandem.daemon.front.embed_queue",
+    "tandem.daemon.front.embedder",
     "tandem.daemon.models.chat",
 ]
 

@@ -163,6 +163,7 @@ class FakeDraftModel:
     """A drafter whose q is (0.9, 0.1) everywhere."""
 
     n_ctx = 100
+    n_vocab = 2
 
     def __init__(self):
         self.n_past = 0
@@ -173,6 +174,20 @@ class FakeDraftModel:
     def decode(self, tokens, logits_for=(-1,)):
         self.n_past += len(tokens)
         return np.log(np.array([[0.9, 0.1]], dtype=np.float32))
+
+
+def test_a_token_past_the_drafters_vocabulary_gets_no_drafts_not_a_failure():
+    """A target padded past its drafter (Qwen2.5 7B: 152,064 ids, 0.5B: 151,936) could pick a padding id:
+    the drafter, which has no such token, proposes nothing and says what it holds."""
+    from tandem.daemon.drafting.drafter_worker import Drafting
+    from tandem.protocol.internal import DraftRequest, SamplingParams
+
+    loop = Drafting(FakeDraftModel(), page_tokens=16)
+    greedy = SamplingParams(0.0, 0, 1.0, None)
+    r = loop.draft(DraftRequest(id="x", keep=0, append=[0, 1], k=2, sampling=greedy, p_min=0.0, new_request=True))
+    assert r.tokens == [0, 0] and r.n_cached == 3
+    r = loop.draft(DraftRequest(id="x", keep=3, append=[1, 2], k=2, sampling=greedy, p_min=0.0))  # 2: padding
+    assert r.tokens == [] and r.n_cached == 3
 
 
 @pytest.mark.slow  # seconds, no model: out of the fast subset

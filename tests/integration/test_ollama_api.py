@@ -148,7 +148,7 @@ def test_bad_input_gets_ollamas_error_shape_with_the_fix(client, host, served):
     assert info.value.status_code == 400 and "--ctx-size 100000" in info.value.error
     with pytest.raises(ollama.ResponseError) as info:
         client.embed(model=served, input="x")
-    assert info.value.status_code == 501 and "embedding" in info.value.error
+    assert info.value.status_code == 400 and "tandem serve --embedding-model" in info.value.error  # none served
     status, body = post(host, "/api/generate", b'{"model": "x", "prompt": ')
     assert status == 400 and "not valid JSON" in body["error"]
     status, body = post(

@@ -164,8 +164,9 @@ def test_errors_have_openais_shape(api, bridge):
         api.chat.completions.create(model="any", messages=[{"role": "tool", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="role 'function'"):
         api.chat.completions.create(model="any", messages=[{"role": "function", "content": "x", "name": "f"}])
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as err:  # (a daemon without --embedding-model)
         api.embeddings.create(model="any", input="x")
+    assert err.value.body["code"] == "no_embedding_model" and "--embedding-model" in err.value.body["message"]
     # what a browser or a confused client sends
     r = curl("-i", bridge.url + "/completions", "-H", "Content-Type: text/plain", "--data-binary", '{"prompt": "x"}')
     assert " 415 " in r.stdout.splitlines()[0] and '"error"' in r.stdout

@@ -51,3 +51,10 @@ def test_the_tokens_command(daemon, tandem_cli):
     assert as_json["count"] == int(count) and as_json["tokens"] == [int(i) for i in ids.split()]
     chat = tandem_cli(daemon.socket, "tokens", "hello world", "--chat")
     assert int(chat.stdout) > int(count)  # the template's tokens too
+
+
+def test_embed_without_an_embedding_model_is_a_typed_error_naming_the_fix(client):
+    with pytest.raises(RequestFailed) as info:
+        client.embed("x")
+    assert info.value.code == ErrorCode.NO_EMBEDDING_MODEL and "tandem serve --embedding-model" in info.value.message
+    assert client.connect().embedding_model == "" and client.status().embedding == "none"

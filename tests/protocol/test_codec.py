@@ -63,6 +63,7 @@ REQUESTS = [
     P.Tokenize(id="t1", text="def f():", with_pieces=True),
     P.Tokenize(id="t2", messages=[P.ChatMessage(role="user", content="Hi")], tools=[]),
     P.Detokenize(id="d1", tokens=[1, 2, 3]),
+    P.Embed(id="e1", input=["def f():", "héllo"], truncate=False, dimensions=64),
 ]
 
 REPLIES = [
@@ -127,6 +128,7 @@ REPLIES = [
     P.CacheCleared(id="k3", pages=2, bytes=2 << 20, disk_pages=5, disk_bytes=5 << 20, cache=None),
     P.Tokenized(id="t1", tokens=[755, 282], pieces=["def", " f"]),
     P.Detokenized(id="d1", text="abc"),
+    P.Embedded(id="e1", model="m", embeddings=[[0.6, 0.8]], prompt_tokens=2, input_tokens=[2]),
 ]
 
 WORKER_REPLIES = [  # worker -> daemon, besides the chunks, done, errors and cache_cleared it relays

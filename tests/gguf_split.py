@@ -16,13 +16,19 @@ def split_gguf(source: Path, dest: Path, parts: int) -> list[Path]:
     reader = gguf.GGUFReader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     per_part = math.ceil(len(reader.tensors) / parts)
-    writer = gguf.GGUFWriter(dest, arch, split_max_tensors=per_part)
+    copy_gguf(reader, gguf.GGUFWriter(dest, arch, split_max_tensors=per_part))
+    return sorted(dest.parent.glob(f"{dest.stem}-*-of-*.gguf"))
+
+
+def copy_gguf(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, value_of=lambda field: field.contents()) -> None:
+    """Every key (``value_of(field)``: its value, as read unless changed) and tensor of ``reader``
+    written by ``writer``, which is closed."""
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        writer.add_key_value(field.name, value_of(field), kind, sub_type=sub)
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()
@@ -31,4 +37,3 @@ def split_gguf(source: Path, dest: Path, parts: int) -> list[Path]:
     for t in reader.tensors:
         writer.write_tensor_data(t.data)
     writer.close()
-    return sorted(dest.parent.glob(f"{dest.stem}-*-of-*.gguf"))

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import gguf
 
+from tests.gguf_split import copy_gguf
+
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN3, R1, GPT_OSS = (
     TEMPLATES / name
@@ -53,13 +55,9 @@ def reasoning_gguf(source: Path, dest_dir: Path) -> Path:
     reader = gguf.GGUFReader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     partial = dest.with_suffix(".partial")
-    writer = gguf.GGUFWriter(partial, arch)
     template = R1.read_text()
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+
+    def value_of(field):
         value = field.contents()
         if field.name == "tokenizer.ggml.tokens":
             value = list(value)
@@ -71,14 +69,8 @@ def reasoning_gguf(source: Path, dest_dir: Path) -> Path:
                 value[token] = token_type
         elif field.name == "tokenizer.chat_template":
             value = template
-        writer.add_key_value(field.name, value, kind, sub_type=sub)
-    for t in reader.tensors:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in reader.tensors:
-        writer.write_tensor_data(t.data)
-    writer.close()
+        return value
+
+    copy_gguf(reader, gguf.GGUFWriter(partial, arch), value_of)
     os.replace(partial, dest)
     return dest

@@ -26,7 +26,7 @@ import numpy as np
 from llama_cpp import _logger as llama_logger
 
 from ..models.devices import LoadLog
-from ..worker.llama_load import DecodeError, ModelLoadError, default_threads, load_weights
+from ..worker.llama_load import DecodeError, ModelLoadError, default_threads, load_weights, tokenize
 from .vectors import MAX_SEQS
 
 log = logging.getLogger("tandem.embedding")
@@ -118,15 +118,7 @@ class EmbeddingModel:
         return 0, 0
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        data = text.encode("utf-8", errors="replace")
-        capacity = len(data) + 8
-        buf = (llama.llama_token * capacity)()
-        n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, False)
-        if n < 0:
-            capacity = -n
-            buf = (llama.llama_token * capacity)()
-            n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, False)
-        return list(buf[:n])
+        return tokenize(self.vocab, text.encode("utf-8", errors="replace"), add_special, False)
 
     def set_threads(self, n: int) -> None:
         n = max(1, min(n, self.max_threads))

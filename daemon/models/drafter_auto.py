@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .gguf_meta import _ARRAY, _STRING, MAGIC, MAX_HEADER, MAX_KV, GGUFError, _read, _string, _value
+from .gguf_meta import _ARRAY, _STRING, MAX_HEADER, GGUFError, _read, _string, _value, header
 from .vocab import PAD_TOKENS
 
 log = logging.getLogger("tandem.models")
@@ -55,15 +55,7 @@ def vocab_of(path: Path) -> Optional[Vocab]:
 
 def _read_vocab(path: Path) -> Optional[Vocab]:
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if f.read(4) != MAGIC:
-            raise GGUFError(f"{path} is not a GGUF file")
-        version = _read(f, "<I")
-        if version not in (2, 3):
-            raise GGUFError(f"GGUF version {version} (this reader knows 2 and 3)")
-        _tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
-        if n_kv > MAX_KV:
-            raise GGUFError(f"{n_kv} metadata keys")
+        size, n_kv = header(f, path)
         for _ in range(n_kv):
             key = _string(f)
             kind = _read(f, "<I")

@@ -126,18 +126,25 @@ def _has_fim_tokens(f: BinaryIO, size: int) -> bool:
     return found
 
 
+def header(f: BinaryIO, path: str | Path) -> tuple[int, int]:
+    """An open GGUF file's magic, version and counts checked: (the file's size, its metadata keys);
+    ``f`` is left at the first key."""
+    size = os.fstat(f.fileno()).st_size
+    if f.read(4) != MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file")
+    version = _read(f, "<I")
+    if version not in (2, 3):
+        raise GGUFError(f"GGUF version {version} (this reader knows 2 and 3)")
+    _tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+    if n_kv > MAX_KV:
+        raise GGUFError(f"{n_kv} metadata keys")
+    return size, n_kv
+
+
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key of the header (arrays of more than 64 entries as None)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if f.read(4) != MAGIC:
-            raise GGUFError(f"{path} is not a GGUF file")
-        version = _read(f, "<I")
-        if version not in (2, 3):
-            raise GGUFError(f"GGUF version {version} (this reader knows 2 and 3)")
-        _tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
-        if n_kv > MAX_KV:
-            raise GGUFError(f"{n_kv} metadata keys")
+        size, n_kv = header(f, path)
         out: dict[str, Any] = {}
         for _ in range(n_kv):
             key = _string(f)

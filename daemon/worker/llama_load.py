@@ -32,6 +32,18 @@ class DecodeError(Exception):  # (raised by LlamaModel's passes and the prompt r
     pass
 
 
+def tokenize(vocab, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
+    """llama_tokenize of ``data`` (UTF-8), with a buffer as large as it asks for."""
+    capacity = len(data) + 8
+    buf = (llama.llama_token * capacity)()
+    n = llama.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
+    if n < 0:
+        capacity = -n
+        buf = (llama.llama_token * capacity)()
+        n = llama.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
+    return list(buf[:n])
+
+
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 

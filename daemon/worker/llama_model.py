@@ -30,6 +30,7 @@ from .llama_load import (
     default_extra_buffers,
     default_threads,
     load_weights,
+    tokenize,
     use_reference_kernels,
 )
 from .prompt_reader import PromptReader
@@ -209,15 +210,7 @@ class LlamaModel(LlamaDecoder):
     # ------------------------------------------------------------------ vocabulary
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        capacity = len(data) + 8
-        buf = (llama.llama_token * capacity)()
-        n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
-        if n < 0:
-            capacity = -n
-            buf = (llama.llama_token * capacity)()
-            n = llama.llama_tokenize(self.vocab, data, len(data), buf, capacity, add_special, parse_special)
-        return list(buf[:n])
+        return tokenize(self.vocab, text.encode("utf-8"), add_special, parse_special)
 
     def piece(self, token: int) -> bytes:
         """The bytes a token stands for (control tokens render as nothing)."""

@@ -6,9 +6,10 @@ request says how many to keep (rolling back rejected drafts) and which to
 append (accepted tokens the drafter did not produce itself). The mirror also
 survives between requests, so a drafter re-reads only what changed.
 
-If the drafter stops answering, drafting is switched off (plain decoding goes
-on) rather than stalling the request, and the daemon is told (``on_timeout``),
-which kills and restarts the drafter. ``go_down`` (the daemon says the drafter
+If the drafter stops answering or answers with an error, drafting is switched
+off (plain decoding goes on) rather than stalling the request, and the daemon
+is told (``on_broken``), which kills and restarts the drafter: a drafter that
+failed once is not left off for the daemon's life. ``go_down`` (the daemon says the drafter
 died) closes the socket at once, so the drafter's single PAIR slot is free for
 the next one; ``revive`` (it is back) starts afresh with a new socket and an
 empty mirror at the next request's start, never under a request that waits on
@@ -66,7 +67,7 @@ class ModelDrafterClient(Drafter):
         self.prefill_timeout_ms = int(timeout * 1000)  # the drafter reads a whole prompt
         self.draft_timeout_ms = min(DRAFT_TIMEOUT_MS, self.prefill_timeout_ms)
         self.on_wait: Optional[Callable[[], bool]] = None  # True: stop waiting (the request was cancelled)
-        self.on_timeout: Optional[Callable[[str], object]] = None
+        self.on_broken: Optional[Callable[[str], object]] = None
         self.sock = None
         self.revive_pending = False
         self.last_append = 0
@@ -254,10 +255,17 @@ class ModelDrafterClient(Drafter):
         for request_id in list(self.unacknowledged):
             self._acknowledged(request_id, written=False)
 
+    def _break(self, why: str) -> None:
+        """Drafting off until the daemon, told, has restarted the drafter (``revive``)."""
+        log.warning("%s; drafting is off until it is restarted", why)
+        self.broken = True
+        if self.on_broken is not None:
+            self.on_broken(why)
+
     def _recv(self, timeout_ms: int) -> Optional[Drafted]:
         """The next reply to one of our requests; None when the drafter failed, did
         not answer within ``timeout_ms`` (then drafting is off and the daemon is
-        told), or was switched off meanwhile. ``timeout_ms`` 0: only what is there."""
+        told, as for an error), or was switched off meanwhile. ``timeout_ms`` 0: only what is there."""
         deadline = time.monotonic() + timeout_ms / 1000
         while not self.broken:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
@@ -268,8 +276,7 @@ class ModelDrafterClient(Drafter):
                 if isinstance(msg, Error):
                     self.awaiting -= 1
                     self._acknowledged(msg.id, written=False)
-                    log.warning("the drafter failed (%s); drafting is off", msg.message)
-                    self.broken = True
+                    self._break(f"the drafter failed ({msg.message})")
                     return None
                 self.awaiting -= 1
                 self._acknowledged(msg.id, written=True)
@@ -278,11 +285,7 @@ class ModelDrafterClient(Drafter):
             if timeout_ms == 0:
                 return None
             if time.monotonic() >= deadline:
-                why = f"the drafter did not answer within {timeout_ms / 1000:.0f} s"
-                log.warning("%s; drafting is off", why)
-                self.broken = True
-                if self.on_timeout is not None:
-                    self.on_timeout(why)
+                self._break(f"the drafter did not answer within {timeout_ms / 1000:.0f} s")
                 return None
             if self.on_wait is not None and self.on_wait():
                 return None  # cancelled: the reply, when it comes, is still awaited (and skipped)

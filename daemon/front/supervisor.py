@@ -227,7 +227,7 @@ class Supervisor:
             self.scheduler.cache = msg.cache
             self.metrics.cache_seen(msg.cache)
             return
-        if isinstance(msg, DrafterHung):  # the target found the drafter hung
+        if isinstance(msg, DrafterHung):  # the target found the drafter hung, or failing
             if self.drafter is not None and self.drafter.alive:
                 log.error("the drafter worker (pid %s): %s; killing it", self.drafter.pid, msg.message)
                 self.drafter.policy.killed_as_hung(msg.message.removeprefix("the drafter ") + " and was killed")

@@ -568,7 +568,7 @@ class TargetLoop:
             client = ModelDrafterClient(self.sock.context, self.config.draft_endpoint, timeout=timeout)
             client.on_wait = lambda: self._poll_cancel(self.current)  # heartbeats, and cancels, while it waits
             # a drafter that does not answer: the daemon kills and restarts it
-            client.on_timeout = lambda why: self.send(DrafterHung(id=self.current, message=why))
+            client.on_broken = lambda why: self.send(DrafterHung(id=self.current, message=why))
             return client
         return None
 

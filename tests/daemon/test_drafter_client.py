@@ -371,11 +371,14 @@ def test_replies_for_an_earlier_worker_are_skipped(drafter, client):
 @pytest.mark.parametrize("with_id", [True, False], ids=["our-id", "no-id"])
 def test_an_error_reply_switches_drafting_off(drafter, client, with_id):
     fake, c = drafter(), client()
-    fake.respond = lambda req: [Error.of(req["id"] if with_id else None, ErrorCode.INTERNAL, "the drafter failed")]
+    told: list[str] = []
+    c.on_broken = told.append  # the daemon restarts it, as a hung one
+    fake.respond = lambda req: [Error.of(req["id"] if with_id else None, ErrorCode.INTERNAL, "out of memory")]
     c.begin("r1", [], GREEDY, prefill=False)
     assert c.propose(tokens(1, 10), 3, 0.0) == ([], None)
     fake.next()
     assert c.broken and c.awaiting == 0
+    assert told == ["the drafter failed (out of memory)"]
     assert c.propose(tokens(1, 12), 3, 0.0) == ([], None)
     c.sync(tokens(1, 14))
     c.begin("r2", tokens(1, 5), GREEDY)  # also the next request: until the daemon revives it
@@ -391,7 +394,7 @@ def test_a_drafter_that_never_answers_times_out_and_the_daemon_is_told(drafter, 
     assert c.draft_timeout_ms == 300
     fake.respond = lambda req: []
     told: list[str] = []
-    c.on_timeout = told.append
+    c.on_broken = told.append
     c.begin("r1", [], GREEDY, prefill=False)
     t0 = time.monotonic()
     assert c.propose(tokens(1, 10), 3, 0.0) == ([], None)
@@ -421,7 +424,7 @@ def test_a_long_read_gets_the_prefill_timeout_a_short_one_the_draft_timeout(draf
     fake, c = drafter(), client(timeout=3.0)
     assert (c.prefill_timeout_ms, c.draft_timeout_ms) == (3000, 100)
     told: list[str] = []
-    c.on_timeout = told.append
+    c.on_broken = told.append
     fake.delay = 0.2
     c.begin("r1", [], GREEDY, prefill=False)
     ctx = tokens(1, 40)  # 40 tokens to read > 4 k + 16: it reads much more than it drafts
@@ -447,7 +450,7 @@ def test_on_wait_returning_true_ends_the_wait_and_the_late_reply_is_still_collec
     monkeypatch.setattr(drafter_client, "WAIT_SLICE_MS", 10)
     fake, c = drafter(), client()
     told: list[str] = []
-    c.on_timeout = told.append
+    c.on_broken = told.append
     calls = []
     c.on_wait = lambda: (calls.append(1), len(calls) >= 3)[1]  # cancelled at the third heartbeat
     fake.gate.clear()

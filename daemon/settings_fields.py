@@ -39,6 +39,10 @@ class SettingsFields:
     64-token chunks, and a step over repacked weights at most 3 rows)"""
     max_queue: int = 16
     """requests that may wait; more get a `busy` reply"""
+    preempt_tokens: int = 512
+    """the short-request lane: while a long generation runs, a request asking for at most N tokens with a prompt of at
+    most 16,000 characters (a title, a summary, an editor's completion) runs between two of its steps instead of
+    waiting for it to end; the long one goes on where it was, with the same output. 0: off"""
     drafter: str = "none"
     """speculative decoding: a small model with the target's tokenizer (its own worker process), 'auto' (a pulled model
     with the target's tokenizer: the preset's drafter, else the best small one; none if none is pulled, saying which

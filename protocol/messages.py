@@ -19,10 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 8)
+PROTOCOL_VERSION: tuple[int, int] = (1, 9)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
-their defaults. 1.8 added the embed op and reasoning (thinking) fields. 1.1 added tools and
+their defaults. 1.9 added ``timings.paused_seconds`` (the short-request lane). 1.8 added the embed op
+and reasoning (thinking) fields. 1.1 added tools and
 tool calls: a client refuses to send tools to a 1.0 daemon, which would ignore them. 1.2 added
 ``done.drafter_died`` (a drafter's death no longer fails the request: DRAFTER_DIED is not
 sent) and ``done.stop_sequence``."""
@@ -192,6 +193,9 @@ class Timings:
     generation_seconds: float  # first generated token to the last
     tokens_per_second: float  # completion tokens after the first / generation_seconds
     queued_seconds: float  # waiting in the queue before the worker took the request
+    # of generation_seconds, those it waited while short requests were served (the lane; tokens_per_second
+    # leaves them out): 1.9
+    paused_seconds: float = 0.0
 
 
 # --------------------------------------------------------------------------- requests

@@ -177,6 +177,14 @@ class Metrics:
         )
         for role in ROLES:
             self.restarts.labels(role)
+        self.preemptions = Counter(
+            "tandem_preemptions",
+            "Short requests served between two steps of a long one (the short-request lane, --preempt-tokens)",
+            registry=r,
+        )
+        self.preempted_seconds = Counter(
+            "tandem_preempted_seconds", "Time long requests waited for short ones the lane let in", registry=r
+        )
         self.finished_without_drafter = Counter(
             "tandem_requests_finished_without_drafter",
             "Requests whose drafter worker died while they ran: they finished with plain decoding",
@@ -235,6 +243,12 @@ class Metrics:
             self.governor_seen(done.governor)
         if done.cache is not None:
             self.cache_seen(done.cache)
+
+    def preempted(self) -> None:
+        self.preemptions.inc()
+
+    def preempted_for(self, seconds: float) -> None:
+        self.preempted_seconds.inc(max(seconds, 0.0))
 
     def tokens_relayed(self, n: int, seconds: float) -> None:
         """``n`` tokens arrived ``seconds`` after the previous ones."""

@@ -25,6 +25,7 @@ from tandem.protocol import (
     CacheInfo,
     Cancel,
     Chunk,
+    Complete,
     Decoding,
     Detokenized,
     Done,
@@ -61,6 +62,42 @@ class Counters:
 
 
 MAX_TOKENIZING = 64  # tokenize/detokenize requests in flight at once (each is answered between two steps)
+SHORT_PROMPT_CHARS = 16_000  # the short-request lane: a prompt of at most this many characters (about 4k tokens)
+
+
+def prompt_chars(req: Decoding) -> int:
+    """The size of a request's prompt, in characters of its text (before the template)."""
+    if isinstance(req, Complete):
+        return len(req.prefix) + len(req.suffix)
+    messages = req.messages
+    if messages is None:
+        return len(req.prompt or "")
+    tools = getattr(req, "tools", None)
+    return sum(len(m.content) + len(m.reasoning or "") for m in messages) + len(str(tools) if tools else "")
+
+
+@dataclass
+class Lane:
+    """The short-request lane: while a long request runs, one short request at a
+    time is sent to the target, which serves it between two of the long one's
+    rounds (target_worker's ``_lend``) and then resumes the long one, with the
+    output it would have had. A request is short when it asks for at most
+    ``max_tokens`` tokens with a prompt of at most SHORT_PROMPT_CHARS characters;
+    a seeded sampling request on a daemon with a drafter never is (it would decode
+    without the drafter, so its tokens would differ from its run alone). The long
+    request always progresses: after a short one took d seconds, the next may
+    start d seconds later at the earliest (the long one keeps at least half)."""
+
+    max_tokens: int = 512  # 0: no lane
+    drafter: bool = False
+    open_at: float = 0.0  # the next short request may start from then
+    preemptions: int = 0
+    seconds: float = 0.0  # spent on short requests while long ones waited
+
+    def is_short(self, req: Decoding) -> bool:
+        if not 0 < req.max_tokens <= self.max_tokens or prompt_chars(req) > SHORT_PROMPT_CHARS:
+            return False
+        return not (self.drafter and req.seed is not None and req.temperature > 0)
 
 
 class Scheduler:
@@ -72,14 +109,17 @@ class Scheduler:
         metrics: Metrics,
         max_queue: int,
         clock: Callable[[], float] = time.monotonic,
+        lane: Optional[Lane] = None,
     ):
         """``relay(identity, frames)`` sends a chunk as the worker encoded it."""
         self.reply, self.relay, self.to_target = reply, relay, to_target
         self.metrics = metrics
         self.max_queue = max_queue
         self.clock = clock
+        self.lane = lane if lane is not None else Lane(max_tokens=0)
         self.queue: collections.deque[Job] = collections.deque()
         self.active: Optional[Job] = None
+        self.nested: Optional[Job] = None  # a short request the target serves within the active one (``Lane``)
         self.jobs: dict[str, Job] = {}  # by request id, queued or running
         self.serial = 0
         # cache clears waiting for the target: all of them are done by the next one it runs (coalesced)
@@ -195,10 +235,11 @@ class Scheduler:
 
     def start_next(self) -> bool:
         """Give the target its next piece of work, if it is idle: a waiting cache
-        clear first, else the oldest request. True when something was sent.
+        clear first, else the oldest request; while it runs a long request, the
+        oldest short one, through the lane. True when something was sent.
         The caller calls this only while the target can take work."""
         if self.busy:
-            return False
+            return self._start_short()
         if self.clears:
             self.clearing, self.clears = self.clears, []  # one clear answers every clear waiting
             first = self.clearing[0][1]  # (the disk too, if any of them asks for it)
@@ -211,6 +252,24 @@ class Scheduler:
         job = self.queue.popleft()
         job.started_at = self.clock()
         self.active = job
+        self.to_target(job.request)
+        return True
+
+    def _start_short(self) -> bool:
+        """The lane: the oldest short request, sent while a long one runs (``Lane``)."""
+        lane, active = self.lane, self.active
+        if not lane.max_tokens or active is None or self.nested is not None or self.clearing is not None:
+            return False
+        if self.closing or self.clock() < lane.open_at or lane.is_short(active.request):
+            return False
+        job = next((j for j in self.queue if lane.is_short(j.request)), None)
+        if job is None:
+            return False
+        self.queue.remove(job)
+        job.started_at = self.clock()
+        self.nested = job
+        lane.preemptions += 1
+        self.metrics.preempted()
         self.to_target(job.request)
         return True
 
@@ -235,8 +294,8 @@ class Scheduler:
                     self.reply(identity, msg if i == 0 else dataclasses.replace(msg, id=waiting.id))
                 self.clearing = None
             return True
-        job = self.active
-        if job is None or msg.id != job.request.id:
+        job = next((j for j in (self.active, self.nested) if j is not None and msg.id == j.request.id), None)
+        if job is None:
             return False
         if isinstance(msg, Chunk):
             self._relay_chunk(job, msg, frames)
@@ -268,9 +327,10 @@ class Scheduler:
         with ``code`` and ``message``, a cache clear with why it was not done."""
         self.clear_failed(why)
         self._answer_tokenizing(ErrorCode.WORKER_DIED, f"{why}; retry")
-        if self.active is not None:
-            self._finish(self.active, Error.of(self.active.request.id, code, message))
-            self.active = None
+        for job in (self.nested, self.active):
+            if job is not None:
+                self._finish(job, Error.of(job.request.id, code, message))
+        self.active = self.nested = None
 
     def clear_failed(self, why: str) -> None:
         if self.clearing is not None:
@@ -319,7 +379,7 @@ class Scheduler:
         return Error.of(request_id, ErrorCode.NOT_READY, f"the daemon has failed: {self.failure}")
 
     def _cancel(self, job: Job) -> None:
-        if job is self.active:
+        if job is self.active or job is self.nested:
             self.to_target(Cancel(id=job.request.id, request_id=job.request.id))
         else:
             self.queue.remove(job)
@@ -333,8 +393,16 @@ class Scheduler:
     def _finish(self, job: Job, terminal: Message) -> None:
         """Deliver a request's one terminal message and forget the request."""
         self.jobs.pop(job.request.id, None)
-        if job is self.active:
-            self.active = None
+        if job is self.nested:
+            self.nested = None
+            now = self.clock()
+            spent = now - (job.started_at or now)
+            self.lane.open_at = now + spent  # the long request's turn: at least as long
+            self.lane.seconds += spent
+            self.metrics.preempted_for(spent)
+        elif job is self.active:
+            # a short request sent within it and not served yet: the target serves it next
+            self.active, self.nested = self.nested, None
         if isinstance(terminal, Done):
             if terminal.draft is not None:
                 self.counters.draft.merge(terminal.draft)

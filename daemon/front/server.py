@@ -53,7 +53,7 @@ from .client_socket import ClientSocket, InstanceLock, prepare_socket
 from .embed_queue import EmbedQueue
 from .embedder import Embedder
 from .metrics import Metrics
-from .scheduler import Scheduler
+from .scheduler import Lane, Scheduler
 from .sdnotify import Notifier
 from .supervisor import Supervisor
 
@@ -160,6 +160,7 @@ class Daemon:
             to_target=lambda msg: self.supervisor.target.send(msg),
             metrics=self.metrics,
             max_queue=self.settings.values.max_queue,
+            lane=Lane(max_tokens=self.settings.values.preempt_tokens, drafter=self.config.drafter_name != "none"),
         )
         self.embeds = EmbedQueue(
             reply=self.clients.send,
@@ -253,8 +254,8 @@ class Daemon:
 
     def reload(self) -> None:
         """SIGHUP: re-read the settings (flags given at start still win) and apply
-        those that can change without dropping the models: max_queue and
-        log_level. Others that changed are logged as needing a restart. A config
+        those that can change without dropping the models: max_queue,
+        preempt_tokens and log_level. Others that changed are logged as needing a restart. A config
         that does not load changes nothing."""
         self.reload_requested = False
         if self.reload_settings is None or self.stopping:
@@ -278,11 +279,16 @@ class Daemon:
         if loaded.max_queue != old.max_queue:
             applied.append(f"max_queue {old.max_queue} -> {loaded.max_queue}")
             self.scheduler.max_queue = loaded.max_queue  # a shorter queue keeps who is already in it
+        if loaded.preempt_tokens != old.preempt_tokens:
+            applied.append(f"preempt_tokens {old.preempt_tokens} -> {loaded.preempt_tokens}")
+            self.scheduler.lane.max_tokens = loaded.preempt_tokens
         if loaded.log_level != old.log_level:
             applied.append(f"log_level {old.log_level} -> {loaded.log_level}")
             logging.getLogger().setLevel(loaded.log_level.upper())
         # the reloadable options (RELOADABLE) into the settings that every part of the daemon holds
-        self.settings.values = replace(old, max_queue=loaded.max_queue, log_level=loaded.log_level)
+        self.settings.values = replace(
+            old, max_queue=loaded.max_queue, log_level=loaded.log_level, preempt_tokens=loaded.preempt_tokens
+        )
         pending = [k for k in loaded.changed(self.started_with) if k not in RELOADABLE]
         log.info("SIGHUP: reloaded settings from %s: %s", new.path, "; ".join(applied) or "nothing to change")
         if pending:

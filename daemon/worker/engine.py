@@ -18,6 +18,7 @@ passes again (``PassTimer``, pass_timing.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -29,7 +30,6 @@ from tandem.protocol import (
     DraftStats,
     ErrorCode,
     FinishReason,
-    PromptProgress,
     Timings,
     ToolCallDelta,
     Usage,
@@ -43,6 +43,7 @@ from ..drafting.interfaces import DecodeAborted, Drafter, Model, RequestError
 from ..drafting.sampler import Sampler
 from ..models.chat import ChatTemplate
 from . import thinking
+from .output import progress_chunk, take
 from .pass_timing import PassTimer
 from .prompts import PromptBuilder
 from .request_state import RequestState
@@ -51,6 +52,15 @@ from .textstream import TextStream
 
 if TYPE_CHECKING:
     from ..cache.page_store import PageStore
+
+LANE_COPY_SHARE = 4  # the lane copies a running request's KV state when it takes at most 1/4 of available memory
+
+
+def lane_copy_budget() -> int:
+    """Bytes the short-request lane may spend on a copy of the running request's KV state."""
+    import psutil
+
+    return psutil.virtual_memory().available // LANE_COPY_SHARE
 
 
 class Engine:
@@ -105,17 +115,42 @@ class Engine:
         req: Decoding,
         emit: Callable[[Chunk], None],
         should_cancel: Callable[[], bool],
+        lend: Optional[Callable[[], bool]] = None,
     ) -> Done:
         """Decode one request: prefill, then rounds until it finishes. Each round
         feeds the target the last sampled token plus any drafts, in one batch,
         and yields the accepted drafts plus the target's own token. Without
-        drafts a round is exactly one plain decoding step."""
+        drafts a round is exactly one plain decoding step. ``lend()`` is called
+        between two rounds: the short-request lane serves a waiting short
+        request there (``run_within``; True when it did)."""
         state = self._begin(req)
         try:
-            return self._run(state, emit, should_cancel)
+            return self._run(state, emit, should_cancel, lend)
         finally:
             if not req.cache:
                 self.forget_live()  # cache: false: what it read is not kept for the next request either
+
+    def run_within(self, req: Decoding, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool]):
+        """Serve a short request between two rounds of a running one (the lane),
+        and put the running one's KV back after it, exactly as it was. The short
+        one decodes without drafting: the drafter holds the running request's
+        context. Returns its Done, or None when the running request's KV is too
+        large to copy now (the short one then waits for it to end)."""
+        saved = self.model.suspend(max_bytes=lane_copy_budget())
+        if saved is None:
+            return None
+        held = self.cache.locked if self.cache is not None else []
+        if self.cache is not None:
+            self.cache.locked = []  # the running request's pages stay locked (and in place) meanwhile
+        try:
+            state = self._begin(dataclasses.replace(req, draft="off"))
+            state.within = True
+            return self._run(state, emit, should_cancel)
+        finally:
+            if self.cache is not None:
+                self.cache.release()
+                self.cache.locked = held
+            self.model.resume(saved)
 
     def settle(self, interrupted: Callable[[], bool]) -> int:
         """Idle time: read what the last request left past its last whole prefill
@@ -142,11 +177,17 @@ class Engine:
         if self.drafter is not None:
             self.drafter.forget()  # nor what a drafter remembers of earlier prompts and replies
 
-    def _run(self, state: RequestState, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool]) -> Done:
+    def _run(
+        self,
+        state: RequestState,
+        emit: Callable[[Chunk], None],
+        should_cancel: Callable[[], bool],
+        lend: Optional[Callable[[], bool]] = None,
+    ) -> Done:
         try:
             logits = self._prefill(state, self._reporting(state, emit, should_cancel))
             if state.req.progress and state.req.stream:
-                emit(self._progress_chunk(state, len(state.tokens)))
+                emit(progress_chunk(state, len(state.tokens), self.clock()))
         except DecodeAborted:
             if state.cache is not None:
                 state.cache.release()
@@ -163,11 +204,15 @@ class Engine:
                 new_tokens = [state.sampler.sample(logits)]
             state.first_token_at = self.clock()
             while True:
-                self._take(state, new_tokens, emit)
+                take(self.model, state, new_tokens, emit)
                 if state.finish is None and should_cancel():
                     state.finish = FinishReason.CANCELLED
                 if state.finish is not None:
                     return self._finish(state, emit)
+                paused = self.clock()
+                if lend is not None and lend():
+                    state.paused += self.clock() - paused
+                    state.round_ended = None  # the pause is no cost of its rounds (the governor's timing)
                 new_tokens = self.rounds.next_round(state)
         except ConstraintError:  # llguidance failed mid-request: the output would not match
             if state.cache is not None:
@@ -252,21 +297,11 @@ class Engine:
             if now - last[0] >= PROGRESS_SECONDS:
                 last[0] = now
                 reading_at = getattr(self.model, "reading_at", None)
-                emit(self._progress_chunk(state, reading_at() if reading_at is not None else state.cached))
+                emit(progress_chunk(state, reading_at() if reading_at is not None else state.cached, now))
             return should_cancel()
 
         state.on_reading = checked
         return checked
-
-    def _progress_chunk(self, state: RequestState, processed: int) -> Chunk:
-        since = state.reading_from or self.clock()
-        progress = PromptProgress(
-            total=len(state.tokens),
-            cached=state.cached,
-            processed=min(max(processed, state.cached), len(state.tokens)),
-            seconds=round(self.clock() - since, 3),
-        )
-        return Chunk(id=state.req.id, text="", token_ids=[], progress=progress)
 
     def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
         """Restore what the prefix cache holds of the prompt, start the drafter,
@@ -339,85 +374,16 @@ class Engine:
         live_prefix = getattr(self.model, "live_prefix", None)
         return live_prefix(tokens[: max(0, len(tokens) - self.min_batch)]) if live_prefix is not None else 0
 
-    def _take(self, state: RequestState, new_tokens: list[int], emit: Callable[[Chunk], None]) -> None:
-        """Add a round's tokens to the output until one ends the request; stream them."""
-        req, model = state.req, self.model
-        accepted_ids: list[int] = []
-        text = ""
-        opened = False
-        thought = r = ""
-        splitter, written = state.splitter, state.injected
-        state.injected = 0
-        for i, token in enumerate(new_tokens):
-            if model.is_eog(token) and not req.ignore_eos:
-                state.finish = FinishReason.STOP
-                break
-            state.completion.append(token)
-            accepted_ids.append(token)
-            if splitter is None:
-                text += state.stream.push(model.piece(token))
-            else:
-                r, a = thinking.split(state, token, model.piece(token))
-                thought, text = thought + r, text + a
-            if state.stream.stopped_by is not None:
-                state.finish = FinishReason.STOP
-                break
-            if i < written:
-                continue  # (written for the model: they open no call; a grammar took them in Rounds.written)
-            if state.constraint is not None:
-                if not state.constraint.consume(token):
-                    raise ConstraintError(f"the grammar refused token {token}, which it had allowed")
-                if state.constraint.stopped:
-                    state.finish = FinishReason.STOP  # the grammar is complete
-                    break
-            if state.pending is not None:
-                state.constraint = state.pending.opens(token, first=len(state.completion) == 1)
-                opened = state.constraint is not None
-                if opened and splitter is not None and splitter.thinking:
-                    # a call opened inside the thinking ends it: the call is the answer's (and parsed)
-                    splitter.thinking = False
-                    if r:
-                        thought, text = thought[: len(thought) - len(r)], text + r
-            if len(state.completion) >= req.max_tokens or len(state.tokens) + len(state.completion) >= model.n_ctx:
-                state.finish = FinishReason.LENGTH
-                break
-            if opened:
-                break
-            if splitter is not None and thinking.budget_spent(state, model):
-                if i + 1 < len(new_tokens):
-                    self.model.truncate(len(state.context()) - 1)  # (the round's later tokens are dropped)
-                break
-        if opened and state.finish is None:
-            self._open_call(state, cut=len(accepted_ids) < len(new_tokens))
-        deltas: list[ToolCallDelta] = []
-        if state.parser is not None:
-            text, deltas = state.parser.feed(text)
-            state.content += text
-            if state.parser.repeated and state.finish is None:
-                state.finish = FinishReason.STOP  # the same call again: the turn ends with the calls made
-        elif splitter is not None:
-            state.content += text
-        state.thought += thought
-        if req.stream and accepted_ids:
-            emit(Chunk(id=req.id, text=text, token_ids=accepted_ids, tool_calls=deltas, reasoning=thought))
-
-    def _open_call(self, state: RequestState, cut: bool) -> None:
-        """tool_choice auto: the model opened a call; what follows is constrained to the
-        tools' calls. Tokens the round verified after the opening one are dropped
-        (they were not constrained): the target forgets them too."""
-        state.pending = None  # (its stats exist: _begin makes them for a pending call)
-        if cut:
-            self.model.truncate(len(state.context()) - 1)
-
     def _finish(self, state: RequestState, emit: Callable[[Chunk], None]) -> Done:
         req, completion = state.req, state.completion
+        drafter = self.drafter if not state.within else None  # (the drafter holds another request's context)
         if state.cache is not None:
             state.cache.store_or_skip(state.context())  # the prompt and the reply, which a next turn re-sends
-            if self.drafter is not None:
-                self.drafter.store(state.context())
+            if drafter is not None:
+                drafter.store(state.context())
             state.cache.release()
-        if self.drafter is not None and req.cache:  # (cache: false: nothing of it is kept, here either)
-            self.drafter.finished(state.context(), len(state.tokens))
+        if drafter is not None and req.cache:  # (cache: false: nothing of it is kept, here either)
+            drafter.finished(state.context(), len(state.tokens))
         tail = state.stream.flush()
         thought = ""
         if state.splitter is not None:
@@ -449,6 +415,7 @@ class Engine:
         if (tail or deltas or thought) and req.stream:
             emit(Chunk(id=req.id, text=tail, token_ids=[], tool_calls=deltas, reasoning=thought))
         generation_seconds = self.clock() - state.first_token_at
+        decoding = generation_seconds - state.paused
         return Done(
             id=req.id,
             text=text,
@@ -463,10 +430,9 @@ class Engine:
                 time_to_first_token_seconds=state.first_token_at - state.started,
                 prompt_seconds=state.prefilled - state.started,
                 generation_seconds=generation_seconds,
-                tokens_per_second=(len(completion) - 1) / generation_seconds
-                if len(completion) > 1 and generation_seconds > 0
-                else 0.0,
+                tokens_per_second=(len(completion) - 1) / decoding if len(completion) > 1 and decoding > 0 else 0.0,
                 queued_seconds=0.0,
+                paused_seconds=state.paused,
             ),
             draft=state.stats if state.stats is not None and (state.stats.rounds or state.stats.forced) else None,
             governor=self.governors.info() if state.governor is not None and self.governors is not None else None,

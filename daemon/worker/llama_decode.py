@@ -285,6 +285,21 @@ class LlamaDecoder:
         self.set_seq_state(blob, n_past, history)
         self.fixed_upto, self._prefilled = fixed_upto, prefilled
 
+    def suspend(self, max_bytes: int) -> Optional[tuple]:
+        """A copy of what sequence 0 holds (its KV state, to the last bit, and what
+        this object knows of it), for ``resume`` after another request has used
+        the context: the short-request lane. None when the copy would take more
+        than ``max_bytes``."""
+        if llama.llama_state_seq_get_size(self.ctx, 0) > max_bytes:
+            return None
+        return (self.seq_state(), self.n_past, list(self.history), self.fixed_upto, self._prefilled)
+
+    def resume(self, saved: tuple) -> None:
+        """Sequence 0 as ``suspend`` found it: the same cells, in the same places, so
+        the next pass computes what it would have computed without the pause."""
+        self._before_settle = None
+        self._put_back(saved)
+
     def forget_history(self) -> None:
         """The KV cache's contents are no longer to be reused (``live_prefix`` 0)."""
         self._before_settle = None

@@ -24,6 +24,7 @@ from tandem.protocol import (
     CacheCleared,
     Cancel,
     Complete,
+    Decoding,
     Detokenize,
     Detokenized,
     Error,
@@ -485,6 +486,8 @@ class TargetLoop:
         self.engine: Optional[Engine] = None
         self.last_beat = 0.0
         self.current = ""  # the request being served
+        self.waiting: Optional[Decoding] = None  # a short request the daemon sent while another runs (the lane)
+        self.waiting_held = False  # ... that waits for the running one to end (its KV was too large to copy)
         self.drafter_died = False  # the drafter died while the current request was served
         self.narrow_drafted = self.narrow_accepted = 0  # a 4-bit drafter's first drafts (reported once)
         self.narrow_reported = False
@@ -530,6 +533,10 @@ class TargetLoop:
                 continue
             if cache is not None and cache.disk_pending and not self.sock.poll(0, zmq.POLLIN):
                 self._spill(cache)  # between requests, a page at a time: nothing waits for it
+                continue
+            if self.waiting is not None:  # sent within a request that ended before it could be served
+                msg, self.waiting, self.waiting_held = self.waiting, None, False
+                self._serve(msg)
                 continue
             try:
                 msg = decode(self.sock.recv_multipart(), table=WORKER_REQUESTS)
@@ -578,13 +585,13 @@ class TargetLoop:
     def _serve(self, msg) -> None:
         engine = self.engine
         assert engine is not None
-        self.cancelled.clear()
+        self.cancelled &= {msg.id} | ({self.waiting.id} if self.waiting is not None else set())  # theirs are due
         self.current = msg.id
         self.drafter_died = False
         self.last_beat = time.monotonic()
         self.send(Progress(id=msg.id))  # at once: the first prefill batch may take a while
         try:
-            done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id))
+            done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id), self._lend)
             done.drafter_died = self.drafter_died  # it finished plainly: say so
             if engine.cache is not None:
                 # before the reply (a few ms in tmpfs): once a request is answered,
@@ -605,6 +612,35 @@ class TargetLoop:
             self.send(Error.of(msg.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
         finally:
             self.current = ""  # between requests: a drafter's death concerns none
+
+    def _lend(self) -> bool:
+        """Between two rounds of the running request: serve the short request the
+        daemon sent meanwhile, if any (``Engine.run_within``); True when one was served."""
+        short = self.waiting
+        if short is None or self.waiting_held:
+            return False
+        outer, died = self.current, self.drafter_died
+        self.current = short.id
+        self.send(Progress(id=short.id))
+        try:
+            done = self.engine.run_within(short, self.send, lambda: self._poll_cancel(short.id))
+            if done is None:  # the running request's KV is too large to copy now: served after it
+                log.info("request %s waits for %s to end: its KV state is too large to copy", short.id, outer)
+                self.waiting_held = True
+                return False
+            self.waiting = None
+            self.send(done)
+        except RequestError as exc:
+            self.waiting = None
+            self.send(Error.of(short.id, exc.code, exc.message))
+        except Exception as exc:  # a bug or a llama.cpp failure: report it; the running request goes on
+            self.waiting = None
+            log.exception("request %s failed", short.id)
+            self.send(Error.of(short.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
+        finally:
+            self.current, self.drafter_died = outer, died
+            self.cancelled.discard(short.id)
+        return True
 
     def _report_narrow_drafter(self, done) -> None:
         """A drafter of 4 bits or fewer: once it has drafted enough to say, log the
@@ -750,6 +786,12 @@ class TargetLoop:
                 self.stopping = True
             elif isinstance(msg, DrafterState):
                 self._drafter_state(msg)
+            elif isinstance(msg, (Generate, Complete)):  # a short request, for the lane (``_lend``)
+                if self.waiting is None:
+                    self.waiting = msg
+                else:  # the daemon sends one at a time: a bug
+                    why = "the worker holds a short request already"
+                    self.send(Error.of(msg.id, ErrorCode.INTERNAL, why))
             elif isinstance(msg, (Tokenize, Detokenize)):
                 # between two steps: a few ms at most, never queued behind the request (and alive meanwhile)
                 self._tokenize(msg) if isinstance(msg, Tokenize) else self._detokenize(msg)

@@ -153,7 +153,7 @@ def test_every_option_has_a_flag_an_environment_variable_and_help():
         assert o.flag == "--" + o.key.replace("_", "-") and o.env == "TANDEM_" + o.key.upper() and o.help
         if o.default is not None:  # every default passes its own parser
             assert config.parse_value(o, config.toml_value(o, o.default).strip('"'), "test") == o.default
-    assert config.RELOADABLE == {"max_queue", "log_level"}
+    assert config.RELOADABLE == {"max_queue", "log_level", "preempt_tokens"}
 
 
 def tandem(*args: str, env: dict) -> subprocess.CompletedProcess:

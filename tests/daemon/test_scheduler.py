@@ -1,5 +1,5 @@
 """The scheduler without sockets: admission, order, cancels, deaths and shutdown,
-driven by a fake target that records what it was sent (pure logic; the real
+driven by a fake target that records what it was sent, and the short-request lane (pure logic; the real
 daemon is exercised with a real model in tests/integration and tests/reliability)."""
 
 from __future__ import annotations
@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 
 from tandem.daemon.front.metrics import Metrics
-from tandem.daemon.front.scheduler import Scheduler
+from tandem.daemon.front.scheduler import SHORT_PROMPT_CHARS, Lane, Scheduler
 from tandem.protocol import (
     Busy,
     CacheClear,
     CacheCleared,
     Cancel,
+    ChatMessage,
     Chunk,
+    Complete,
     Done,
     DraftStats,
     Error,
@@ -397,3 +399,119 @@ def test_a_cancel_racing_a_worker_death_gets_one_answer(h):
     h.worker_says(done("a", reason=FinishReason.CANCELLED))  # a reply from the dead worker, drained late
     (answer,) = h.replies_to(b"C1")
     assert answer.code == ErrorCode.WORKER_DIED
+
+
+# ---------------------------------------------------------------- the short-request lane
+
+
+class LaneHarness(Harness):
+    def __init__(self, clock, lane: Lane):
+        super().__init__(clock)
+        self.s = Scheduler(self._reply, self._relay, self._send_target, self.metrics, 8, clock=clock, lane=lane)
+        self.s.on_request_done = self._done
+
+
+@pytest.fixture
+def lane(clock) -> LaneHarness:
+    return LaneHarness(clock, Lane(max_tokens=64))
+
+
+def preempted(h: LaneHarness) -> float:
+    return h.metrics.preemptions._value.get()
+
+
+def test_short_means_few_tokens_and_a_short_prompt():
+    lane = Lane(max_tokens=64)
+    assert lane.is_short(Generate(id="a", prompt="hi", max_tokens=64))
+    assert not lane.is_short(Generate(id="a", prompt="hi", max_tokens=65))
+    assert not lane.is_short(Generate(id="a", prompt="x" * (SHORT_PROMPT_CHARS + 1), max_tokens=8))
+    big_chat = [ChatMessage(role="user", content="x" * (SHORT_PROMPT_CHARS // 2 + 1))] * 2
+    assert not lane.is_short(Generate(id="a", messages=big_chat, max_tokens=8))
+    assert lane.is_short(Complete(id="f", prefix="def f(", suffix="\n", max_tokens=32))  # an editor's FIM
+    seeded = Generate(id="s", prompt="hi", max_tokens=8, seed=1, temperature=0.7)
+    assert lane.is_short(seeded)
+    # with a drafter it would decode without one: its seeded tokens would differ from its run alone
+    assert not Lane(max_tokens=64, drafter=True).is_short(seeded)
+    assert Lane(max_tokens=64, drafter=True).is_short(Generate(id="g", prompt="hi", max_tokens=8, temperature=0))
+    assert not Lane(max_tokens=0).is_short(Generate(id="a", prompt="hi", max_tokens=1))
+
+
+def test_a_short_request_is_sent_while_a_long_one_runs_and_answered_first(lane):
+    h = lane
+    h.submit(b"L", "long", max_tokens=1000)
+    h.submit(b"Q", "queued-long", max_tokens=1000)
+    h.submit(b"S", "short", max_tokens=16)
+    assert h.s.start_next() and h.started() == ["long"]
+    assert h.s.start_next() and h.started() == ["long", "short"]  # past the long one queued before it
+    assert h.s.busy and h.s.nested.request.id == "short" and preempted(h) == 1
+    assert not h.s.start_next()  # one at a time
+    h.clock.advance(3.0)
+    assert h.worker_says(done("short"))
+    assert [m.id for m in h.replies_to(b"S")] == ["short"] and h.s.nested is None
+    assert h.s.active.request.id == "long" and h.metrics.preempted_seconds._value.get() == pytest.approx(3.0)
+    h.worker_says(done("long"))
+    assert h.s.start_next() and h.started()[-1] == "queued-long"
+
+
+def test_the_long_request_keeps_at_least_half_the_time(lane):
+    h = lane
+    h.submit(b"L", "long", max_tokens=1000)
+    h.s.start_next()
+    h.submit(b"S", "s1", max_tokens=16)
+    h.s.start_next()
+    h.clock.advance(2.0)
+    h.worker_says(done("s1"))
+    h.submit(b"S", "s2", max_tokens=16)
+    assert not h.s.start_next()  # the long one's turn: as long as s1 took
+    h.clock.advance(1.9)
+    assert not h.s.start_next()
+    h.clock.advance(0.2)
+    assert h.s.start_next() and h.started() == ["long", "s1", "s2"]
+
+
+def test_no_lane_within_a_short_request_or_when_off(clock):
+    h = LaneHarness(clock, Lane(max_tokens=64))
+    h.submit(b"A", "a", max_tokens=8)
+    h.submit(b"B", "b", max_tokens=8)
+    h.s.start_next()
+    assert not h.s.start_next() and h.started() == ["a"]  # a short one is not pre-empted
+    off = LaneHarness(clock, Lane(max_tokens=0))
+    off.submit(b"A", "long", max_tokens=1000)
+    off.submit(b"B", "short", max_tokens=8)
+    off.s.start_next()
+    assert not off.s.start_next() and off.started() == ["long"]
+
+
+def test_a_long_request_that_ends_first_hands_over_to_the_short_one(lane):
+    h = lane
+    """The target took the short request after the long one's last round: it serves it next."""
+    h.submit(b"L", "long", max_tokens=1000)
+    h.s.start_next()
+    h.submit(b"S", "short", max_tokens=16)
+    h.s.start_next()
+    h.worker_says(done("long"))
+    assert h.s.active.request.id == "short" and h.s.nested is None and h.s.busy
+    h.submit(b"X", "next", max_tokens=1000)
+    assert not h.s.start_next()  # the short one is the target's until its answer
+    h.worker_says(done("short"))
+    assert [m.id for m in h.replies_to(b"S")] == ["short"]
+    assert h.s.start_next() and h.started()[-1] == "next"
+
+
+def test_cancels_reach_the_target_for_either_and_a_death_answers_both(lane):
+    h = lane
+    h.submit(b"L", "long", max_tokens=1000)
+    h.s.start_next()
+    h.submit(b"S", "short", max_tokens=16)
+    h.s.start_next()
+    assert h.s.cancel("short")
+    assert isinstance(h.to_target[-1], Cancel) and h.to_target[-1].request_id == "short"
+    h.worker_says(done("short", reason=FinishReason.CANCELLED))
+    h.submit(b"S", "short2", max_tokens=16)
+    h.clock.advance(10)
+    h.s.start_next()
+    h.s.abort(ErrorCode.WORKER_DIED, "the model worker died while serving this request", "the model worker died")
+    for client, rid in ((b"L", "long"), (b"S", "short2")):
+        err = h.replies_to(client)[-1]
+        assert err.id == rid and err.code == ErrorCode.WORKER_DIED
+    assert h.s.active is None and h.s.nested is None and not h.s.jobs and not h.s.busy

@@ -233,3 +233,22 @@ def test_the_lookup_drafter_benchmark_adds_the_fast_systems(smollm2_path):
     # the edit re-emits a file of its prompt: the forced suffix drafter drafts from it, even with nothing remembered
     assert int(details["suffix forced"].split(" | ")[4]) > 0, run.stdout
     assert "fast plain" in details and "fast suffix k=6 governed" in details, run.stdout
+
+
+def test_the_short_lane_benchmark_reports_both_lanes_and_equal_texts(tmp_path, smollm2_path):
+    out = tmp_path / "lane"
+    args = ["--model", str(smollm2_path), "--size", "1024", "--long-tokens", "64", "--short-tokens", "4"]
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.short_lane", *args, "--runs", "1", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["lane"] for r in rows] == ["on", "off"] and all(r["same_text"] for r in rows), rows
+    on, off = rows
+    assert on["paused"] > 0 and off["paused"] == 0  # the lane served it within the long request, or not
+    table = (out / "REPORT.md").read_text()
+    assert "| on |" in table and "| off |" in table and "1/1" in table

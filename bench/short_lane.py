@@ -1,0 +1,162 @@
+"""A short request during a long generation, with the short-request lane and without (issue 49, part 4).
+
+    python -m bench.short_lane                                    # Qwen2.5-Coder-0.5B, an 8k agent prompt, 3 runs
+    python -m bench.short_lane --model qwen2.5-coder-1.5b --size 16384 --runs 3
+
+The long request is an agent's turn at agent scale (bench/long_context.py's
+prompt: Claude Code's recorded preamble and files read into the chat, a salt so
+nothing is cached) writing ``--long-tokens`` greedy tokens; the short one is a
+title request (a few lines, ``--short-tokens`` tokens), sent once the long one
+has written 16 tokens. Per run and for each of the lane on (``--preempt-tokens
+SHORT_TOKENS``: the long request, which asks for more, is not short; the default
+is 512, more than an agent's title asks for and less than its turns) and off
+(``--preempt-tokens 0``), one daemon each, in one run: the short request's
+latency alone (an idle daemon) and during the long one, and the long one's
+total time alone and with the short one in it. The issue's bars: the short
+request during a long one within 1.5x its latency alone, and the long one's
+time within its time alone plus the short one's. Output is compared too: each
+request writes the same text alone and together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import psutil
+
+from bench.common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet
+from bench.long_context import agent_prompt, say
+from tandem.client import Client
+
+BENCH = Path(__file__).resolve().parent
+TITLE = [
+    {"role": "system", "content": "Write a five-word title for the conversation. Reply with the title only."},
+    {"role": "user", "content": "How do I make the daemon answer a short request while a long one runs?"},
+]
+
+
+def timed_request(sock: Path, out: dict, key: str, ready: Optional[threading.Event] = None, **kw) -> None:
+    """One request on its own connection; ``out[key]`` = (seconds, done). ``ready`` is set
+    once it has written 16 tokens."""
+    with Client(sock) as client:
+        started = time.perf_counter()
+        stream = client.generate(temperature=0.0, **kw)
+        n = 0
+        for chunk in stream:
+            n += len(chunk.token_ids)
+            if ready is not None and n >= 16:
+                ready.set()
+        out[key] = (time.perf_counter() - started, stream.done)
+
+
+def one_run(sock: Path, pid: int, long_messages: list[dict], args) -> dict:
+    long_kw = dict(messages=long_messages, max_tokens=args.long_tokens, ignore_eos=True)
+    short_kw = dict(messages=TITLE, max_tokens=args.short_tokens, cache=False)
+    out: dict = {}
+    wait_quiet([pid])
+    timed_request(sock, out, "short_alone", **short_kw)
+    wait_quiet([pid])
+    timed_request(sock, out, "long_alone", cache=False, **long_kw)
+    wait_quiet([pid])
+    ready = threading.Event()
+    t = threading.Thread(target=timed_request, args=(sock, out, "long_with"), kwargs=dict(ready=ready, **long_kw))
+    t.start()
+    ready.wait(3600)
+    timed_request(sock, out, "short_during", **short_kw)
+    t.join()
+    row = {key: seconds for key, (seconds, _) in out.items()}
+    row["same_text"] = (
+        out["short_during"][1].text == out["short_alone"][1].text
+        and out["long_with"][1].text == out["long_alone"][1].text
+    )
+    row["paused"] = out["long_with"][1].timings.paused_seconds
+    row["prompt_tokens"] = out["long_alone"][1].usage.prompt_tokens
+    return row
+
+
+def med(values: list, digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def report(rows: list[dict], out: Path, command: str, model: str) -> Path:
+    lines = [
+        f"# A short request during a long generation: {model}",
+        "",
+        f"{datetime.date.today()}, {cpu_model()}, {psutil.cpu_count()} cores. Command: `{command}`",
+        "",
+        "| lane | long prompt tokens | short alone s | short during s | during / alone | long alone s | "
+        "long with short s | (long with) - (long alone) - (short alone) s | same text |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lane in ("on", "off"):
+        mine = [r for r in rows if r["lane"] == lane]
+        if not mine:
+            continue
+        lines.append(
+            f"| {lane} | {med([r['prompt_tokens'] for r in mine], 0)} | {med([r['short_alone'] for r in mine])} "
+            f"| {med([r['short_during'] for r in mine])} "
+            f"| {med([r['short_during'] / r['short_alone'] for r in mine])} "
+            f"| {med([r['long_alone'] for r in mine], 1)} | {med([r['long_with'] for r in mine], 1)} "
+            f"| {med([r['long_with'] - r['long_alone'] - r['short_alone'] for r in mine])} "
+            f"| {sum(r['same_text'] for r in mine)}/{len(mine)} |"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    path = out / "REPORT.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="a preset or a .gguf path")
+    ap.add_argument("--size", type=int, default=8192, help="the long request's prompt, in tokens (default 8192)")
+    ap.add_argument("--long-tokens", type=int, default=128, help="tokens the long request writes (default 128)")
+    ap.add_argument("--short-tokens", type=int, default=16, help="tokens the short request writes (default 16)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--lanes", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--out", type=Path, default=None, help="report directory (default bench/results/DATE-lane-MODEL)")
+    args = ap.parse_args(argv)
+    command = "python -m bench.short_lane " + " ".join(argv if argv is not None else sys.argv[1:])
+    path = model_path(args.model)
+    rows = []
+    for lane in args.lanes:
+        sock = temp_socket("tdm-lane-")
+        serve = ["--model", str(path), "--ctx-size", str(args.size + 512), "--disk-cache-bytes", "0"]
+        lane_args = ["--preempt-tokens", "0" if lane == "off" else str(args.short_tokens)]
+        daemon = start_daemon(sock, *serve, *lane_args, timeout=900)
+        try:
+            with Client(sock) as client:
+                prompts = [
+                    agent_prompt(lambda m: client.count_tokens(messages=m), args.size, f"{r}-{random.random()}")
+                    for r in range(args.runs)
+                ]
+                timed_request(sock, {}, "warm-up", messages=TITLE, max_tokens=4)
+            for r in range(args.runs):
+                row = one_run(sock, daemon.pid, prompts[r], args)
+                row.update(lane=lane, run=r)
+                rows.append(row)
+                say(
+                    f"  lane {lane} run {r + 1}: short alone {row['short_alone']:.2f} s, during "
+                    f"{row['short_during']:.2f} s; long alone {row['long_alone']:.1f} s, with "
+                    f"{row['long_with']:.1f} s (paused {row['paused']:.2f} s); same text {row['same_text']}"
+                )
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+    out = args.out or BENCH / "results" / f"{datetime.date.today()}-lane-{Path(args.model).stem}"
+    say(f"report: {report(rows, out, command, args.model)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -244,10 +244,9 @@ class Metrics:
         if done.cache is not None:
             self.cache_seen(done.cache)
 
-    def preempted(self) -> None:
+    def preempted(self, seconds: float) -> None:
+        """A short request was served within a long one (the lane), for ``seconds``."""
         self.preemptions.inc()
-
-    def preempted_for(self, seconds: float) -> None:
         self.preempted_seconds.inc(max(seconds, 0.0))
 
     def tokens_relayed(self, n: int, seconds: float) -> None:

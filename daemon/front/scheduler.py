@@ -165,9 +165,10 @@ class Scheduler:
         return job is not None
 
     def cancel_active(self) -> None:
-        """Have the target stop the running request (the daemon is shutting down)."""
-        if self.active is not None:
-            self._cancel(self.active)
+        """Have the target stop the running request, and a short one sent within it (the daemon is shutting down)."""
+        for job in (self.nested, self.active):
+            if job is not None:
+                self._cancel(job)
 
     def client_gone(self, identity: bytes) -> None:
         """The peer disconnected: cancel what it asked for; nobody is left to answer."""
@@ -258,8 +259,8 @@ class Scheduler:
     def _start_short(self) -> bool:
         """The lane: the oldest short request, sent while a long one runs (``Lane``)."""
         lane, active = self.lane, self.active
-        if not lane.max_tokens or active is None or self.nested is not None or self.clearing is not None:
-            return False
+        if not lane.max_tokens or active is None or self.nested is not None or self.clearing or self.clears:
+            return False  # (a cache clear asked for first goes first)
         if self.closing or self.clock() < lane.open_at or lane.is_short(active.request):
             return False
         job = next((j for j in self.queue if lane.is_short(j.request)), None)
@@ -268,8 +269,6 @@ class Scheduler:
         self.queue.remove(job)
         job.started_at = self.clock()
         self.nested = job
-        lane.preemptions += 1
-        self.metrics.preempted()
         self.to_target(job.request)
         return True
 
@@ -393,13 +392,16 @@ class Scheduler:
     def _finish(self, job: Job, terminal: Message) -> None:
         """Deliver a request's one terminal message and forget the request."""
         self.jobs.pop(job.request.id, None)
-        if job is self.nested:
+        if job is self.nested:  # served within the running request (or answered before it started)
             self.nested = None
             now = self.clock()
             spent = now - (job.started_at or now)
+            if isinstance(terminal, Done):  # the worker's own time for it (not its wait for a round's end)
+                spent = min(spent, terminal.timings.prompt_seconds + terminal.timings.generation_seconds)
             self.lane.open_at = now + spent  # the long request's turn: at least as long
+            self.lane.preemptions += 1
             self.lane.seconds += spent
-            self.metrics.preempted_for(spent)
+            self.metrics.preempted(spent)
         elif job is self.active:
             # a short request sent within it and not served yet: the target serves it next
             self.active, self.nested = self.nested, None

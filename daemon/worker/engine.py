@@ -34,7 +34,6 @@ from tandem.protocol import (
     ToolCallDelta,
     Usage,
 )
-from tandem.protocol.messages import PROGRESS_SECONDS
 
 from ..constraints.constraint import Constraint, ConstraintError, field_name
 from ..constraints.tools import CallOpener, ToolPlan
@@ -43,7 +42,7 @@ from ..drafting.interfaces import DecodeAborted, Drafter, Model, RequestError
 from ..drafting.sampler import Sampler
 from ..models.chat import ChatTemplate
 from . import thinking
-from .output import progress_chunk, take
+from .output import progress_chunk, reporting, take
 from .pass_timing import PassTimer
 from .prompts import PromptBuilder
 from .request_state import RequestState
@@ -61,6 +60,10 @@ def lane_copy_budget() -> int:
     import psutil
 
     return psutil.virtual_memory().available // LANE_COPY_SHARE
+
+
+class ResumeFailed(Exception):
+    """The short-request lane could not put the running request's KV back."""
 
 
 class Engine:
@@ -130,18 +133,26 @@ class Engine:
             if not req.cache:
                 self.forget_live()  # cache: false: what it read is not kept for the next request either
 
-    def run_within(self, req: Decoding, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool]):
+    def run_within(
+        self, req: Decoding, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool], private: bool = False
+    ) -> Optional[Done]:
         """Serve a short request between two rounds of a running one (the lane),
         and put the running one's KV back after it, exactly as it was. The short
         one decodes without drafting: the drafter holds the running request's
-        context. Returns its Done, or None when the running request's KV is too
-        large to copy now (the short one then waits for it to end)."""
-        saved = self.model.suspend(max_bytes=lane_copy_budget())
+        context. ``private``: the running request was sent with ``cache: false``,
+        so the short one's prompt keeps nothing of it. Returns its Done, or None
+        when the model cannot copy the running request's KV, or not in the memory
+        there is now (the short one then waits for it to end). ResumeFailed: the
+        running request's KV could not be put back (it must end)."""
+        suspend = getattr(self.model, "suspend", None)
+        saved = suspend(max_bytes=lane_copy_budget()) if suspend is not None else None
         if saved is None:
             return None
         held = self.cache.locked if self.cache is not None else []
         if self.cache is not None:
             self.cache.locked = []  # the running request's pages stay locked (and in place) meanwhile
+        if private:
+            self.model.forget_history()
         try:
             state = self._begin(dataclasses.replace(req, draft="off"))
             state.within = True
@@ -150,7 +161,10 @@ class Engine:
             if self.cache is not None:
                 self.cache.release()
                 self.cache.locked = held
-            self.model.resume(saved)
+            try:
+                self.model.resume(saved)
+            except Exception as exc:
+                raise ResumeFailed(f"the running request's KV could not be put back: {exc}") from exc
 
     def settle(self, interrupted: Callable[[], bool]) -> int:
         """Idle time: read what the last request left past its last whole prefill
@@ -185,7 +199,7 @@ class Engine:
         lend: Optional[Callable[[], bool]] = None,
     ) -> Done:
         try:
-            logits = self._prefill(state, self._reporting(state, emit, should_cancel))
+            logits = self._prefill(state, reporting(state, emit, should_cancel, self.model, self.clock))
             if state.req.progress and state.req.stream:
                 emit(progress_chunk(state, len(state.tokens), self.clock()))
         except DecodeAborted:
@@ -213,6 +227,9 @@ class Engine:
                 if lend is not None and lend():
                     state.paused += self.clock() - paused
                     state.round_ended = None  # the pause is no cost of its rounds (the governor's timing)
+                    if should_cancel():  # (cancelled, or the daemon stopping, meanwhile)
+                        state.finish = FinishReason.CANCELLED
+                        return self._finish(state, emit)
                 new_tokens = self.rounds.next_round(state)
         except ConstraintError:  # llguidance failed mid-request: the output would not match
             if state.cache is not None:
@@ -282,27 +299,6 @@ class Engine:
             )
         return constraint, None
 
-    def _reporting(
-        self, state: RequestState, emit: Callable[[Chunk], None], should_cancel: Callable[[], bool]
-    ) -> Callable[[], bool]:
-        """``should_cancel`` for the prefill; for a streamed ``progress`` request it
-        also emits the prompt's progress, about every PROGRESS_SECONDS (the first
-        time when the reading starts: the cache's share is known then)."""
-        if not (state.req.progress and state.req.stream):
-            return should_cancel
-        last = [-PROGRESS_SECONDS]
-
-        def checked() -> bool:
-            now = self.clock()
-            if now - last[0] >= PROGRESS_SECONDS:
-                last[0] = now
-                reading_at = getattr(self.model, "reading_at", None)
-                emit(progress_chunk(state, reading_at() if reading_at is not None else state.cached, now))
-            return should_cancel()
-
-        state.on_reading = checked
-        return checked
-
     def _prefill(self, state: RequestState, should_cancel: Callable[[], bool]):
         """Restore what the prefix cache holds of the prompt, start the drafter,
         read the rest; the logits after the prompt. A long prefill can be cancelled."""
@@ -346,7 +342,7 @@ class Engine:
         return logits
 
     def _start_drafter(self, state: RequestState) -> None:
-        if self.drafter is not None:
+        if self.drafter is not None and not state.within:
             self.drafter.use_pages(state.cache)  # a model drafter restores its own pages of the prompt too
         if state.drafter is not None:
             # A model drafter reads the prompt in parallel with the target, unless

@@ -292,7 +292,7 @@ class LlamaDecoder:
         than ``max_bytes``."""
         if llama.llama_state_seq_get_size(self.ctx, 0) > max_bytes:
             return None
-        return (self.seq_state(), self.n_past, list(self.history), self.fixed_upto, self._prefilled)
+        return (self._seq_state_buffer(), self.n_past, list(self.history), self.fixed_upto, self._prefilled)
 
     def resume(self, saved: tuple) -> None:
         """Sequence 0 as ``suspend`` found it: the same cells, in the same places, so
@@ -318,20 +318,24 @@ class LlamaDecoder:
 
     def seq_state(self) -> bytes:
         """llama.cpp's serialized KV state of sequence 0 (all ``n_past`` tokens)."""
+        return bytes(self._seq_state_buffer())
+
+    def _seq_state_buffer(self) -> ctypes.Array:
+        """``seq_state`` in the buffer llama.cpp wrote it to (no copy into bytes)."""
         size = llama.llama_state_seq_get_size(self.ctx, 0)
         buf = (ctypes.c_uint8 * size)()
         written = llama.llama_state_seq_get_data(self.ctx, buf, size, 0)
         if written != size:
             raise DecodeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-        return bytes(buf)
+        return buf
 
     def set_seq_state(
-        self, blob: bytes | bytearray | memoryview, n_tokens: int, tokens: Optional[Sequence[int]] = None
+        self, blob: bytes | bytearray | memoryview | ctypes.Array, n_tokens: int, tokens: Optional[Sequence[int]] = None
     ) -> None:
         """Replace sequence 0 with a state from ``seq_state`` (or assembled from
         pages) that holds ``n_tokens`` tokens (``tokens``, where the caller knows them)."""
         self.clear()
-        data = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        data = blob if isinstance(blob, ctypes.Array) else (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         read = llama.llama_state_seq_set_data(self.ctx, data, len(blob), 0)
         if read != len(blob):
             self.clear()

@@ -3,13 +3,14 @@ it until one ends the request (an end-of-generation token, ``max_tokens``, the
 context, a stop string, the grammar's end, a tool call that opens or repeats, a
 spent thinking budget), split into text, thinking and tool calls, and streamed
 (``Engine._run`` calls ``take`` after every round; ``Engine._finish`` makes the
-``Done``)."""
+``Done``); and the chunks that report a prompt's reading (``reporting``)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from tandem.protocol import Chunk, FinishReason, PromptProgress, ToolCallDelta
+from tandem.protocol.messages import PROGRESS_SECONDS
 
 from ..constraints.constraint import ConstraintError
 from ..drafting.interfaces import Model
@@ -98,3 +99,29 @@ def progress_chunk(state: RequestState, processed: int, now: float) -> Chunk:
         seconds=round(now - (state.reading_from or now), 3),
     )
     return Chunk(id=state.req.id, text="", token_ids=[], progress=progress)
+
+
+def reporting(
+    state: RequestState,
+    emit: Callable[[Chunk], None],
+    should_cancel: Callable[[], bool],
+    model: Model,
+    clock: Callable[[], float],
+) -> Callable[[], bool]:
+    """``should_cancel`` for the prefill; for a streamed ``progress`` request it
+    also emits the prompt's progress, about every PROGRESS_SECONDS (the first
+    time when the reading starts: the cache's share is known then)."""
+    if not (state.req.progress and state.req.stream):
+        return should_cancel
+    last = [-PROGRESS_SECONDS]
+
+    def checked() -> bool:
+        now = clock()
+        if now - last[0] >= PROGRESS_SECONDS:
+            last[0] = now
+            reading_at = getattr(model, "reading_at", None)
+            emit(progress_chunk(state, reading_at() if reading_at is not None else state.cached, now))
+        return should_cancel()
+
+    state.on_reading = checked
+    return checked

@@ -27,6 +27,7 @@ from tandem.protocol import (
     Decoding,
     Detokenize,
     Detokenized,
+    Done,
     Error,
     ErrorCode,
     Generate,
@@ -42,7 +43,7 @@ from tandem.protocol.internal import WORKER_REQUESTS, CacheState, DrafterHung, D
 
 from ..constraints.constraint import Grammars
 from ..drafting.interfaces import Drafter, RequestError
-from .engine import Engine
+from .engine import Engine, ResumeFailed
 from .invariance import invariance_fix, kept_check, probe_batch_invariance
 from .worker_config import WorkerConfig, describe_model, load_model
 
@@ -486,6 +487,7 @@ class TargetLoop:
         self.engine: Optional[Engine] = None
         self.last_beat = 0.0
         self.current = ""  # the request being served
+        self.serving: Optional[Decoding] = None  # ... and the one _serve took (a short one's host, for the lane)
         self.waiting: Optional[Decoding] = None  # a short request the daemon sent while another runs (the lane)
         self.waiting_held = False  # ... that waits for the running one to end (its KV was too large to copy)
         self.drafter_died = False  # the drafter died while the current request was served
@@ -523,6 +525,10 @@ class TargetLoop:
         )
         while not self.stopping:
             cache = engine.cache
+            if self.waiting is not None:  # sent within a request that ended before it could be served: next
+                msg, self.waiting, self.waiting_held = self.waiting, None, False
+                self._serve(msg, sent_within=True)
+                continue
             if self.settle_due and not self.sock.poll(0, zmq.POLLIN):
                 self.settle_due = False  # once per request: what it left is settled, or a request came
                 self._settle()
@@ -533,10 +539,6 @@ class TargetLoop:
                 continue
             if cache is not None and cache.disk_pending and not self.sock.poll(0, zmq.POLLIN):
                 self._spill(cache)  # between requests, a page at a time: nothing waits for it
-                continue
-            if self.waiting is not None:  # sent within a request that ended before it could be served
-                msg, self.waiting, self.waiting_held = self.waiting, None, False
-                self._serve(msg)
                 continue
             try:
                 msg = decode(self.sock.recv_multipart(), table=WORKER_REQUESTS)
@@ -582,10 +584,12 @@ class TargetLoop:
     def _shutdown(self, msg: Shutdown) -> None:
         self.stopping = True
 
-    def _serve(self, msg) -> None:
+    def _serve(self, msg, sent_within: bool = False) -> None:
         engine = self.engine
         assert engine is not None
-        self.cancelled &= {msg.id} | ({self.waiting.id} if self.waiting is not None else set())  # theirs are due
+        # a cancel of a request sent within the one before (the lane) is due to it
+        self.cancelled &= {msg.id} if sent_within else set()
+        self.serving = msg
         self.current = msg.id
         self.drafter_died = False
         self.last_beat = time.monotonic()
@@ -615,32 +619,45 @@ class TargetLoop:
 
     def _lend(self) -> bool:
         """Between two rounds of the running request: serve the short request the
-        daemon sent meanwhile, if any (``Engine.run_within``); True when one was served."""
+        daemon sent meanwhile, if any (``Engine.run_within``); True when one was served.
+        If the running request's KV cannot be put back, the short one is answered
+        with an error and the running one ends with one (ResumeFailed goes up)."""
         short = self.waiting
         if short is None or self.waiting_held:
             return False
+        self.waiting = None
         outer, died = self.current, self.drafter_died
         self.current = short.id
         self.send(Progress(id=short.id))
+        engine = self.engine
         try:
-            done = self.engine.run_within(short, self.send, lambda: self._poll_cancel(short.id))
+            private = not self.serving.cache  # the running request's KV is not for the short one's prompt
+            done = engine.run_within(short, self.send, lambda: self._poll_cancel(short.id), private)
             if done is None:  # the running request's KV is too large to copy now: served after it
                 log.info("request %s waits for %s to end: its KV state is too large to copy", short.id, outer)
-                self.waiting_held = True
+                self.waiting, self.waiting_held = short, True
                 return False
-            self.waiting = None
+            if engine.cache is not None:
+                self._save_cache_index()  # (as _serve: once answered, its pages survive this worker)
             self.send(done)
+        except ResumeFailed as exc:
+            self.send(Error.of(short.id, ErrorCode.INTERNAL, f"the worker failed: {exc}"))
+            raise
         except RequestError as exc:
-            self.waiting = None
             self.send(Error.of(short.id, exc.code, exc.message))
         except Exception as exc:  # a bug or a llama.cpp failure: report it; the running request goes on
-            self.waiting = None
             log.exception("request %s failed", short.id)
             self.send(Error.of(short.id, ErrorCode.INTERNAL, f"the worker failed: {type(exc).__name__}: {exc}"))
         finally:
-            self.current, self.drafter_died = outer, died
+            self.current, self.drafter_died = outer, died or self.drafter_died
             self.cancelled.discard(short.id)
         return True
+
+    def _cancel_waiting(self) -> None:
+        """The short request the worker holds (not started) was cancelled: answered now."""
+        short, self.waiting, self.waiting_held = self.waiting, None, False
+        self.cancelled.discard(short.id)
+        self.send(Done.cancelled(short.id))
 
     def _report_narrow_drafter(self, done) -> None:
         """A drafter of 4 bits or fewer: once it has drafted enough to say, log the
@@ -782,6 +799,8 @@ class TargetLoop:
                 continue
             if isinstance(msg, Cancel):
                 self.cancelled.add(msg.request_id)
+                if self.waiting is not None and msg.request_id == self.waiting.id:
+                    self._cancel_waiting()
             elif isinstance(msg, Shutdown):
                 self.stopping = True
             elif isinstance(msg, DrafterState):

@@ -420,6 +420,13 @@ def preempted(h: LaneHarness) -> float:
     return h.metrics.preemptions._value.get()
 
 
+def served(rid: str, seconds: float) -> Done:
+    """The worker's done for a short request it took ``seconds`` over (prompt and generation)."""
+    msg = done(rid)
+    msg.timings = Timings(0.1, 0.0, seconds, 10.0, 0.0)
+    return msg
+
+
 def test_short_means_few_tokens_and_a_short_prompt():
     lane = Lane(max_tokens=64)
     assert lane.is_short(Generate(id="a", prompt="hi", max_tokens=64))
@@ -443,12 +450,13 @@ def test_a_short_request_is_sent_while_a_long_one_runs_and_answered_first(lane):
     h.submit(b"S", "short", max_tokens=16)
     assert h.s.start_next() and h.started() == ["long"]
     assert h.s.start_next() and h.started() == ["long", "short"]  # past the long one queued before it
-    assert h.s.busy and h.s.nested.request.id == "short" and preempted(h) == 1
+    assert h.s.busy and h.s.nested.request.id == "short"
     assert not h.s.start_next()  # one at a time
-    h.clock.advance(3.0)
-    assert h.worker_says(done("short"))
+    h.clock.advance(3.0)  # of which the worker spent 2 s on it (it waited for a round's end)
+    assert h.worker_says(served("short", 2.0))
     assert [m.id for m in h.replies_to(b"S")] == ["short"] and h.s.nested is None
-    assert h.s.active.request.id == "long" and h.metrics.preempted_seconds._value.get() == pytest.approx(3.0)
+    assert h.s.active.request.id == "long" and preempted(h) == 1
+    assert h.metrics.preempted_seconds._value.get() == pytest.approx(2.0)
     h.worker_says(done("long"))
     assert h.s.start_next() and h.started()[-1] == "queued-long"
 
@@ -459,8 +467,8 @@ def test_the_long_request_keeps_at_least_half_the_time(lane):
     h.s.start_next()
     h.submit(b"S", "s1", max_tokens=16)
     h.s.start_next()
-    h.clock.advance(2.0)
-    h.worker_says(done("s1"))
+    h.clock.advance(2.5)
+    h.worker_says(served("s1", 2.0))
     h.submit(b"S", "s2", max_tokens=16)
     assert not h.s.start_next()  # the long one's turn: as long as s1 took
     h.clock.advance(1.9)
@@ -491,6 +499,7 @@ def test_a_long_request_that_ends_first_hands_over_to_the_short_one(lane):
     h.s.start_next()
     h.worker_says(done("long"))
     assert h.s.active.request.id == "short" and h.s.nested is None and h.s.busy
+    assert preempted(h) == 0  # it was not served within the long one
     h.submit(b"X", "next", max_tokens=1000)
     assert not h.s.start_next()  # the short one is the target's until its answer
     h.worker_says(done("short"))
@@ -515,3 +524,39 @@ def test_cancels_reach_the_target_for_either_and_a_death_answers_both(lane):
         err = h.replies_to(client)[-1]
         assert err.id == rid and err.code == ErrorCode.WORKER_DIED
     assert h.s.active is None and h.s.nested is None and not h.s.jobs and not h.s.busy
+
+
+def test_shutdown_cancels_a_short_request_within_the_long_one_too(lane):
+    h = lane
+    h.submit(b"L", "long", max_tokens=1000)
+    h.s.start_next()
+    h.submit(b"S", "short", max_tokens=16)
+    h.s.start_next()
+    h.s.cancel_active()
+    cancels = [m.request_id for m in h.to_target if isinstance(m, Cancel)]
+    assert sorted(cancels) == ["long", "short"]
+
+
+def test_a_cache_clear_asked_for_first_goes_before_the_lane(lane):
+    h = lane
+    h.submit(b"L", "long", max_tokens=1000)
+    h.s.start_next()
+    h.s.clear_cache(b"K", CacheClear(id="k"))
+    h.submit(b"S", "short", max_tokens=16)
+    assert not h.s.start_next() and h.started() == ["long"]
+    h.worker_says(done("long"))
+    assert h.s.start_next() and isinstance(h.to_target[-1], CacheClear)
+
+
+def test_a_long_request_cancelled_while_a_short_one_runs_within_it(lane):
+    h = lane
+    h.submit(b"L", "long", max_tokens=1000)
+    h.s.start_next()
+    h.submit(b"S", "short", max_tokens=16)
+    h.s.start_next()
+    assert h.s.cancel("long") and h.to_target[-1].request_id == "long"
+    h.worker_says(served("short", 1.0))  # the worker ends the short one first, then the long one
+    h.worker_says(done("long", reason=FinishReason.CANCELLED))
+    assert [m.id for m in h.replies_to(b"S")] == ["short"]
+    assert h.replies_to(b"L")[-1].finish_reason == FinishReason.CANCELLED
+    assert not h.s.busy and not h.s.jobs

@@ -53,12 +53,17 @@ def together(daemon, long_kw: dict, short_kw: dict):
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
 def test_a_short_request_runs_within_a_long_one_and_both_write_what_they_write_alone(start_daemon, drafter):
     d = start_daemon("--ctx-size", "2048", "--drafter", drafter, *LANE)
-    for long_kw in (long_request(temperature=0.0), long_request(temperature=0.9, seed=7)):
+    # greedy; then seeded sampling, the short one too where no drafter makes it wait
+    seeded_short = short_request(temperature=0.9, seed=3) if drafter == "none" else short_request()
+    for long_kw, short_kw in (
+        (long_request(temperature=0.0), short_request()),
+        (long_request(temperature=0.9, seed=7), seeded_short),
+    ):
         with d.client() as c:
             long_alone = c.complete(**long_kw)
-            short_alone = c.complete(**short_request())
+            short_alone = c.complete(**short_kw)
         assert long_alone.timings.paused_seconds == 0.0
-        long_done, short_done, short_first_by = together(d, long_kw, short_request())
+        long_done, short_done, short_first_by = together(d, long_kw, short_kw)
         assert short_first_by < 0, "the short request waited for the long one"
         assert short_done.text == short_alone.text
         assert long_done.text == long_alone.text, long_kw
@@ -102,3 +107,4 @@ def test_a_short_request_cancelled_within_a_long_one_leaves_it_intact(start_daem
         assert done.finish_reason.value == "cancelled" and done.usage.completion_tokens < 90
     t.join(300)
     assert out["long"].text == long_alone.text
+    assert out["long"].timings.paused_seconds > 0  # it was cancelled within the long one, not after it

@@ -259,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for system in args.systems:
             say(f"{model}: {system}")
             rows += run_system(system, path, args.sizes, args.runs, args.tokens, args.threads, prompts)
-        out = args.out or BENCH / "results" / f"{datetime.date.today()}-long-{Path(model).stem}"
+        out = args.out or BENCH / "results" / f"{datetime.date.today()}-long-{Path(model).name.removesuffix('.gguf')}"
         say(f"report: {report(model, rows, out, command)}")
     return 0
 

@@ -160,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         finally:
             daemon.terminate()
             daemon.wait(30)
-    out = args.out or BENCH / "results" / f"{datetime.date.today()}-lane-{Path(args.model).stem}"
+    out = args.out or BENCH / "results" / f"{datetime.date.today()}-lane-{Path(args.model).name.removesuffix('.gguf')}"
     say(f"report: {report(rows, out, command, args.model)}")
     return 0
 

@@ -8,7 +8,8 @@ prompt: Claude Code's recorded preamble and files read into the chat, salted
 per run) writing ``--long-tokens`` greedy tokens, its prompt in the prefix
 cache (an agent's next turn; read once per run, untimed); the short one is a
 title request (a few lines, ``--short-tokens`` tokens), sent once the long one
-has written 16 tokens. Per run and for each of the lane on (``--preempt-tokens
+has written 16 tokens, and once more while its prompt is read (the reading that
+fills the cache, untimed itself). Per run and for each of the lane on (``--preempt-tokens
 SHORT_TOKENS``: the long request, which asks for more, is not short; the default
 is 512, more than an agent's title asks for and less than its turns) and off
 (``--preempt-tokens 0``), one daemon each, in one run: the short request's
@@ -45,46 +46,58 @@ TITLE = [
 ]
 
 
-def timed_request(sock: Path, out: dict, key: str, ready: Optional[threading.Event] = None, **kw) -> None:
+def timed_request(
+    sock: Path, out: dict, key: str, ready: Optional[threading.Event] = None, reading: bool = False, **kw
+) -> None:
     """One request on its own connection; ``out[key]`` = (seconds, done). ``ready`` is set
-    once it has written 16 tokens."""
+    once it has written 16 tokens, or with ``reading``, once its prompt's reading has gone on
+    for a second or more."""
     with Client(sock) as client:
         started = time.perf_counter()
-        stream = client.generate(temperature=0.0, **kw)
+        stream = client.generate(temperature=0.0, progress=reading, **kw)
         n = 0
         for chunk in stream:
             n += len(chunk.token_ids)
-            if ready is not None and n >= 16:
+            if ready is not None and (n >= 16 or (reading and chunk.progress and chunk.progress.seconds >= 1)):
                 ready.set()
         out[key] = (time.perf_counter() - started, stream.done)
+
+
+def during(sock: Path, out: dict, long_key: str, short_key: str, reading: bool, long_kw: dict, short_kw: dict):
+    """The long request, and the short one once it has written 16 tokens (or read for a second)."""
+    ready = threading.Event()
+    kw = dict(ready=ready, reading=reading, **long_kw)
+    t = threading.Thread(target=timed_request, args=(sock, out, long_key), kwargs=kw)
+    t.start()
+    ready.wait(3600)
+    timed_request(sock, out, short_key, **short_kw)
+    t.join()
 
 
 def one_run(sock: Path, pid: int, long_messages: list[dict], args) -> dict:
     long_kw = dict(messages=long_messages, max_tokens=args.long_tokens, ignore_eos=True)
     short_kw = dict(messages=TITLE, max_tokens=args.short_tokens, cache=False)
     out: dict = {}
-    # the long prompt read once into the prefix cache (not timed): both long runs then restore it from
-    # its pages, after a short request each (which leaves nothing of it live), and differ only in the
-    # short request within the second (a prompt read twice would differ by more than that, in noise)
-    timed_request(sock, out, "warm", **long_kw)
+    # the long prompt read once into the prefix cache, with a short request sent during its reading
+    # (its time is not compared: a prompt read twice differs by more than that, in noise); both timed
+    # long runs then restore it from its pages, after a short request each (which leaves nothing of it
+    # live), and differ only in the short request within the second, sent between two of its steps
+    during(sock, out, "warm", "short_during_reading", True, long_kw, short_kw)
     for alone in ("short_alone", "short_alone_2"):
         wait_quiet([pid])
         timed_request(sock, out, alone, **short_kw)
         wait_quiet([pid])
         if alone == "short_alone":
             timed_request(sock, out, "long_alone", **long_kw)
-    ready = threading.Event()
-    t = threading.Thread(target=timed_request, args=(sock, out, "long_with"), kwargs=dict(ready=ready, **long_kw))
-    t.start()
-    ready.wait(3600)
-    timed_request(sock, out, "short_during", **short_kw)
-    t.join()
+    during(sock, out, "long_with", "short_during", False, long_kw, short_kw)
     row = {key: seconds for key, (seconds, _) in out.items()}
     row["short_alone"] = (row.pop("short_alone") + row.pop("short_alone_2")) / 2
+    shorts = ("short_during", "short_during_reading", "short_alone", "short_alone_2")
     row["same_text"] = (
-        out["short_during"][1].text == out["short_alone"][1].text == out["short_alone_2"][1].text
+        len({out[k][1].text for k in shorts}) == 1
         and out["long_with"][1].text == out["long_alone"][1].text == out["warm"][1].text
     )
+    row["paused_reading"] = out["warm"][1].timings.paused_seconds
     row["paused"] = out["long_with"][1].timings.paused_seconds
     row["prompt_tokens"] = out["long_alone"][1].usage.prompt_tokens
     return row
@@ -100,9 +113,10 @@ def report(rows: list[dict], out: Path, command: str, model: str) -> Path:
         "",
         f"{datetime.date.today()}, {cpu_model()}, {psutil.cpu_count()} cores. Command: `{command}`",
         "",
-        "| lane | long prompt tokens | short alone s | short during s | during / alone | long alone s | "
-        "long with short s | (long with) - (long alone) - (short alone) s | same text |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| lane | long prompt tokens | short alone s | short during the reading s | short between steps s | "
+        "between steps / alone | long alone s | long with short s | (long with) - (long alone) - (short alone) s "
+        "| same text |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lane in ("on", "off"):
         mine = [r for r in rows if r["lane"] == lane]
@@ -110,7 +124,7 @@ def report(rows: list[dict], out: Path, command: str, model: str) -> Path:
             continue
         lines.append(
             f"| {lane} | {med([r['prompt_tokens'] for r in mine], 0)} | {med([r['short_alone'] for r in mine])} "
-            f"| {med([r['short_during'] for r in mine])} "
+            f"| {med([r['short_during_reading'] for r in mine])} | {med([r['short_during'] for r in mine])} "
             f"| {med([r['short_during'] / r['short_alone'] for r in mine])} "
             f"| {med([r['long_alone'] for r in mine], 1)} | {med([r['long_with'] for r in mine], 1)} "
             f"| {med([r['long_with'] - r['long_alone'] - r['short_alone'] for r in mine])} "
@@ -153,9 +167,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 row.update(lane=lane, run=r)
                 rows.append(row)
                 say(
-                    f"  lane {lane} run {r + 1}: short alone {row['short_alone']:.2f} s, during "
-                    f"{row['short_during']:.2f} s; long alone {row['long_alone']:.1f} s, with "
-                    f"{row['long_with']:.1f} s (paused {row['paused']:.2f} s); same text {row['same_text']}"
+                    f"  lane {lane} run {r + 1}: short alone {row['short_alone']:.2f} s, during the reading "
+                    f"{row['short_during_reading']:.2f} s, between steps {row['short_during']:.2f} s; "
+                    f"long alone {row['long_alone']:.1f} s, with {row['long_with']:.1f} s "
+                    f"(paused {row['paused']:.2f} s); same text {row['same_text']}"
                 )
         finally:
             daemon.terminate()

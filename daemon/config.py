@@ -190,7 +190,8 @@ OPTIONS: tuple[Option, ...] = (
         512,
         "the short-request lane: while a long generation runs, a request asking for at most N tokens with a prompt "
         "of at most 16,000 characters (a title, a summary, an editor's completion) runs between two of its steps "
-        "instead of waiting for it to end; the long one goes on where it was, with the same output. 0: off",
+        "(or passes of its prompt's reading) instead of waiting for it to end; the long one goes on where it was, "
+        "with the same output. 0: off",
         minimum=0,
         maximum=1_000_000,
         reload=True,

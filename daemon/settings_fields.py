@@ -41,8 +41,9 @@ class SettingsFields:
     """requests that may wait; more get a `busy` reply"""
     preempt_tokens: int = 512
     """the short-request lane: while a long generation runs, a request asking for at most N tokens with a prompt of at
-    most 16,000 characters (a title, a summary, an editor's completion) runs between two of its steps instead of
-    waiting for it to end; the long one goes on where it was, with the same output. 0: off"""
+    most 16,000 characters (a title, a summary, an editor's completion) runs between two of its steps (or passes of
+    its prompt's reading) instead of waiting for it to end; the long one goes on where it was, with the same output.
+    0: off"""
     drafter: str = "none"
     """speculative decoding: a small model with the target's tokenizer (its own worker process), 'auto' (a pulled model
     with the target's tokenizer: the preset's drafter, else the best small one; none if none is pulled, saying which

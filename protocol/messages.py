@@ -193,8 +193,8 @@ class Timings:
     generation_seconds: float  # first generated token to the last
     tokens_per_second: float  # completion tokens after the first / generation_seconds
     queued_seconds: float  # waiting in the queue before the worker took the request
-    # of generation_seconds, those it waited while short requests were served (the lane; tokens_per_second
-    # leaves them out): 1.9
+    # seconds it waited while short requests were served (the lane): in its prompt's reading (of
+    # prompt_seconds) and between its steps (of generation_seconds; tokens_per_second leaves those out): 1.9
     paused_seconds: float = 0.0
 
 

@@ -41,7 +41,7 @@ from ..drafting.governor import PLAIN, Governor, GovernorBank, task_key
 from ..drafting.interfaces import DecodeAborted, Drafter, Model, RequestError
 from ..drafting.sampler import Sampler
 from ..models.chat import ChatTemplate
-from . import thinking
+from . import lane, thinking
 from .output import progress_chunk, reporting, take
 from .pass_timing import PassTimer
 from .prompts import PromptBuilder
@@ -51,19 +51,6 @@ from .textstream import TextStream
 
 if TYPE_CHECKING:
     from ..cache.page_store import PageStore
-
-LANE_COPY_SHARE = 4  # the lane copies a running request's KV state when it takes at most 1/4 of available memory
-
-
-def lane_copy_budget() -> int:
-    """Bytes the short-request lane may spend on a copy of the running request's KV state."""
-    import psutil
-
-    return psutil.virtual_memory().available // LANE_COPY_SHARE
-
-
-class ResumeFailed(Exception):
-    """The short-request lane could not put the running request's KV back."""
 
 
 class Engine:
@@ -145,7 +132,7 @@ class Engine:
         there is now (the short one then waits for it to end). ResumeFailed: the
         running request's KV could not be put back (it must end)."""
         suspend = getattr(self.model, "suspend", None)
-        saved = suspend(max_bytes=lane_copy_budget()) if suspend is not None else None
+        saved = suspend(max_bytes=lane.copy_budget()) if suspend is not None else None
         if saved is None:
             return None
         held = self.cache.locked if self.cache is not None else []
@@ -164,7 +151,7 @@ class Engine:
             try:
                 self.model.resume(saved)
             except Exception as exc:
-                raise ResumeFailed(f"the running request's KV could not be put back: {exc}") from exc
+                raise lane.ResumeFailed(f"the running request's KV could not be put back: {exc}") from exc
 
     def settle(self, interrupted: Callable[[], bool]) -> int:
         """Idle time: read what the last request left past its last whole prefill
@@ -199,7 +186,8 @@ class Engine:
         lend: Optional[Callable[[], bool]] = None,
     ) -> Done:
         try:
-            logits = self._prefill(state, reporting(state, emit, should_cancel, self.model, self.clock))
+            check = reporting(state, emit, should_cancel, self.model, self.clock)
+            logits = self._prefill(state, lane.lending(state, check, lend, self.model, self.clock))
             if state.req.progress and state.req.stream:
                 emit(progress_chunk(state, len(state.tokens), self.clock()))
         except DecodeAborted:
@@ -428,7 +416,7 @@ class Engine:
                 generation_seconds=generation_seconds,
                 tokens_per_second=(len(completion) - 1) / decoding if len(completion) > 1 and decoding > 0 else 0.0,
                 queued_seconds=0.0,
-                paused_seconds=state.paused,
+                paused_seconds=state.paused_reading + state.paused,
             ),
             draft=state.stats if state.stats is not None and (state.stats.rounds or state.stats.forced) else None,
             governor=self.governors.info() if state.governor is not None and self.governors is not None else None,

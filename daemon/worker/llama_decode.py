@@ -285,20 +285,32 @@ class LlamaDecoder:
         self.set_seq_state(blob, n_past, history)
         self.fixed_upto, self._prefilled = fixed_upto, prefilled
 
+    def pausable(self) -> bool:
+        """Whether ``suspend`` may be called now: between two steps, or between two
+        passes of a prompt this context reads itself (not the prompt reader)."""
+        return self._reading is None
+
     def suspend(self, max_bytes: int) -> Optional[tuple]:
         """A copy of what sequence 0 holds (its KV state, to the last bit, and what
-        this object knows of it), for ``resume`` after another request has used
-        the context: the short-request lane. None when the copy would take more
-        than ``max_bytes``."""
+        this object knows of it, with the kernels its passes use), for ``resume``
+        after another request has used the context: the short-request lane. None
+        when the copy would take more than ``max_bytes``. The kernels are the
+        reference ones until then (the other request's steps use them)."""
         if llama.llama_state_seq_get_size(self.ctx, 0) > max_bytes:
             return None
-        return (self._seq_state_buffer(), self.n_past, list(self.history), self.fixed_upto, self._prefilled)
+        saved = (self._seq_state_buffer(), self.n_past, list(self.history), self.fixed_upto, self._prefilled)
+        fast = self._fast
+        self.use_reference(True)
+        return saved, fast
 
     def resume(self, saved: tuple) -> None:
-        """Sequence 0 as ``suspend`` found it: the same cells, in the same places, so
-        the next pass computes what it would have computed without the pause."""
+        """Sequence 0 as ``suspend`` found it: the same cells, in the same places, and
+        the same kernels, so the next pass computes what it would have computed
+        without the pause (the next step, or the prompt's next pass)."""
+        state, fast = saved
         self._before_settle = None
-        self._put_back(saved)
+        self._put_back(state)
+        self.use_reference(not fast)
 
     def forget_history(self) -> None:
         """The KV cache's contents are no longer to be reused (``live_prefix`` 0)."""

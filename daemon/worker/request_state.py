@@ -57,6 +57,7 @@ class RequestState:
     finish: Optional[FinishReason] = None
     within: bool = False  # served between two rounds of another request (the lane): no drafter
     paused: float = 0.0  # seconds it waited between two rounds while a short request was served (the lane)
+    paused_reading: float = 0.0  # ... and between two passes of its prompt's reading
     draft_off: Optional[str] = None  # drafting asked for but off: it would change greedy output here
     # a reasoning model's chat: its format, the split of the output into thinking and answer, the thinking
     # so far and its tokens, the budget (None: none), and tokens to write for the model before its next one

@@ -43,8 +43,9 @@ from tandem.protocol.internal import WORKER_REQUESTS, CacheState, DrafterHung, D
 
 from ..constraints.constraint import Grammars
 from ..drafting.interfaces import Drafter, RequestError
-from .engine import Engine, ResumeFailed
+from .engine import Engine
 from .invariance import invariance_fix, kept_check, probe_batch_invariance
+from .lane import ResumeFailed
 from .worker_config import WorkerConfig, describe_model, load_model
 
 log = logging.getLogger("tandem.worker")

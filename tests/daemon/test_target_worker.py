@@ -228,3 +228,74 @@ def test_a_prompt_read_that_cannot_be_measured_leaves_the_pass_costs_standing(sc
     costs = target_worker.pass_costs(model, config, 1)
     assert costs is not None and costs.read is None and set(costs.load) == set(range(1, config.draft_tokens + 2))
     assert "could not measure a prompt read (RuntimeError: no room)" in caplog.text
+
+
+# ---------------------------------------------------------------- the short-request lane
+
+
+def slow(scripted_model, copies: bool):
+    """A scripted model whose steps take 20 ms; ``copies``: it can copy its KV state (suspend/resume)."""
+
+    class Slow(scripted_model):
+        def decode(self, tokens, logits_for=(-1,), abort=None):
+            time.sleep(0.02)
+            return super().decode(tokens, logits_for, abort)
+
+    class Copying(Slow):
+        def suspend(self, max_bytes):
+            return (self.n_past, self.prompt_len)
+
+        def resume(self, saved):
+            self.n_past, self.prompt_len = saved
+
+        def forget_history(self):
+            pass
+
+    return Copying if copies else Slow
+
+
+def terminals(w, n: int) -> list:
+    """The next ``n`` terminal messages, in the order they came."""
+    got = []
+    while len(got) < n:
+        msg = w.recv()
+        if isinstance(msg, (Done, Error)):
+            got.append(msg)
+    return got
+
+
+def start_long_then_short(w, short_id: str = "short") -> None:
+    w.recv()  # ready
+    w.send(Generate(id="long", prompt="hi", temperature=0.0, max_tokens=40))
+    while not isinstance(w.recv(), Chunk):
+        pass
+    w.send(Generate(id=short_id, prompt="yo", temperature=0.0, max_tokens=3))
+
+
+def test_a_short_request_is_served_within_the_running_one_and_both_write_what_they_write_alone(
+    worker_on, scripted_model
+):
+    w = worker_on(slow(scripted_model, copies=True)(b"x" * 60))
+    start_long_then_short(w)
+    short, long = terminals(w, 2)
+    assert (short.id, short.text) == ("short", "xxx")
+    assert (long.id, long.text) == ("long", "x" * 40) and long.timings.paused_seconds > 0
+
+
+def test_where_the_model_cannot_copy_its_kv_the_short_request_waits_for_the_running_one(worker_on, scripted_model):
+    w = worker_on(slow(scripted_model, copies=False)(b"x" * 60))
+    start_long_then_short(w)
+    long, short = terminals(w, 2)
+    assert (long.id, long.text, long.timings.paused_seconds) == ("long", "x" * 40, 0.0)
+    assert (short.id, short.text) == ("short", "xxx")
+
+
+def test_a_waiting_short_request_that_is_cancelled_is_answered_at_once(worker_on, scripted_model):
+    w = worker_on(slow(scripted_model, copies=False)(b"x" * 60))
+    start_long_then_short(w)
+    w.send(Cancel(id="c", request_id="short"))
+    short, long = terminals(w, 2)
+    assert (short.id, short.finish_reason) == ("short", FinishReason.CANCELLED)
+    assert (long.id, long.text) == ("long", "x" * 40)
+    w.send(Generate(id="next", prompt="hi", temperature=0.0, max_tokens=2))
+    assert terminals(w, 1)[0].text == "xx"  # nothing of the cancelled one is served later

@@ -250,5 +250,6 @@ def test_the_short_lane_benchmark_reports_both_lanes_and_equal_texts(tmp_path, s
     assert [r["lane"] for r in rows] == ["on", "off"] and all(r["same_text"] for r in rows), rows
     on, off = rows
     assert on["paused"] > 0 and off["paused"] == 0  # the lane served it within the long request, or not
+    assert on["short_during_reading"] > 0 and off["paused_reading"] == 0
     table = (out / "REPORT.md").read_text()
     assert "| on |" in table and "| off |" in table and "1/1" in table

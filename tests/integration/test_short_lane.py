@@ -108,3 +108,55 @@ def test_a_short_request_cancelled_within_a_long_one_leaves_it_intact(start_daem
     t.join(300)
     assert out["long"].text == long_alone.text
     assert out["long"].timings.paused_seconds > 0  # it was cancelled within the long one, not after it
+
+
+def test_a_short_request_reuses_nothing_of_a_long_one_sent_with_cache_false(start_daemon):
+    """Its prompt shares the long one's first 100-odd tokens, which the model holds: the first whole
+    prefill chunk of them is kept for it when the long one lets the cache keep them, not when it was
+    sent with ``cache: false``."""
+    d = start_daemon("--ctx-size", "2048", "--cache-bytes", "0", *LANE)
+    shared = "You are a careful assistant who writes plain English for a general reader. " * 8
+    for cache in (True, False):
+        long_kw = long_request(temperature=0.0, cache=cache) | {"prompt": shared + LONG}
+        short_kw = short_request() | {"prompt": shared + "Title:"}
+        long_done, short_done, short_first_by = together(d, long_kw, short_kw)
+        assert short_first_by < 0 and long_done.timings.paused_seconds > 0
+        assert (short_done.usage.cached_tokens > 0) == cache, short_done.usage
+
+
+def test_a_short_request_runs_between_two_passes_of_a_long_prompt(start_daemon):
+    """A short request that arrives while a long prompt is read is served between two of its passes
+    (where the daemon reads prompts in its own context; with a prompt reader, after the prompt); the
+    long one's output stays the same."""
+    d = start_daemon("--ctx-size", "2048", "--cache-bytes", "0", *LANE)
+    long_kw = long_request(temperature=0.0) | {"prompt": "A line of a long log file, number 17, said: ok. " * 120}
+    with d.client() as c:
+        alone = c.complete(**long_kw)
+        short_alone = c.complete(**short_request())
+        reader = c.status().model.prompt_reader
+    assert alone.usage.prompt_tokens > 1200
+    out: dict = {}
+    reading = threading.Event()
+
+    def run_long():
+        with d.client() as c:
+            stream = c.generate(**long_kw, progress=True)
+            for chunk in stream:
+                if chunk.progress is not None:
+                    reading.set()
+                elif chunk.token_ids and "first" not in out:
+                    out["first"] = time.monotonic()
+            out["long"] = stream.done
+
+    t = threading.Thread(target=run_long)
+    t.start()
+    assert reading.wait(60)
+    with d.client() as c:
+        short = c.complete(**short_request())
+        short_end = time.monotonic()
+    t.join(300)
+    assert out["long"].text == alone.text and short.text == short_alone.text
+    if reader:  # the prompt reader reads in a context of its own: the short one waits for the prompt
+        assert short_end > out["first"]
+    else:
+        assert short_end < out["first"] and out["long"].timings.paused_seconds > 0

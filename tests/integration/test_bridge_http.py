@@ -215,7 +215,8 @@ def test_a_stream_that_waits_starts_at_once_and_is_kept_alive(bridge, daemon, bu
     Codex: 300 s without a byte): a stream that waits for a long prompt, or in the queue, starts anyway and
     sends its dialect's keep-alive until its first token, then runs as any stream."""
     path, extra, keepalive, end = WAITING[dialect]
-    body = {**extra, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "stream": True}
+    # (more than --preempt-tokens, 512: it waits in the queue, not in the short-request lane; it ends at EOS)
+    body = {**extra, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 600, "stream": True}
     with _post_stream(bridge, path, body) as sock:
         head = _read_until(sock, b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), head
@@ -228,7 +229,8 @@ def test_a_stream_that_waits_starts_at_once_and_is_kept_alive(bridge, daemon, bu
 
 def test_a_client_that_leaves_a_waiting_stream_cancels_its_request(bridge, daemon, busy):
     before = _status(daemon).requests.get("done_cancelled", 0)
-    body = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "stream": True}
+    # (not short: it waits in the queue, not in the short-request lane)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 600, "stream": True}
     with _post_stream(bridge, b"/v1/chat/completions", body) as sock:
         _read_until(sock, b": keep-alive")
     wait_for(lambda: _status(daemon).requests.get("done_cancelled", 0) == before + 1, 30)

@@ -184,7 +184,7 @@ def test_async_client_streams_and_queries_status_concurrently(daemon):
 
 
 def test_full_queue_answers_busy(start_daemon):
-    d = start_daemon("--max-queue", "1", "--ctx-size", "512")
+    d = start_daemon("--max-queue", "1", "--ctx-size", "512", "--preempt-tokens", "0")  # (the queue alone)
     with d.client() as a, d.client() as b, d.client() as c:
         running = a.generate(prompt="Go:", max_tokens=3000, ignore_eos=True)
         next(iter(running))

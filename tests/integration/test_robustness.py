@@ -124,7 +124,7 @@ def test_a_file_that_is_not_a_model_fails_cleanly(daemon_process, tmp_path):
 
 
 def test_sigterm_with_running_and_queued_requests_answers_everyone(start_daemon):
-    d = start_daemon("--ctx-size", "512")
+    d = start_daemon("--ctx-size", "512", "--preempt-tokens", "0")  # (a queued request, not a lane's)
     with d.client() as a, d.client() as b:
         running = a.generate(prompt="Long:", max_tokens=3000, ignore_eos=True)
         it = iter(running)

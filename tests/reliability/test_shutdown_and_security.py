@@ -41,7 +41,7 @@ def gone(pids, timeout: float = 10.0) -> bool:
 
 def busy_daemon(start_daemon):
     """A daemon with a request running and a full queue, from five clients."""
-    d = start_daemon("--ctx-size", "512", "--max-queue", "4", "--cache-bytes", "16M")
+    d = start_daemon("--ctx-size", "512", "--max-queue", "4", "--cache-bytes", "16M", "--preempt-tokens", "0")
     clients = [d.client() for _ in range(5)]
     running = clients[0].generate(prompt="Long:", max_tokens=3000, ignore_eos=True)
     it = iter(running)

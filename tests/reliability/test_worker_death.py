@@ -45,7 +45,8 @@ def pair(smollm2_path):
 
 
 def test_target_killed_mid_request_queue_kept_cache_kept_restart_counted(start_daemon):
-    d = start_daemon("--ctx-size", "1024", "--cache-bytes", "32M")
+    # (the lane off: the short requests wait in the queue, which is what is tested)
+    d = start_daemon("--ctx-size", "1024", "--cache-bytes", "32M", "--preempt-tokens", "0")
     with d.client() as a, d.client() as b:
         warm = a.complete(prompt=PREAMBLE + "First question?", max_tokens=4, temperature=0.0)
         running = a.generate(prompt=PREAMBLE + "Tell a long story.", max_tokens=2000, ignore_eos=True)
@@ -77,7 +78,17 @@ def test_target_killed_mid_request_queue_kept_cache_kept_restart_counted(start_d
 def test_drafter_killed_mid_request_restarted_and_drafting_again(start_daemon, pair):
     target, drafter = pair
     d = start_daemon(
-        "--drafter", str(drafter), "--ctx-size", "1024", "--governor", "off", "--cache-bytes", "0", model=target
+        "--drafter",
+        str(drafter),
+        "--ctx-size",
+        "1024",
+        "--governor",
+        "off",
+        "--cache-bytes",
+        "0",
+        "--preempt-tokens",
+        "0",  # (the short request waits in the queue)
+        model=target,
     )
     with d.client() as a, d.client() as b:
         # long enough that the death is noticed (within about a second) well before the end

@@ -220,6 +220,11 @@ def report(model: str, rows: list[dict], out: Path, command: str) -> Path:
                 f"| {med([r['p99_gap_ms'] for r in mine], 0)} | {med([r['rss_mib'] for r in mine], 0)} "
                 f"| {med(ratio_d)} | {med(ratio_p)} |"
             )
+    return write_report(out, rows, lines)
+
+
+def write_report(out: Path, rows: list[dict], lines: list[str]) -> Path:
+    """``rows`` as out/results.json and ``lines`` as out/REPORT.md; the report's path."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     path = out / "REPORT.md"

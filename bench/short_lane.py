@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import random
-import statistics
 import sys
 import threading
 import time
@@ -36,7 +34,7 @@ from typing import Optional
 import psutil
 
 from bench.common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet
-from bench.long_context import agent_prompt, say
+from bench.long_context import agent_prompt, med, say, write_report
 from tandem.client import Client
 
 BENCH = Path(__file__).resolve().parent
@@ -103,10 +101,6 @@ def one_run(sock: Path, pid: int, long_messages: list[dict], args) -> dict:
     return row
 
 
-def med(values: list, digits: int = 2) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def report(rows: list[dict], out: Path, command: str, model: str) -> Path:
     lines = [
         f"# A short request during a long generation: {model}",
@@ -130,11 +124,7 @@ def report(rows: list[dict], out: Path, command: str, model: str) -> Path:
             f"| {med([r['long_with'] - r['long_alone'] - r['short_alone'] for r in mine])} "
             f"| {sum(r['same_text'] for r in mine)}/{len(mine)} |"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
-    path = out / "REPORT.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_report(out, rows, lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

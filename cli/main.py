@@ -14,7 +14,7 @@ from tandem.client import QueueFull, RequestFailed, TandemError
 from tandem.daemon import config
 from tandem.protocol import default_socket_path
 
-from . import ask, cache, config_cmd, launch, models, service, serving, status
+from . import ask, cache, config_cmd, kernels, launch, models, service, serving, status
 from .common import say
 
 DESCRIPTION = """\
@@ -45,6 +45,7 @@ ADD_COMMANDS = (
     ask.add_tokens,
     serving.add_key,
     cache.add_cache,
+    kernels.add_kernels,
     config_cmd.add_config,
     service.add_service,
     models.add_models,  # list, pull, show, rm, models
@@ -67,11 +68,12 @@ COMMANDS = {
     "show": models.cmd_show,
     "rm": models.cmd_rm,
     "cache": cache.cmd_cache,
+    "kernels": kernels.cmd_kernels,
     "config": config_cmd.cmd_config,
     "service": service.cmd_service,
 }
 
-CLIENT_ONLY = ("status", "stop", "cache")
+CLIENT_ONLY = ("status", "stop", "cache", "kernels")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -101,6 +101,8 @@ def _exact_line(m) -> str:
     """Whether output is exact (independent of the cache and drafting), and by which means."""
     kernels = f"mixed kernels (prompts in {m.prefill_chunk}-token chunks)" if m.prefill_chunk else None
     settings = f"{kernels or (m.kernels or '?') + ' kernels'}, flash attention {'on' if m.flash_attn else 'off'}"
+    if m.cpu_kernels.startswith("tandem"):
+        settings += ", tandem's CPU kernels"
     if m.extra_buffers:
         settings += ", repacked weights"
     if m.prompt_reader:

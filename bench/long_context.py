@@ -8,9 +8,10 @@ recorded system prompt and tools (tests/bridge/recorded), its first user turn,
 and then source files of this repository "read" into the conversation until the
 prompt has SIZE tokens (counted by tandem's chat template; llama-server renders
 the same GGUF template). A salt in the first line makes every request a new
-prompt: nothing is served from a cache. Three systems, one at a time on the
+prompt: nothing is served from a cache. Four systems, one at a time on the
 machine (each started, measured at every size, then stopped): tandem with its
-defaults, tandem ``--kernels fast``, and llama-server built from the vendored
+defaults, tandem with llama.cpp's CPU kernels as installed (``--kernel-patch off``;
+the defaults run tandem's, daemon/kernels), tandem ``--kernels fast``, and llama-server built from the vendored
 llama.cpp (``bench/build_llama_server.sh vendored``), all greedy with
 ``ignore_eos`` so they write the same number of tokens. Per request: TTFT,
 prefill tok/s (prompt tokens / TTFT), decode tok/s after the first token, the
@@ -43,7 +44,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RECORDED = ROOT / "tests" / "bridge" / "recorded" / "claude-code-2.1.328-first.json"
 SOURCES = ("daemon", "bridge", "client", "protocol", "cli")
-SYSTEMS = ("tandem", "tandem fast", "llama-server")
+SYSTEMS = ("tandem", "tandem stock-kernels", "tandem fast", "llama-server")
 
 
 def agent_preamble() -> tuple[str, str]:
@@ -158,7 +159,9 @@ def run_system(system: str, path: Path, sizes: list[int], runs: int, tokens: int
         else:
             args = ["--model", str(path), "--ctx-size", str(ctx), "--cache-bytes", "0", "--disk-cache-bytes", "0"]
             sock = temp_socket("tdm-long-")
-            daemon = start_daemon(sock, *args, *(["--kernels", "fast"] if "fast" in system else []), timeout=900)
+            args += ["--kernels", "fast"] if "fast" in system else []
+            args += ["--kernel-patch", "off"] if "stock" in system else []  # llama.cpp's CPU kernels as installed
+            daemon = start_daemon(sock, *args, timeout=900)
             client = Client(sock)
             pid = daemon.pid
 

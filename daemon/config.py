@@ -390,10 +390,11 @@ OPTIONS: tuple[Option, ...] = (
         "llama.cpp weight repacking/AMX buffers; auto = on for the target with mixed and fast kernels (for a "
         "drafter with fast kernels only), off with reference kernels and on CPUs with AMX (it crashes there). "
         "Repacked weights (Q4_0, Q4_K, Q8_0) multiply 4 rows at a time, which rounds differently from one row, "
-        "so with mixed kernels the daemon runs decoding steps in passes of at most 3 rows (verify and "
-        "jump-forward passes too): exact, Q4_K decoding about a third faster here, prompts read a third slower "
-        "(as llama-server, which repacks); a verify pass of k+1 tokens then costs about k+1 steps, so a model "
-        "drafter pays less (off: cheaper verify passes, slower steps)",
+        "so with mixed kernels and llama.cpp's own CPU kernels the daemon runs decoding steps in passes of at "
+        "most 3 rows (verify and jump-forward passes too; tandem's CPU kernels, --kernel-patch, compute every "
+        "row of one pass as a step does): exact, Q4_K decoding about a third faster here, prompts read a third "
+        "slower (as llama-server, which repacks); a verify pass of k+1 tokens then costs about k+1 steps, so a "
+        "model drafter pays less (off: cheaper verify passes, slower steps)",
         choices=("auto", "on", "off"),
     ),
     Option(

@@ -31,6 +31,10 @@ but greedy text can then differ from plain decoding's at near-ties (the
 identical-to-plain column counts it). Every request starts once all daemons are
 idle (``wait_quiet``).
 
+``--also-stock`` adds plain decoding and the suffix drafter governed on llama.cpp's own CPU kernels
+(``--kernel-patch off``): the defaults run tandem's (daemon/kernels), whose verify passes over repacked
+weights are one ``llama_decode`` reading the weights once, where llama.cpp's are cut into passes of 3 rows.
+
 ``--fresh`` sends every request with ``cache: false``: after each one a daemon
 forgets what it read and what its drafter remembers of earlier prompts and
 replies (the suffix drafter's reply memory), so a drafter can copy only from
@@ -119,6 +123,12 @@ def main() -> None:
         help="send every request with cache: false, so no daemon keeps anything of one request for the next "
         "(the drafters copy only from the request itself)",
     )
+    ap.add_argument(
+        "--also-stock",
+        action="store_true",
+        help="also plain and the suffix drafter governed on llama.cpp's own CPU kernels (--kernel-patch off), "
+        "against the defaults' tandem kernels, whose verify passes read the weights once (exact either way)",
+    )
     args = ap.parse_args()
 
     target = model_path(args.target)
@@ -142,6 +152,12 @@ def main() -> None:
                 sockets[name] = temp_socket("tdm-lk-fast-")
                 state = tempfile.mkdtemp(prefix="tdm-lk-state-")
                 procs[name] = start_daemon(sockets[name], *fast, *extra, "--state-dir", state)
+        if args.also_stock:
+            stock = (*common, "--kernel-patch", "off")
+            for name, extra in (("stock plain", ()), ("stock suffix", ("--drafter", "suffix"))):
+                sockets[name] = temp_socket("tdm-lk-stock-")
+                state = tempfile.mkdtemp(prefix="tdm-lk-state-")
+                procs[name] = start_daemon(sockets[name], *stock, *extra, "--state-dir", state)
         print(
             f"target {target.name}; k {args.k}; {args.tokens} tokens; {args.runs} runs; kinds {' '.join(args.kinds)}"
             + (f"; fast systems: --kernels fast --exact off, suffix k {args.also_fast}" if args.also_fast else "")
@@ -155,6 +171,9 @@ def main() -> None:
         for d in DRAFTERS:
             systems[f"{d} forced"] = (clients[d], {"draft": "on", **fresh})
             systems[f"{d} governed"] = (clients[d], fresh)
+        if args.also_stock:
+            systems["stock plain"] = (clients["stock plain"], fresh)
+            systems["stock suffix governed"] = (clients["stock suffix"], fresh)
         if args.also_fast:
             systems["fast plain"] = (clients["fast plain"], fresh)
             systems[f"fast suffix k={args.also_fast} governed"] = (clients["fast suffix"], fresh)

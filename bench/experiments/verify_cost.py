@@ -15,6 +15,10 @@ all accepted would give per token, against the same setting's one-token step.
 
     python -m bench.experiments.verify_cost [--model qwen2.5-coder-1.5b] [--rounds 3] [--widths 1,2,3,5,8]
     python -m bench.experiments.verify_cost --widths 1,2,3,5,8,12,16,24,32   # where the tiled kernel takes over
+    python -m bench.experiments.verify_cost --kernel-patch off   # llama.cpp's own kernels (default: tandem's)
+
+With tandem's CPU kernels (daemon/kernels) the daemon's setting is one pass whose rows each go through the
+one-row kernel, the weights read once a pass: the first row of the table.
 """
 
 from __future__ import annotations
@@ -24,9 +28,7 @@ import statistics
 import sys
 
 from bench.common import fmt, model_path
-from tandem.daemon.drafting.governor import measure_pass_costs
-from tandem.daemon.worker.llama_load import cpu_has_amx
-from tandem.daemon.worker.llama_model import LlamaModel
+from tandem.daemon import kernels
 
 
 def main() -> int:
@@ -41,15 +43,30 @@ def main() -> int:
         help="tokens already read before each pass (default %(default)s; the edit task's prompts are ~2,500: "
         "attention over them is shared by a pass's rows)",
     )
+    ap.add_argument(
+        "--kernel-patch",
+        choices=("auto", "off"),
+        default="auto",
+        help="tandem's CPU kernels where built (auto, as a daemon runs them) or llama.cpp's own (off); one "
+        "process holds one of them: run it once with each to compare",
+    )
     args = ap.parse_args()
+    kernels.preload(args.kernel_patch)  # before llama.cpp is loaded, as a worker does
+    from tandem.daemon.drafting.governor import measure_pass_costs
+    from tandem.daemon.worker.llama_load import cpu_has_amx
+    from tandem.daemon.worker.llama_model import LlamaModel
+
     args.widths = sorted({1, *args.widths})  # (one token: what the others are compared with)
     if cpu_has_amx():
         print("this CPU has AMX: extra buffers stay off there (llama.cpp's AMX buffers crash); nothing to compare")
         return 0
     path = model_path(args.model)
     n_ctx = max(512, args.context + max(args.widths) + 64)
+    exact = LlamaModel(path, n_ctx=n_ctx, fast_prefill=True, extra_buffers=True)
+    # (with tandem's kernels the daemon's passes are one llama_decode whose rows go through the one-row kernel)
+    repacked = f"repacked ({exact.step_rows}-row passes)" if exact.step_rows else "repacked (one pass, rows as steps)"
     models = {
-        "repacked (3-row passes)": LlamaModel(path, n_ctx=n_ctx, fast_prefill=True, extra_buffers=True),
+        repacked: exact,
         "not repacked": LlamaModel(path, n_ctx=n_ctx, fast_prefill=True, extra_buffers=False),
         # --kernels fast: repacked, a pass's rows in one llama_decode (4-row tiles: not exact, see Exact output)
         "repacked, one pass (--kernels fast)": LlamaModel(
@@ -71,7 +88,8 @@ def main() -> int:
         for m in models.values():
             m.close()
     print(
-        f"{path.name}; {args.context} tokens read before each pass; {args.rounds} alternating rounds; "
+        f"{path.name}; CPU kernels: {kernels.in_use()}; {args.context} tokens read before each pass; "
+        f"{args.rounds} alternating rounds; "
         "ms per pass, median (min-max)\n"
     )
     print("| setting | " + " | ".join(f"{w} token(s)" for w in args.widths) + " | step ratio |")

@@ -1,16 +1,23 @@
 """tandem's CPU kernels: llama.cpp's CPU backend (``libggml-cpu``) built from the
 sources vendored in the installed llama-cpp-python, with ``ggml_cpu.patch``.
 
-The patch changes ggml's reference (``use_ref``) flash attention, the kernel
-every decoding step runs with ``--kernels mixed``: the stock one reads a query
-row's whole KV in one go and splits a pass over threads by query head (in
-chunks of two heads, so 14 heads on 2 threads run 8 against 6); the patched one
-reads it in fixed chunks of 256 KV positions, one task per (KV head, chunk), and
-combines a row's chunks in their order. What a row computes depends only on its
-query, the KV and the mask, so a one-token step and a verify pass still agree
-bit for bit, and at long contexts the work splits evenly over the threads and
-each KV chunk is read once for all the query heads that share it (docs/exact-
-output.md, "tandem's CPU kernels").
+The patch changes two of ggml's reference (``use_ref``) kernels, those every
+decoding step runs with ``--kernels mixed`` (docs/exact-output.md, "tandem's
+CPU kernels"):
+
+- flash attention: the stock one reads a query row's whole KV in one go and
+  splits a pass over threads by query head (in chunks of two heads, so 14 heads
+  on 2 threads run 8 against 6); the patched one reads it in fixed chunks of
+  256 KV positions, one task per (KV head, chunk), and combines a row's chunks
+  in their order. What a row computes depends only on its query, the KV and the
+  mask, so a step and a verify pass still agree bit for bit, and at long
+  contexts the work splits evenly over the threads and each KV chunk is read
+  once for all the query heads that share it;
+- repacked weights: a pass of 4 rows or more goes to a 4-row gemm that rounds
+  otherwise than the one-row gemv (so tandem cut steps into passes of 3 rows);
+  the patched one quantizes every row as one row alone and runs each through
+  the gemv, over column blocks that stay in the cache while every row passes:
+  a pass of any width gives each row a step's bits and reads the weights once.
 
 A daemon's start (``--kernel-patch auto``, the default), or ``tandem kernels build``, downloads the
 llama-cpp-python sdist of the installed version from PyPI (pip checks its
@@ -129,6 +136,12 @@ def in_use() -> str:
         if path.startswith(str(cache_root())):
             return f"tandem-{Path(path).parent.name}"
     return "llama.cpp"
+
+
+def rows_as_steps() -> bool:
+    """Whether this process's reference kernels compute every row of a pass over repacked weights as a
+    one-row pass does (tandem's patch): then a step need not be cut into passes of 3 rows."""
+    return in_use() != "llama.cpp"
 
 
 def _sdist(workdir: Path, say: Callable[[str], None]) -> Path:

@@ -22,11 +22,15 @@ log = logging.getLogger("tandem.worker")
 PROBE_PATHS = {"restore", "verify", "one_token", "small_batches", "exact_steps"}  # LlamaModel.batch_invariance's keys
 
 
+PROBE_VERSION = 2  # what the probe measures (2: its verify passes past position 256, load_checks.PROBE_LEAD)
+
+
 def probe_key(model, config: WorkerConfig) -> str:
     """What the probe's verdict depends on: the model file, the kernels and
     their settings, the CPU's features as llama.cpp sees them, and its version."""
     st = model.path.stat()
     parts = (
+        PROBE_VERSION,
         str(model.path.resolve()),
         st.st_size,
         st.st_mtime_ns,

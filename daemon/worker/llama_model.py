@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import llama_cpp as llama
 from llama_cpp import _logger as llama_logger
 
+from ..kernels import in_use, rows_as_steps
 from . import load_checks
 from .llama_decode import PREFILL_CHUNK, PREFILL_GROUP, LlamaDecoder
 from .llama_load import (
@@ -82,8 +83,10 @@ class LlamaModel(LlamaDecoder):
         # steps must agree): repacked weights (llama.cpp's CPU_REPACK buffer, which it fills only for
         # the types it repacks: Q4_0, Q4_K, Q8_0, ...) compute at most REPACK_STEP_ROWS rows as a
         # one-row step does (0: no limit but n_batch; a drafter's steps need not agree)
-        repacked = any("REPACK" in name for name in self.placement.weights)
-        self.step_rows = REPACK_STEP_ROWS if repacked and fast_prefill else 0
+        self.repacked = any("REPACK" in name for name in self.placement.weights)
+        # ... except with tandem's CPU kernels (daemon/kernels), whose reference mode computes every row of
+        # a pass through the one-row kernel (the weights read once per pass): passes of any width are exact
+        self.step_rows = REPACK_STEP_ROWS if self.repacked and fast_prefill and not rows_as_steps() else 0
         self._empty_sequence()
         use_reference_kernels(self.reference_kernels)
         # fast prefill: prompts read with fast kernels, in chunks of this many tokens from position 0 (0: off)
@@ -129,17 +132,17 @@ class LlamaModel(LlamaDecoder):
     def add_prompt_reader(self) -> bool:
         """Read prompts (``prefill``) with a second context over this file's weights
         as they are, not repacked, and copy its KV state into this one; steps stay
-        here, on the repacked weights. Only with fast prefill over repacked weights
-        (``step_rows``): llama.cpp's repacked Q4_K multiplies many rows slower than
-        its plain kernels on some CPUs (the 2-core EPYC: Qwen2.5-Coder-1.5B reads a
-        prompt in 0.63-0.82x the time), and one row faster. Both contexts map the
+        here, on the repacked weights. Only with fast prefill over repacked weights:
+        llama.cpp's repacked Q4_K multiplies many rows slower than its plain kernels
+        on some CPUs (the 2-core EPYC: Qwen2.5-Coder-1.5B reads a prompt in
+        0.63-0.82x the time), and one row faster. Both contexts map the
         same file, so the second costs its KV cache and compute buffers, not the
         weights again. Every prompt position's KV is then the reader's, in the same
         chunks, wherever it was read: what exact output rests on holds (the load
         checks measure it through ``prefill``). Returns whether there is one."""
         if self.prompt_reader is not None:
             return True
-        if not (self.step_rows and self.prefill_chunk) or self.placement.key():  # (not with layers offloaded)
+        if not (self.repacked and self.prefill_chunk) or self.placement.key():  # (not with layers offloaded)
             return False
         try:
             context = LlamaModel(
@@ -262,8 +265,6 @@ class LlamaModel(LlamaDecoder):
     def runtime() -> tuple[str, str]:
         """llama.cpp as loaded: its binding's version (and whose CPU kernels, where they are tandem's) and
         the CPU features it uses."""
-        from ..kernels import in_use
-
         kernels = in_use()
         version = llama.__version__ + (f" kernels={kernels}" if kernels != "llama.cpp" else "")
         return version, llama.llama_print_system_info().decode()

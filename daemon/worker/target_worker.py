@@ -343,7 +343,7 @@ def choose_prompt_reader(model, config: WorkerConfig) -> None:
     pass measures at least 10% faster with it; the verdict is kept beside the
     load probe's, so a restart does not measure again."""
     if model.reader is None:
-        if config.settings.prompt_reader == "on" and model.step_rows:
+        if config.settings.prompt_reader == "on" and model.repacked:
             log.warning("--prompt-reader on: no reader (fast prefill is off, or llama.cpp could not create one)")
         return
     if config.settings.prompt_reader == "auto":

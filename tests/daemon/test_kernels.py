@@ -42,7 +42,8 @@ CHECK = textwrap.dedent(
         rows = model.decode(tokens[:width], logits_for=list(range(width)))
         same[width] = all(np.array_equal(rows[i], steps[i]) for i in range(width))
     print(json.dumps({"loaded": str(loaded), "in_use": kernels.in_use(), "runtime": model.runtime()[0],
-                      "prompt": len(prompt), "same": same}))
+                      "prompt": len(prompt), "same": same, "repacked": model.repacked,
+                      "step_rows": model.step_rows}))
     """
 )
 
@@ -55,13 +56,19 @@ def run_check(model) -> dict:
 
 @pytest.mark.parametrize("which", ["smollm2", "coder"])
 def test_patched_attention_gives_every_row_of_a_verify_pass_the_bits_of_a_step(which, smollm2_path, coder_path):
-    """SmolLM2 (9 query heads over 3 KV heads) and Qwen2.5-Coder-0.5B (14 over 2, repacked Q4_K weights,
-    steps in passes of 3 rows), over 1,000+ positions of KV: the patched kernels are the ones loaded,
-    and the steps and the verify passes agree bit for bit."""
+    """SmolLM2 (9 query heads over 3 KV heads) and Qwen2.5-Coder-0.5B (14 over 2; its Q4_K weights
+    repacked where the CPU has AVX2 and no AMX), over 1,000+ positions of KV: the patched kernels are
+    the ones loaded, a pass over repacked weights is one llama_decode of any width (not passes of 3
+    rows), and the steps and the verify passes agree bit for bit."""
     out = run_check(smollm2_path if which == "smollm2" else coder_path)
     assert out["loaded"] == str(kernels.built()) and out["in_use"].startswith("tandem-"), out
     assert out["in_use"] in out["runtime"]  # (part of what KV pages and the probe's verdicts are kept under)
     assert out["prompt"] > 4 * 256
+    assert out["step_rows"] == 0, out
+    if which == "coder":
+        from tandem.daemon.worker.llama_load import cpu_has_amx
+
+        assert out["repacked"] is not cpu_has_amx()  # (repacked: the 9-row pass went through the patched gemv)
     assert out["same"] == {"3": True, "5": True, "9": True}, out
 
 

@@ -145,8 +145,13 @@ def test_the_verify_cost_benchmark_compares_four_settings_or_says_why_not(smollm
         assert "this CPU has AMX" in run.stdout, run.stdout
         return
     tables = [line for line in run.stdout.splitlines() if line.startswith("| ") and "setting" not in line]
+    # the daemon's setting first: passes of 3 rows on llama.cpp's own kernels over repacked weights, one pass
+    # with tandem's (the bench loads them as a worker does) or where nothing is repacked (SmolLM2's Q4_1)
+    first = next(line.split(" | ")[0][2:] for line in tables)
+    assert first in ("repacked (3-row passes)", "repacked (one pass, rows as steps)"), run.stdout
+    assert "CPU kernels: tandem-" in run.stdout, run.stdout
     settings = [
-        "repacked (3-row passes)",
+        first,
         "not repacked",
         "repacked, one pass (--kernels fast)",
         "not repacked, one pass (--kernels fast --extra-buffers off)",
@@ -218,18 +223,21 @@ def test_the_lookup_drafter_benchmark_adds_the_fast_systems(smollm2_path):
         "lookup_drafters",
         *("--target", str(smollm2_path), "--runs", "1", "--tokens", "12", "--kinds", "edit", "--also-fast", "6"),
         "--fresh",
+        "--also-stock",
     )
     assert "; fresh: every request with cache: false" in run.stdout, run.stdout
     # cache: false reached the daemons: each timed request follows the same prompt on the same daemon, whose KV
     # it would otherwise keep
     assert "Prompt tokens not read again (kept or restored from an earlier request), timed requests: 0" in run.stdout
     header = next(line for line in run.stdout.splitlines() if line.startswith("| task | plain decode"))
-    assert header.endswith("| fast plain / plain | fast suffix k=6 governed / plain |"), run.stdout
+    stock = "| stock plain / plain | stock suffix governed / plain "
+    assert header.endswith(stock + "| fast plain / plain | fast suffix k=6 governed / plain |"), run.stdout
     edit = next(line for line in run.stdout.splitlines() if line.startswith("| edit | "))  # the speed table's row
-    assert len(edit.strip("|").split("|")) == 8 and float(edit.split(" | ")[-1].split()[0]) > 0, edit
+    assert len(edit.strip("|").split("|")) == 10 and float(edit.split(" | ")[-1].split()[0]) > 0, edit
     details = {line.split(" | ")[1]: line for line in run.stdout.splitlines() if line.startswith("| edit | ")}
     # the exact systems never change the output; the fast ones are listed, however they compare
     assert details["suffix governed"].endswith("| 4/4 |"), run.stdout
+    assert "stock plain" in details and "stock suffix governed" in details, run.stdout
     # the edit re-emits a file of its prompt: the forced suffix drafter drafts from it, even with nothing remembered
     assert int(details["suffix forced"].split(" | ")[4]) > 0, run.stdout
     assert "fast plain" in details and "fast suffix k=6 governed" in details, run.stdout

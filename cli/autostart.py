@@ -38,6 +38,24 @@ def ensure_pulled(name: str, say, why: str) -> None:
         raise TandemError(str(exc)) from None
 
 
+def build_kernels(say, config_file: Optional[Path] = None) -> None:
+    """tandem's CPU kernels, built in the foreground with progress where the daemon would build them at
+    its start (--kernel-patch auto or on: once per llama-cpp-python and CPU)."""
+    from tandem.daemon import config, kernels
+
+    try:
+        setting = config.load({}, config_file).values.kernel_patch
+    except config.ConfigError:
+        return  # (the daemon says what is wrong with the file)
+    if setting == "off" or kernels.built() is not None:
+        return
+    say("tandem: building tandem's CPU kernels first (once for this llama-cpp-python and CPU; about a minute)")
+    try:
+        kernels.check(setting, say)
+    except kernels.KernelBuildError as exc:
+        raise TandemError(str(exc)) from None
+
+
 def start_daemon(
     socket_path: Path,
     model: str,
@@ -47,6 +65,7 @@ def start_daemon(
     """Pull the model if needed (in the foreground, with progress), then spawn
     ``tandem serve`` detached, and wait until it answers. Returns its pid."""
     ensure_pulled(model, say, f"tandem: pulling the model '{model}' first")
+    build_kernels(say, config_file)
     log_dir = state_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "daemon.log"

@@ -323,3 +323,13 @@ def _pull_configured(settings) -> None:
 
     for name in (settings.values.model, settings.values.drafter):
         ensure_pulled(name, say, f"tandem: pulling '{name}' first (the service is sandboxed to loopback and cannot)")
+    # ... nor fetch llama-cpp-python's sources for tandem's CPU kernels: built now (where that fails, the
+    # service runs llama.cpp's own kernels and its log says why, as any daemon with --kernel-patch auto)
+    from tandem.daemon import kernels
+
+    if settings.values.kernel_patch != "off" and kernels.built() is None:
+        say("tandem: building tandem's CPU kernels first (the service cannot download their sources)")
+        try:
+            kernels.check(settings.values.kernel_patch, say)
+        except kernels.KernelBuildError as exc:  # (--kernel-patch on: the service would not start either)
+            raise TandemError(str(exc)) from None

@@ -193,11 +193,22 @@ def build(say: Callable[[str], None] = print, jobs: Optional[int] = None) -> Pat
             if "amx_tile" in _cpu_flags().split():  # as bench/build_llama_server.sh: a native AMX build dies here
                 flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
             configure = [
-                cmake, "-S", str(src), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=OFF", f"-DCMAKE_C_FLAGS={flags}",
+                cmake,
+                "-S",
+                str(src),
+                "-B",
+                str(work / "build"),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DBUILD_SHARED_LIBS=ON",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_SERVER=OFF",
+                "-DLLAMA_BUILD_TOOLS=OFF",
+                f"-DCMAKE_C_FLAGS={flags}",
                 f"-DCMAKE_CXX_FLAGS={flags}",
-            ]  # fmt: skip
+            ]
             say("configuring (cmake)")
             _run(configure, "cmake could not configure llama.cpp's sources")
             say("compiling ggml's CPU backend (about a minute on 2 cores)")

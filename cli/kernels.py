@@ -14,7 +14,7 @@ def add_kernels(sub) -> None:
         "llama-cpp-python with tandem's patch (its attention for decoding steps reads the KV in fixed chunks, "
         "evenly over the threads: faster at long contexts, exact as before). A daemon builds them at its first start "
         "(--kernel-patch auto, the default; this command builds them beforehand). Building downloads the "
-        "sources from PyPI and needs cmake, patch and a C++ compiler (those that built llama-cpp-python).",
+        "sources from PyPI and needs cmake, patch and a C++ compiler on PATH.",
     )
     ksub = p.add_subparsers(dest="kernels_command", metavar="ACTION")
     b = ksub.add_parser("build", help="download llama-cpp-python's sources, patch and build (about a minute)")

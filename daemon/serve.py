@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -45,6 +46,11 @@ def serve(
             notifier.extend_timeout(120)  # a model download: tell systemd we are still starting
 
         kernels.check(v.kernel_patch, say)  # (on: built here, before a worker loads llama.cpp)
+        if v.kernel_patch != "off" and kernels.built() is None:  # (auto, and the build failed: said why)
+            # decided for this daemon's life: a worker restarted after a later `tandem kernels build`
+            # must compute what the others did
+            s = dataclasses.replace(s, values=dataclasses.replace(v, kernel_patch="off"))
+            v = s.values
         name, path = _resolve(v.model, say)
         _check_template_file(v.chat_template_file)
         drafter_name, drafter_path, drafter_why = pick_drafter(

@@ -51,8 +51,9 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def cpu_kernels() -> Path:
     """tandem's CPU kernels (daemon/kernels), built once as a daemon's first start builds them, before any
-    test loads a model: every test daemon and in-process model then runs the default path. A build that
-    fails fails the tests that need a model (a daemon would fall back to llama.cpp's own: not what to test)."""
+    test loads a model: every test daemon then runs the default path (the pytest process itself, which
+    imports llama.cpp without preloading them, runs llama.cpp's own). A build that fails fails the tests
+    that need a model (a daemon would fall back to llama.cpp's own: not what to test)."""
     from tandem.daemon import kernels
 
     return kernels.build(say=lambda line: print(line, file=sys.stderr))

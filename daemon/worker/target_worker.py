@@ -431,7 +431,8 @@ def page_store(model, config: WorkerConfig, identity: str, disk_identity: str = 
     store.probe_layout()
     # pages hold KV as these kernels computed it: valid for the same model file and kernels only
     computed = (
-        f"kernels={config.settings.kernels} prefill_chunk={model.prefill_chunk} step_rows={model.step_rows} "
+        f"kernels={config.settings.kernels} cpu_kernels={in_use()} prefill_chunk={model.prefill_chunk} "
+        f"step_rows={model.step_rows} "
         f"extra_buffers={'on' if model.extra_buffers else 'off'}"
         + (" prompt_reader=on" if model.reader is not None else "")  # (prompt KV from the weights not repacked)
     )

@@ -82,12 +82,13 @@ def test_a_fresh_process_without_preload_runs_llama_cpps_own_kernels(cpu_kernels
 
 
 def test_the_key_covers_the_patch_and_the_cpu(monkeypatch, tmp_path):
-    before = kernels.key()
+    before, original = kernels.key(), kernels.PATCH
     patch = tmp_path / "p.patch"
-    patch.write_bytes(kernels.PATCH.read_bytes() + b"\n")
+    patch.write_bytes(original.read_bytes() + b"\n")
     monkeypatch.setattr(kernels, "PATCH", patch)
     assert kernels.key() != before
-    monkeypatch.setattr(kernels, "PATCH", kernels.PATCH)
+    monkeypatch.setattr(kernels, "PATCH", original)
+    assert kernels.key() == before
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "fpu sse2")
     assert kernels.key() != before
 

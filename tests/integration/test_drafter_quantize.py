@@ -10,6 +10,7 @@ import pytest
 
 from tandem.daemon import models
 from tandem.daemon.models import gguf_meta
+from tests.shared_kernels import share_kernels
 
 
 @pytest.fixture
@@ -18,6 +19,7 @@ def f16(smollm2_path):
 
 
 def serve_with_drafter(start_daemon, smollm2_path, drafter, cache_home, *extra):
+    share_kernels(cache_home)
     return start_daemon(
         "--ctx-size",
         "512",

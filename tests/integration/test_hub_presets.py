@@ -19,6 +19,7 @@ from tandem.daemon import models
 from tandem.daemon.models.drafter_auto import choose
 from tests.fake_hub import COMMIT, FakeHub
 from tests.gguf_vocab import tokens_of, write_header_gguf
+from tests.shared_kernels import share_kernels
 
 REPO = "Qwen/Qwen2.5-Coder-7B-Instruct-GGUF"
 FILE = "qwen2.5-coder-7b-instruct-q4_k_m.gguf"  # (lower case, as Qwen's own repositories name them)
@@ -109,6 +110,7 @@ def store_with(tmp_path: Path, links: dict[str, Path]) -> dict:
     store.mkdir(parents=True)
     for preset, source in links.items():
         (store / models.PRESETS[preset].filename).symlink_to(source)
+    share_kernels(cache)
     return {"XDG_CACHE_HOME": str(cache)}
 
 

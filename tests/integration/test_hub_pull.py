@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_hub import FakeHub
+from tests.shared_kernels import share_kernels
 
 REPO = "tandem-test/SmolLM2-135M-Instruct-GGUF"
 Q4 = "SmolLM2-135M-Instruct-Q4_1.gguf"
@@ -32,7 +33,8 @@ def hub(smollm2_path):
 
 
 @pytest.fixture
-def env(tmp_path, hub):
+def env(tmp_path, hub, cpu_kernels):
+    share_kernels(tmp_path / "cache")
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "HF_"))},
         "XDG_CACHE_HOME": str(tmp_path / "cache"),  # the model store: this test's own

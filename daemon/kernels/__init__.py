@@ -105,7 +105,10 @@ def built() -> Optional[Path]:
 
 
 def _llama_cpp_lib_dir() -> Path:
-    spec = importlib.util.find_spec("llama_cpp")  # (does not import it: llama.cpp must not be loaded yet)
+    try:
+        spec = importlib.util.find_spec("llama_cpp")  # (does not import it: llama.cpp must not be loaded yet)
+    except ImportError:
+        spec = None
     if spec is None or spec.origin is None:
         raise KernelBuildError("llama-cpp-python is not installed")
     return Path(spec.origin).parent / "lib"

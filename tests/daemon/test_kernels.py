@@ -72,6 +72,7 @@ def test_patched_attention_gives_every_row_of_a_verify_pass_the_bits_of_a_step(w
     assert out["same"] == {"3": True, "5": True, "9": True}, out
 
 
+@pytest.mark.model  # (it loads llama.cpp, if not a model)
 def test_a_fresh_process_without_preload_runs_llama_cpps_own_kernels(cpu_kernels):
     code = "import llama_cpp; from tandem.daemon import kernels; print(kernels.in_use())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -45,8 +45,8 @@ def serve(
             progress(line)
             notifier.extend_timeout(120)  # a model download: tell systemd we are still starting
 
-        kernels.check(v.kernel_patch, say)  # (on: built here, before a worker loads llama.cpp)
-        if v.kernel_patch != "off" and kernels.built() is None:  # (auto, and the build failed: said why)
+        # (on: built here, before a worker loads llama.cpp; auto where that failed: said why)
+        if kernels.check(v.kernel_patch, say) is None and v.kernel_patch != "off":
             # decided for this daemon's life: a worker restarted after a later `tandem kernels build`
             # must compute what the others did
             s = dataclasses.replace(s, values=dataclasses.replace(v, kernel_patch="off"))

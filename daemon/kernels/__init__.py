@@ -89,9 +89,12 @@ def key() -> str:
     return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
+def _tandem_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem"
+
+
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem" / "kernels"
+    return _tandem_cache() / "kernels"
 
 
 def library_path() -> Path:
@@ -163,7 +166,7 @@ def _sdist(workdir: Path, say: Callable[[str], None]) -> Path:
     """The llama-cpp-python sdist of the installed version: a copy bench/ keeps, or one pip downloads."""
     version = llama_cpp_version()
     name = f"llama_cpp_python-{version}.tar.gz"
-    kept = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "llama-server" / "src" / name
+    kept = _tandem_cache() / "llama-server" / "src" / name
     if kept.is_file():
         return kept
     say(f"downloading the {PACKAGE} {version} sources from PyPI (about 75 MB)")
@@ -258,15 +261,19 @@ def _run(cmd: list[str], what: str) -> None:
         raise KernelBuildError(what + ":\n" + "\n".join(tail))
 
 
-def check(setting: str, say: Callable[[str], None]) -> None:
+def check(setting: str, say: Callable[[str], None]) -> Optional[Path]:
     """What a daemon starting with ``--kernel-patch SETTING`` does before its workers load: auto and on
     build them if they are not built (once per llama-cpp-python version and CPU); where that fails, on is
-    an error and auto runs llama.cpp's own kernels, saying why and how to build them."""
-    if setting == "off" or built() is not None:
-        return
+    an error and auto runs llama.cpp's own kernels, saying why and how to build them. Returns the
+    library the daemon's workers are to load, or None (llama.cpp's own)."""
+    if setting == "off":
+        return None
+    path = built()
+    if path is not None:
+        return path
     say("building tandem's CPU kernels (once for this llama-cpp-python and CPU; --kernel-patch off skips it)")
     try:
-        build(say)
+        return build(say)
     except Exception as e:  # (whatever it is, auto serves with llama.cpp's kernels)
         if setting == "on":
             raise KernelBuildError(f"tandem's CPU kernels could not be built: {e}") from e
@@ -275,3 +282,4 @@ def check(setting: str, say: Callable[[str], None]) -> None:
             "contexts; fix that and run `tandem kernels build`, or pass --kernel-patch off to skip this",
             e,
         )
+        return None

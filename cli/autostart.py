@@ -49,9 +49,12 @@ def build_kernels(say, config_file: Optional[Path] = None) -> None:
         return  # (the daemon says what is wrong with the file)
     if setting == "off" or kernels.built() is not None:
         return
-    say("tandem: building tandem's CPU kernels first (once for this llama-cpp-python and CPU; about a minute)")
     try:
-        kernels.check(setting, say)
+        kernels.check(
+            setting,
+            say,
+            "tandem: building tandem's CPU kernels first (once for this llama-cpp-python and CPU; about a minute)",
+        )
     except kernels.KernelBuildError as exc:
         raise TandemError(str(exc)) from None
 

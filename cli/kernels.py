@@ -36,9 +36,11 @@ def cmd_kernels(args) -> int:
     if args.kernels_command == "status":
         path = kernels.built()
         if path is None:
+            why = kernels.failed()
             print(
                 f"not built for llama-cpp-python {kernels.llama_cpp_version()} on this CPU: daemons run llama.cpp's "
                 "own (`tandem kernels build` builds them)"
+                + (f"; a daemon's build failed, and daemons do not try again: {why}" if why else "")
             )
             return 1
         print(f"built: {path} (daemons use them unless --kernel-patch off)")

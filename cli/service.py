@@ -328,8 +328,11 @@ def _pull_configured(settings) -> None:
     from tandem.daemon import kernels
 
     if settings.values.kernel_patch != "off" and kernels.built() is None:
-        say("tandem: building tandem's CPU kernels first (the service cannot download their sources)")
         try:
-            kernels.check(settings.values.kernel_patch, say)
+            kernels.check(
+                settings.values.kernel_patch,
+                say,
+                "tandem: building tandem's CPU kernels first (the service cannot download their sources)",
+            )
         except kernels.KernelBuildError as exc:  # (--kernel-patch on: the service would not start either)
             raise TandemError(str(exc)) from None

@@ -51,6 +51,8 @@ def serve(
             # must compute what the others did
             s = dataclasses.replace(s, values=dataclasses.replace(v, kernel_patch="off"))
             v = s.values
+            if reload is not None:  # (nor is a SIGHUP to say that kernel_patch changed and needs a restart)
+                reload = _kernels_off(reload)
         name, path = _resolve(v.model, say)
         _check_template_file(v.chat_template_file)
         drafter_name, drafter_path, drafter_why = pick_drafter(
@@ -92,6 +94,18 @@ def serve(
         print(f"tandem serve: {daemon.failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _kernels_off(reload: Callable[[], config.Settings]) -> Callable[[], config.Settings]:
+    """``reload`` for a daemon whose --kernel-patch auto was decided off at its start."""
+
+    def reloaded() -> config.Settings:
+        new = reload()
+        if new.values.kernel_patch != "auto":
+            return new
+        return dataclasses.replace(new, values=dataclasses.replace(new.values, kernel_patch="off"))
+
+    return reloaded
 
 
 def _check_template_file(path: Optional[Path]) -> None:

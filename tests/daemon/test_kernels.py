@@ -105,8 +105,15 @@ def test_off_never_builds_and_a_failed_auto_build_says_how_to_fix_it(monkeypatch
     with caplog.at_level("WARNING", logger="tandem.kernels"):
         kernels.check("auto", lambda line: None)
     assert len(calls) == 1 and "apt-get install cmake" in caplog.text and "--kernel-patch off" in caplog.text
+    # recorded: the next start (a sandboxed service's, say) does not try again, and says why
+    assert "apt-get install cmake" in kernels.failed()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tandem.kernels"):
+        assert kernels.check("auto", lambda line: None) is None
+    assert len(calls) == 1 and "an earlier build failed" in caplog.text and "tandem kernels build" in caplog.text
     with pytest.raises(kernels.KernelBuildError, match="could not be built.*apt-get install cmake"):
-        kernels.check("on", lambda line: None)
+        kernels.check("on", lambda line: None)  # (on tries again: it is an error either way)
+    assert len(calls) == 2
 
 
 def test_a_daemon_says_it_runs_tandems_kernels(daemon):

@@ -121,3 +121,16 @@ def test_a_daemon_says_it_runs_tandems_kernels(daemon):
     with daemon.client() as client:
         model = client.status().model
     assert model.cpu_kernels == f"tandem-{kernels.key()}"
+
+
+def test_where_auto_was_decided_off_a_reload_does_not_call_that_a_change(tmp_path):
+    """A daemon whose --kernel-patch auto could not build runs llama.cpp's kernels for its life, as if
+    started with off: its SIGHUP reload reads auto as off (else it would ask for a restart)."""
+    from tandem.daemon import config
+    from tandem.daemon.serve import _kernels_off
+
+    settings = config.load({}, None, environ={"XDG_CONFIG_HOME": str(tmp_path)})
+    assert settings.values.kernel_patch == "auto"
+    assert _kernels_off(lambda: settings)().values.kernel_patch == "off"
+    on = config.load({"kernel_patch": "on"}, None, environ={"XDG_CONFIG_HOME": str(tmp_path)})
+    assert _kernels_off(lambda: on)().values.kernel_patch == "on"  # (a real change: the warning is right)

@@ -201,10 +201,12 @@ def _embedding_line(st) -> str:
 
 def _work_lines(st) -> list[str]:
     """The running request, the queue, and the requests and tokens served so far."""
-    a = st.active
+    a, w = st.active, st.within
     reqs = ", ".join(f"{k} {v}" for k, v in sorted(st.requests.items())) or "none yet"
+    within = f"; within it: {w.id} ({w.completion_tokens} tokens, {w.elapsed_seconds:.1f} s)" if w else ""
+    active = f"{a.id} ({a.completion_tokens} tokens, {a.elapsed_seconds:.1f} s){within}" if a else "none"
     return [
-        f"active:    {a.id} ({a.completion_tokens} tokens, {a.elapsed_seconds:.1f} s)" if a else "active:    none",
+        f"active:    {active}",
         f"queue:     {st.queue_length} waiting (max {st.max_queue})",
         f"requests:  {reqs}",
         f"tokens:    {st.tokens.get('prompt', 0):,} prompt, {st.tokens.get('completion', 0):,} generated",

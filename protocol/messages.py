@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 10)
+PROTOCOL_VERSION: tuple[int, int] = (1, 11)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.10 added ``ModelInfo.cpu_kernels``. 1.9 added ``timings.paused_seconds`` (the short-request
@@ -874,6 +874,8 @@ class StatusReply(Message):
     # the embedding model's name and state ("none" without one; "(loading)", "(restarting)", "(off: why)"): 1.8
     embedding: str = "none"
     embedding_model: Optional[ModelInfo] = None
+    # the short request the target serves within the active one meanwhile (the lane), or None: 1.11
+    within: Optional[ActiveRequest] = None
 
 
 @dataclass

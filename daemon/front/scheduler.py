@@ -363,8 +363,9 @@ class Scheduler:
             self.queue.remove(job)
             self._finish(job, Error.of(job.request.id, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"))
 
-    def active_request(self) -> Optional[ActiveRequest]:
-        job = self.active
+    def active_request(self, nested: bool = False) -> Optional[ActiveRequest]:
+        """The running request (``nested``: the short one served within it, if any)."""
+        job = self.nested if nested else self.active
         if job is None:
             return None
         now = self.clock()

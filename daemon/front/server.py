@@ -411,6 +411,7 @@ class Daemon:
             socket_path=str(c.socket_path),
             model=sup.target.info,
             active=s.active_request(),
+            within=s.active_request(nested=True),
             queue_length=len(s.queue),
             max_queue=s.max_queue,
             requests=dict(s.counters.requests),

@@ -451,10 +451,11 @@ def test_a_short_request_is_sent_while_a_long_one_runs_and_answered_first(lane):
     assert h.s.start_next() and h.started() == ["long"]
     assert h.s.start_next() and h.started() == ["long", "short"]  # past the long one queued before it
     assert h.s.busy and h.s.nested.request.id == "short"
+    assert h.s.active_request().id == "long" and h.s.active_request(nested=True).id == "short"
     assert not h.s.start_next()  # one at a time
     h.clock.advance(3.0)  # of which the worker spent 2 s on it (it waited for a round's end)
     assert h.worker_says(served("short", 2.0))
-    assert [m.id for m in h.replies_to(b"S")] == ["short"] and h.s.nested is None
+    assert [m.id for m in h.replies_to(b"S")] == ["short"] and h.s.active_request(nested=True) is None
     assert h.s.active.request.id == "long" and preempted(h) == 1
     assert h.metrics.preempted_seconds._value.get() == pytest.approx(2.0)
     h.worker_says(done("long"))

@@ -36,12 +36,14 @@ def cmd_kernels(args) -> int:
     if args.kernels_command == "status":
         path = kernels.built()
         if path is None:
-            why = kernels.failed()
             print(
                 f"not built for llama-cpp-python {kernels.llama_cpp_version()} on this CPU: daemons run llama.cpp's "
                 "own (`tandem kernels build` builds them)"
-                + (f"; a daemon's build failed, and daemons do not try again: {why}" if why else "")
             )
+            why = kernels.failed()
+            if why is not None:
+                print(f"the last build failed (a daemon tries again {kernels.RETRY_SECONDS // 3600} hours after it):")
+                print("\n".join("    " + line for line in why.splitlines()))
             return 1
         print(f"built: {path} (daemons use them unless --kernel-patch off)")
         return 0

@@ -380,7 +380,8 @@ OPTIONS: tuple[Option, ...] = (
         "16k tokens of context Qwen2.5-Coder-0.5B decoded 1.09x faster here), and passes over repacked weights "
         "compute each row as a step does, reading the weights once; as exact as before. auto = built at "
         "the first start (llama-cpp-python's sources from PyPI, cmake and a C++ compiler; about a "
-        "minute), and where that fails llama.cpp's own, saying why; on = the same, and a failed build stops the "
+        "minute), and where that fails llama.cpp's own, saying why (a failed build is tried again a day later, or by "
+        "`tandem kernels build`); on = the same, and a failed build stops the "
         "start; off = llama.cpp's own",
         choices=("auto", "on", "off"),
     ),

@@ -27,7 +27,8 @@ KEY covers the llama-cpp-python version, the patch and the CPU's flags (a
 native build for another CPU would die of SIGILL here). A worker loads it
 (``preload``) before llama.cpp: the dynamic loader then takes it for
 ``libggml-cpu.so.0`` when libllama asks for it. Nothing is built or loaded
-silently: where the build fails, ``auto`` runs llama.cpp's own and says why
+silently: where the build fails, ``auto`` runs llama.cpp's own and says why,
+and the failure is recorded so that a daemon's start does not try again for a day
 (``on``: the start fails); the kernels in use are in ``status.model.cpu_kernels``
 and part of every key that KV or a verdict is kept under.
 """
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -53,7 +55,8 @@ log = logging.getLogger("tandem.kernels")
 
 PATCH = Path(__file__).with_name("ggml_cpu.patch")
 LIBRARY = "libggml-cpu.so.0"
-FAILED = "build-failed.txt"  # beside it: why a daemon's build failed
+FAILED = "build-failed.txt"  # beside it: why the last build failed
+RETRY_SECONDS = 24 * 3600  # a daemon's auto tries a failed build again after this
 PACKAGE = "llama-cpp-python"
 
 
@@ -109,12 +112,20 @@ def built() -> Optional[Path]:
 
 
 def failed() -> Optional[str]:
-    """Why the last build for this key failed, if a daemon's (auto) build did: auto then does not try
-    again at every start (`tandem kernels build` does)."""
+    """Why the last build for this key failed, if it did (a daemon's auto then does not try again at
+    every start; `tandem kernels build` does)."""
     try:
         return (library_path().parent / FAILED).read_text(encoding="utf-8", errors="replace").strip() or "unknown"
     except OSError:
         return None
+
+
+def _failed_age() -> float:
+    """Seconds since the recorded failure (inf: none)."""
+    try:
+        return max(0.0, time.time() - (library_path().parent / FAILED).stat().st_mtime)
+    except OSError:
+        return float("inf")
 
 
 def _llama_cpp_lib_dir() -> Path:
@@ -142,9 +153,8 @@ def preload(setting: str) -> Optional[Path]:
     if setting == "off" or "llama_cpp" in sys.modules:
         return None
     path = built()
-    if path is None:
-        if setting == "on":  # (the daemon built them before it started its workers: they were removed since)
-            log.warning("--kernel-patch on, but tandem's CPU kernels are not built: this worker runs llama.cpp's own")
+    if path is None:  # (the daemon found them built before it started its workers: removed since)
+        log.warning("tandem's CPU kernels are not built (any more): this worker runs llama.cpp's own")
         return None
     try:
         # llama-cpp-python's libggml-base first, so that ours (which needs libggml-base.so.0) binds to it
@@ -216,65 +226,81 @@ def _need(tool: str, fix: str) -> str:
 
 
 def build(say: Callable[[str], None] = print, jobs: Optional[int] = None) -> Path:
-    """Build the patched library if it is not built (one build at a time, under a lock); return its path."""
+    """Build the patched library if it is not built (one build at a time, under a lock); return its path.
+    A failure is recorded beside it (``failed``), a success clears the record."""
     path = library_path()
     path.parent.mkdir(parents=True, exist_ok=True)
+    record = path.parent / FAILED
     with open(path.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
             return path
-        (path.parent / FAILED).unlink(missing_ok=True)  # (tried again: the old failure says nothing now)
-        cmake = _need("cmake", "apt-get install cmake, or pip install cmake")
-        patch = _need("patch", "apt-get install patch (build-essential has it)")
-        _need("c++", "apt-get install build-essential")
-        with tempfile.TemporaryDirectory(prefix="tandem-kernels-") as tmp:
-            work = Path(tmp)
-            sdist = _sdist(work, say)
-            say(f"unpacking {sdist.name}")
+        record.unlink(missing_ok=True)  # (tried again: the failure before says nothing now)
+        try:
+            _build(path, say, jobs)
+        except Exception as e:
             try:
-                with tarfile.open(sdist) as tar:
-                    members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
-                    tar.extractall(work, members=members, filter="data")
-            except (tarfile.TarError, TypeError) as e:  # (TypeError: a Python without extraction filters)
-                raise KernelBuildError(f"could not unpack {sdist}: {e}") from e
-            src = next(work.glob("*/vendor/llama.cpp"), None)
-            if src is None:
-                raise KernelBuildError(f"{sdist} holds no vendor/llama.cpp")
-            applied = subprocess.run([patch, "-p1", "-s", "-i", str(PATCH)], cwd=src, capture_output=True, text=True)
-            if applied.returncode != 0:
-                raise KernelBuildError(f"the patch does not apply to these sources: {applied.stdout}{applied.stderr}")
-            flags = ""
-            if "amx_tile" in _cpu_flags().split():  # as bench/build_llama_server.sh: a native AMX build dies here
-                flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-            configure = [
-                cmake,
-                "-S",
-                str(src),
-                "-B",
-                str(work / "build"),
-                "-DCMAKE_BUILD_TYPE=Release",
-                "-DGGML_NATIVE=ON",
-                "-DBUILD_SHARED_LIBS=ON",
-                "-DLLAMA_CURL=OFF",
-                "-DLLAMA_BUILD_TESTS=OFF",
-                "-DLLAMA_BUILD_EXAMPLES=OFF",
-                "-DLLAMA_BUILD_SERVER=OFF",
-                "-DLLAMA_BUILD_TOOLS=OFF",
-                f"-DCMAKE_C_FLAGS={flags}",
-                f"-DCMAKE_CXX_FLAGS={flags}",
-            ]
-            say("configuring (cmake)")
-            _run(configure, "cmake could not configure llama.cpp's sources")
-            say("compiling ggml's CPU backend (about a minute on 2 cores)")
-            jobs = jobs or os.cpu_count() or 1
-            _run([cmake, "--build", str(work / "build"), "--target", "ggml-cpu", "-j", str(jobs)], "the build failed")
-            out = work / "build" / "bin" / LIBRARY
-            if not out.is_file():
-                raise KernelBuildError(f"the build made no {LIBRARY}")
-            shutil.copy2(out.resolve(), path.with_suffix(".part"))
-            os.replace(path.with_suffix(".part"), path)
-        say(f"built {path}")
-        return path
+                record.write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")
+            except OSError:
+                pass
+            raise
+    say(f"built {path}")
+    return path
+
+
+def _build(path: Path, say: Callable[[str], None], jobs: Optional[int]) -> None:
+    """The body of ``build``, under its lock: fetch, unpack, patch, configure, compile, install."""
+    cmake = _need("cmake", "apt-get install cmake, or pip install cmake")
+    patch = _need("patch", "apt-get install patch (build-essential has it)")
+    _need("c++", "apt-get install build-essential")
+    with tempfile.TemporaryDirectory(prefix="tandem-kernels-") as tmp:
+        work = Path(tmp)
+        sdist = _sdist(work, say)
+        say(f"unpacking {sdist.name}")
+        try:
+            with tarfile.open(sdist) as tar:
+                members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+                tar.extractall(work, members=members, filter="data")
+        except (tarfile.TarError, EOFError, TypeError) as e:  # (TypeError: a Python without extraction filters)
+            if sdist.parent != work and not isinstance(e, TypeError):
+                sdist.unlink(missing_ok=True)  # a kept copy that is damaged: downloaded again next time
+            raise KernelBuildError(f"could not unpack {sdist}: {e}") from e
+        src = next(work.glob("*/vendor/llama.cpp"), None)
+        if src is None:
+            raise KernelBuildError(f"{sdist} holds no vendor/llama.cpp")
+        applied = subprocess.run([patch, "-p1", "-s", "-i", str(PATCH)], cwd=src, capture_output=True, text=True)
+        if applied.returncode != 0:
+            raise KernelBuildError(f"the patch does not apply to these sources: {applied.stdout}{applied.stderr}")
+        flags = ""
+        if "amx_tile" in _cpu_flags().split():  # as bench/build_llama_server.sh: a native AMX build dies here
+            flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        configure = [
+            cmake,
+            "-S",
+            str(src),
+            "-B",
+            str(work / "build"),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DBUILD_SHARED_LIBS=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=OFF",
+            "-DLLAMA_BUILD_TOOLS=OFF",
+            f"-DCMAKE_C_FLAGS={flags}",
+            f"-DCMAKE_CXX_FLAGS={flags}",
+        ]
+        say("configuring (cmake)")
+        _run(configure, "cmake could not configure llama.cpp's sources")
+        say("compiling ggml's CPU backend (about a minute on 2 cores)")
+        jobs = jobs or os.cpu_count() or 1
+        _run([cmake, "--build", str(work / "build"), "--target", "ggml-cpu", "-j", str(jobs)], "the build failed")
+        out = work / "build" / "bin" / LIBRARY
+        if not out.is_file():
+            raise KernelBuildError(f"the build made no {LIBRARY}")
+        shutil.copy2(out.resolve(), path.with_suffix(".part"))
+        os.replace(path.with_suffix(".part"), path)
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -287,20 +313,24 @@ def _run(cmd: list[str], what: str) -> None:
 def check(setting: str, say: Callable[[str], None], announce: str = "") -> Optional[Path]:
     """What a daemon starting with ``--kernel-patch SETTING`` does before its workers load: auto and on
     build them if they are not built (once per llama-cpp-python version and CPU); where that fails, on is
-    an error and auto runs llama.cpp's own kernels, saying why and how to build them, and (the failure
-    recorded) does not try again at its next start. Returns the library the daemon's workers are to
-    load, or None (llama.cpp's own). ``announce``: the line said before a build (a default one)."""
+    an error and auto runs llama.cpp's own kernels, saying why and how to build them. A daemon's auto does
+    not try again within RETRY_SECONDS of a recorded failure (a sandboxed service would at every start);
+    a start in the foreground (``announce``: the line it says before a build, as ``tandem run`` and
+    ``tandem service install`` do) always tries. Returns the library the daemon's workers are to load,
+    or None (llama.cpp's own)."""
     if setting == "off":
         return None
     path = built()
     if path is not None:
         return path
     fix = "fix that and run `tandem kernels build`, or pass --kernel-patch off to skip this"
-    why = failed()
-    if why is not None and setting == "auto":
+    why, age = failed(), _failed_age()
+    if why is not None and setting == "auto" and not announce and age < RETRY_SECONDS:
         log.warning(
-            "tandem's CPU kernels are not built (an earlier build failed: %s): running llama.cpp's own; %s",
-            why.splitlines()[0],
+            "tandem's CPU kernels are not built: a build %.0f minutes ago failed (`tandem kernels status` says why; "
+            "tried again after %d hours): running llama.cpp's own; %s",
+            age / 60,
+            RETRY_SECONDS // 3600,
             fix,
         )
         return None
@@ -310,12 +340,7 @@ def check(setting: str, say: Callable[[str], None], announce: str = "") -> Optio
     )
     try:
         return build(say)
-    except Exception as e:  # (whatever it is, auto serves with llama.cpp's kernels)
-        try:
-            library_path().parent.mkdir(parents=True, exist_ok=True)
-            (library_path().parent / FAILED).write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")
-        except OSError:
-            pass
+    except Exception as e:  # (whatever it is, auto serves with llama.cpp's kernels; build recorded it)
         if setting == "on":
             raise KernelBuildError(f"tandem's CPU kernels could not be built: {e}") from e
         log.warning(

@@ -105,6 +105,7 @@ def test_a_short_request_cancelled_within_a_long_one_leaves_it_intact(start_daem
             pass
         with d.client() as other:  # status says which request runs within which
             st = other.status()
+        assert st.within is not None and st.active is not None, st
         assert st.active.id != st.within.id and st.within.completion_tokens > 0 and st.active.completion_tokens > 0
         done = stream.cancel()
         assert done.finish_reason.value == "cancelled" and done.usage.completion_tokens < 90

@@ -104,7 +104,9 @@ def figures(started: float, times: list[float], prompt_tokens: int) -> dict:
 
 def tandem_request(client: Client, messages: list[dict], tokens: int) -> dict:
     started = time.perf_counter()
-    stream = client.generate(messages=messages, max_tokens=tokens, temperature=0.0, ignore_eos=True, cache=False)
+    stream = client.generate(
+        messages=messages, max_tokens=tokens, temperature=0.0, ignore_eos=True, cache=False, progress=True
+    )  # (progress: the daemon says it is reading: a 32k prompt takes longer than the client's 600 s timeout)
     times = timed(len(c.token_ids) for c in stream)
     return figures(started, times, stream.done.usage.prompt_tokens)
 

@@ -54,6 +54,7 @@ from .core import (
     embed_request,
     generate_request,
     gone_message,
+    heard_often,
     hello_request,
     monitor_of,
     new_id,
@@ -193,8 +194,9 @@ class AsyncClient:
         hello = await self.connect()
         req = generate_request(prompt, messages, **params)
         check_daemon_speaks(hello, req)
+        hidden = heard_often(hello, req, self.timeout)  # (as Client.generate)
         await self._send(req)
-        return AsyncStream(self, req.id)
+        return AsyncStream(self, req.id, hidden)
 
     async def complete(
         self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params
@@ -273,11 +275,13 @@ class AsyncStream(StreamState):
         return self
 
     async def __anext__(self) -> Chunk:
-        if self._finished:
-            raise StopAsyncIteration
-        chunk = self._take(await self.client._recv(self.request_id, self.client.timeout))
-        if chunk is None:
-            raise StopAsyncIteration
+        chunk = None
+        while chunk is None or self._hidden(chunk):
+            if self._finished:
+                raise StopAsyncIteration
+            chunk = self._take(await self.client._recv(self.request_id, self.client.timeout))
+            if chunk is None:
+                raise StopAsyncIteration
         return chunk
 
     async def wait(self) -> Done:

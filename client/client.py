@@ -53,6 +53,7 @@ from .core import (
     embed_request,
     generate_request,
     gone_message,
+    heard_often,
     hello_request,
     monitor_of,
     new_id,
@@ -71,7 +72,11 @@ class Client:
         connect_timeout: float = 5.0,
     ):
         """``timeout``: seconds to wait for each reply (None = forever; a queued
-        request may wait long). ``connect_timeout``: seconds for the handshake."""
+        request may wait long). A generation is asked of the daemon streamed, with its
+        prompt's progress, whatever the caller asked (``heard_often``; what it did not
+        ask for it does not see): a prompt that takes longer than ``timeout`` to read,
+        or an answer longer to write, is not silence. ``connect_timeout``: seconds for
+        the handshake."""
         self.socket_path = resolve_socket(socket_path)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -194,8 +199,9 @@ class Client:
         hello = self.connect()
         req = generate_request(prompt, messages, **params)
         check_daemon_speaks(hello, req)
+        hidden = heard_often(hello, req, self.timeout)  # (the timeout is for silence, not for the whole request)
         self._send(req)
-        return Stream(self, req.id)
+        return Stream(self, req.id, hidden)
 
     def complete(self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params) -> Done:
         """Generate without streaming; returns the ``done`` message (``.text`` has the answer)."""
@@ -309,19 +315,23 @@ class Stream(StreamState):
         return self
 
     def __next__(self) -> Chunk:
-        if self._finished:
-            raise StopIteration
-        chunk = self._take(self.client._recv(self.request_id, self.client.timeout))
-        if chunk is None:
-            raise StopIteration
+        chunk = None
+        while chunk is None or self._hidden(chunk):
+            if self._finished:
+                raise StopIteration
+            chunk = self._take(self.client._recv(self.request_id, self.client.timeout))
+            if chunk is None:
+                raise StopIteration
         return chunk
 
     def next_chunk(self, timeout: float) -> Optional[Chunk]:
         """The next chunk, waiting at most ``timeout`` seconds (DaemonTimeout if
         none came; the stream goes on). None: the stream ended, ``done`` is set."""
-        if self._finished:
-            return None
-        return self._take(self.client._recv(self.request_id, timeout))
+        while not self._finished:
+            chunk = self._take(self.client._recv(self.request_id, timeout))
+            if not self._hidden(chunk):
+                return chunk
+        return None
 
     def wait(self) -> Done:
         """Read the stream to its end; the ``done``."""

@@ -215,6 +215,18 @@ def check_daemon_speaks(hello: Any, req: Decoding) -> None:
         )
 
 
+def heard_often(hello: Any, req: Decoding, timeout: Optional[float]) -> tuple[bool, bool]:
+    """Make ``req`` one the daemon answers at least every second or so: streamed, with its prompt's
+    progress, where the daemon can (1.7+) and the client waits at most ``timeout`` seconds for each reply
+    (a 32k-token prompt takes minutes on a laptop's CPU, and so can a long answer: neither is a silent
+    daemon). Returns what the caller did not ask for and must not see: (progress chunks, any chunks)."""
+    if timeout is None or not isinstance(req, Generate) or tuple(hello.protocol_version[:2]) < (1, 7):
+        return False, False
+    hide_progress, hide_chunks = not req.progress, not req.stream
+    req.stream = req.progress = True
+    return hide_progress, hide_chunks
+
+
 def _as(cls: type, value: Any, where: str) -> Any:
     """A message, tool, ... given as a map (OpenAI's shape) made the protocol's dataclass."""
     if isinstance(value, cls):
@@ -337,12 +349,16 @@ class StreamState:
     """What Stream and AsyncStream share: reading one generation's replies and
     abandoning it. ``client`` has ``_router`` and ``_sock``."""
 
-    def __init__(self, client, request_id: str):
+    def __init__(self, client, request_id: str, hidden: tuple[bool, bool] = (False, False)):
         self.client = client
         self.request_id = request_id
         self.done: Optional[Done] = None
         self.text = ""
         self._finished = False
+        self._hide_progress, self._hide_chunks = hidden  # (heard_often: asked for the caller, not by it)
+
+    def _hidden(self, chunk: Optional[Chunk]) -> bool:
+        return chunk is not None and (self._hide_chunks or (self._hide_progress and chunk.progress is not None))
 
     @property
     def finished(self) -> bool:

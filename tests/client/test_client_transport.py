@@ -41,6 +41,7 @@ from tandem.protocol import (
     Hello,
     HelloReply,
     Message,
+    PromptProgress,
     Shutdown,
     ShutdownReply,
     Status,
@@ -268,13 +269,47 @@ def test_a_streamed_generate_yields_the_chunks_in_order_then_done(fake_daemon):
     assert (req.id, req.prompt, req.max_tokens, req.temperature, req.stream) == ("g-1", "say hello", 3, 0.0, True)
 
 
-def test_complete_sends_no_stream_and_returns_the_done(fake_daemon):
-    d = fake_daemon(lambda m: [done(m.id, "whole answer", tokens=2)] if isinstance(m, Generate) else None)
+def reads_then_streams(m):
+    """A daemon reading a long prompt (progress chunks, asked for or not) and then answering."""
+    if not isinstance(m, Generate):
+        return None
+    reading = [PromptProgress(total=9, cached=0, processed=n, seconds=n / 3) for n in (3, 6)]
+    return [Chunk(id=m.id, text="", token_ids=[], progress=p) for p in reading] + chunks_then_done(
+        m.id, "whole ", "answer"
+    )
+
+
+def test_complete_is_streamed_underneath_so_a_long_prompt_is_not_silence(fake_daemon):
+    """The client's timeout is for each reply: complete() asks for the stream and the prompt's progress
+    (a 32k-token prompt takes minutes to read on a laptop) and returns the done. A client that waits
+    forever asks for no stream."""
+    d = fake_daemon(reads_then_streams)
     with Client(d.socket_path, timeout=5) as c:
         result = c.complete(messages=[{"role": "user", "content": "Hi"}])
     assert result.text == "whole answer"
     (req,) = d.requests(Generate)
-    assert req.stream is False and req.messages[0].content == "Hi"
+    assert req.stream and req.progress and req.messages[0].content == "Hi"
+    with Client(d.socket_path, timeout=None) as c:
+        assert c.complete(prompt="Hi").text == "whole answer"
+    assert d.requests(Generate)[-1].stream is False
+
+
+def test_a_stream_shows_progress_chunks_only_to_who_asked_for_them(fake_daemon):
+    d = fake_daemon(reads_then_streams)
+    with Client(d.socket_path, timeout=5) as c:
+        assert [ch.text for ch in c.generate(prompt="Hi")] == ["whole ", "answer"]
+        assert [ch.progress.processed for ch in c.generate(prompt="Hi", progress=True) if ch.progress] == [3, 6]
+        quiet = c.generate(prompt="Hi", stream=False)
+        assert list(quiet) == [] and quiet.done.text == "whole answer"
+        s = c.generate(prompt="Hi")
+        assert s.next_chunk(5).text == "whole " and s.next_chunk(5).text == "answer" and s.next_chunk(5) is None
+    assert all(r.progress and r.stream for r in d.requests(Generate))
+
+    async def from_asyncio():
+        async with AsyncClient(d.socket_path, timeout=5) as ac:
+            return [ch.text async for ch in await ac.generate(prompt="Hi")]
+
+    assert asyncio.run(from_asyncio()) == ["whole ", "answer"]
 
 
 def test_infill_sends_complete_with_prefix_and_suffix_and_streams_it(fake_daemon):
@@ -549,7 +584,7 @@ def test_async_busy_raises_queue_full(fake_daemon):
 
     err = asyncio.run(main())
     assert (err.queue_length, err.max_queue) == (3, 2)
-    assert d.requests(Generate)[0].stream is False  # complete asks for the done only
+    assert d.requests(Generate)[0].progress  # (complete is streamed underneath: heard_often)
 
 
 def test_async_concurrent_streams_each_get_their_own_replies(fake_daemon):

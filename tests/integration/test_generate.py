@@ -294,3 +294,25 @@ def test_progress_requests_see_the_prompt_read_and_the_same_text(client):
     # not streamed, or not asked: no progress chunks
     quiet = client.generate(prompt=prompt + " More.", max_tokens=4, temperature=0.0)
     assert all(c.progress is None for c in quiet)
+
+
+def test_a_prompt_read_for_longer_than_the_clients_timeout_is_not_a_timeout(start_daemon):
+    """The Python client's timeout is for each reply; it asks for the prompt's progress, so a prompt
+    that takes longer than that to read (32k tokens on a laptop: minutes) is answered, streamed or not,
+    and its caller sees no progress chunk it did not ask for."""
+    d = start_daemon("--ctx-size", "8192", "--cache-bytes", "0")
+    timeout = 2.0  # (progress comes about every second, between two passes of the prompt's reading)
+    unit = "The lighthouse keeper wrote in his log about the sea and the ships. "  # ~15 tokens
+    with d.client(timeout=None) as c:
+        for n in (60, 120, 240, 480):  # as long as it takes this CPU more than two timeouts to read
+            prompt = unit * n
+            alone = c.complete(prompt=prompt, max_tokens=4, temperature=0.0, cache=False)
+            if alone.timings.prompt_seconds > 2 * timeout:
+                break
+    assert alone.timings.prompt_seconds > 2 * timeout, "7,000 tokens read in under 4 s: a longer prompt is needed"
+    with d.client(timeout=timeout) as c:
+        done = c.complete(prompt=prompt, max_tokens=4, temperature=0.0, cache=False)
+        stream = c.generate(prompt=prompt, max_tokens=4, temperature=0.0, cache=False)
+        chunks = list(stream)
+    assert done.text == alone.text == stream.done.text
+    assert done.timings.prompt_seconds > timeout and all(ch.progress is None for ch in chunks)

@@ -43,7 +43,7 @@ def value(samples, name: str, **labels) -> float:
 def test_metrics_agree_with_status_and_with_each_requests_done(start_daemon):
     d = start_daemon("--ctx-size", "512", "--drafter", "ngram", "--draft-tokens", "4", "--cache-bytes", "32M")
     dones = []
-    with d.client() as c:
+    with d.client(timeout=None) as c:  # (no timeout: complete() asks for no stream, whose accounting is below)
         assert c.status().metrics_addr.startswith("127.0.0.1:")
         code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
         for i in range(3):  # the same start each time: prefix cache hits after the first

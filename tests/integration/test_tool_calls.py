@@ -171,7 +171,9 @@ def test_smollm2_without_a_tool_template_gets_the_generic_prompt(daemon):
         )
         check_calls(done)
         auto = c.complete(messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=120)
-        assert auto.finish_reason in (FinishReason.TOOL_CALLS, FinishReason.STOP)
+        # calls, or a plain answer: how long the answer runs is the CPU's (on an AVX2-only EPYC it ran past 120)
+        assert auto.finish_reason in (FinishReason.TOOL_CALLS, FinishReason.STOP, FinishReason.LENGTH)
+        assert (auto.finish_reason == FinishReason.TOOL_CALLS) == bool(auto.tool_calls)
         if auto.tool_calls:
             check_calls(auto)
         else:

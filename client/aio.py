@@ -275,14 +275,11 @@ class AsyncStream(StreamState):
         return self
 
     async def __anext__(self) -> Chunk:
-        chunk = None
-        while chunk is None or self._hidden(chunk):
-            if self._finished:
-                raise StopAsyncIteration
+        while not self._finished:
             chunk = self._take(await self.client._recv(self.request_id, self.client.timeout))
-            if chunk is None:
-                raise StopAsyncIteration
-        return chunk
+            if chunk is not None and not self._hidden(chunk):
+                return chunk
+        raise StopAsyncIteration
 
     async def wait(self) -> Done:
         async for _ in self:

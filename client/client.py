@@ -315,16 +315,12 @@ class Stream(StreamState):
         return self
 
     def __next__(self) -> Chunk:
-        chunk = None
-        while chunk is None or self._hidden(chunk):
-            if self._finished:
-                raise StopIteration
-            chunk = self._take(self.client._recv(self.request_id, self.client.timeout))
-            if chunk is None:
-                raise StopIteration
+        chunk = self.next_chunk(self.client.timeout)
+        if chunk is None:
+            raise StopIteration
         return chunk
 
-    def next_chunk(self, timeout: float) -> Optional[Chunk]:
+    def next_chunk(self, timeout: Optional[float]) -> Optional[Chunk]:
         """The next chunk, waiting at most ``timeout`` seconds (DaemonTimeout if
         none came; the stream goes on). None: the stream ended, ``done`` is set."""
         while not self._finished:

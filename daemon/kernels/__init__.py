@@ -111,11 +111,21 @@ def built() -> Optional[Path]:
     return path if path.is_file() else None
 
 
+def _failure_record() -> Path:
+    return library_path().parent / FAILED
+
+
+def _copy_into_place(src: Path, dst: Path) -> None:
+    """``dst`` becomes a copy of ``src`` at once (never a half-written file)."""
+    shutil.copy2(src, dst.with_suffix(".part"))
+    os.replace(dst.with_suffix(".part"), dst)
+
+
 def failed() -> Optional[str]:
     """Why the last build for this key failed, if it did (a daemon's auto then does not try again at
     every start; `tandem kernels build` does)."""
     try:
-        return (library_path().parent / FAILED).read_text(encoding="utf-8", errors="replace").strip() or "unknown"
+        return _failure_record().read_text(encoding="utf-8", errors="replace").strip() or "unknown"
     except OSError:
         return None
 
@@ -123,7 +133,7 @@ def failed() -> Optional[str]:
 def _failed_age() -> float:
     """Seconds since the recorded failure (inf: none)."""
     try:
-        return max(0.0, time.time() - (library_path().parent / FAILED).stat().st_mtime)
+        return max(0.0, time.time() - _failure_record().stat().st_mtime)
     except OSError:
         return float("inf")
 
@@ -211,8 +221,7 @@ def _sdist(workdir: Path, say: Callable[[str], None]) -> Path:
         )
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(got, kept.with_suffix(".part"))
-        os.replace(kept.with_suffix(".part"), kept)
+        _copy_into_place(got, kept)
     except OSError:
         pass  # (kept only to save a download)
     return got
@@ -230,7 +239,7 @@ def build(say: Callable[[str], None] = print, jobs: Optional[int] = None) -> Pat
     A failure is recorded beside it (``failed``), a success clears the record."""
     path = library_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = path.parent / FAILED
+    record = _failure_record()
     with open(path.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file():
@@ -299,8 +308,7 @@ def _build(path: Path, say: Callable[[str], None], jobs: Optional[int]) -> None:
         out = work / "build" / "bin" / LIBRARY
         if not out.is_file():
             raise KernelBuildError(f"the build made no {LIBRARY}")
-        shutil.copy2(out.resolve(), path.with_suffix(".part"))
-        os.replace(path.with_suffix(".part"), path)
+        _copy_into_place(out.resolve(), path)
 
 
 def _run(cmd: list[str], what: str) -> None:

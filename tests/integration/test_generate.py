@@ -10,8 +10,9 @@ import pytest
 
 from tandem.client import Client, QueueFull, RequestFailed
 from tandem.client.core import generate_request
+from tandem.daemon.worker.llama_decode import PREFILL_GROUP
 from tandem.daemon.worker.llama_load import reference_llama
-from tandem.protocol import ErrorCode, FinishReason
+from tandem.protocol import PROGRESS_SECONDS, ErrorCode, FinishReason
 
 PROMPTS = [
     "The capital of France is",
@@ -301,15 +302,18 @@ def test_a_prompt_read_for_longer_than_the_clients_timeout_is_not_a_timeout(star
     that takes longer than that to read (32k tokens on a laptop: minutes) is answered, streamed or not,
     and its caller sees no progress chunk it did not ask for."""
     d = start_daemon("--ctx-size", "8192", "--cache-bytes", "0")
-    timeout = 2.0  # (progress comes about every second, between two passes of the prompt's reading)
     unit = "The lighthouse keeper wrote in his log about the sea and the ships. "  # ~15 tokens
     with d.client(timeout=None) as c:
         for n in (60, 120, 240, 480):  # as long as it takes this CPU more than two timeouts to read
             prompt = unit * n
             alone = c.complete(prompt=prompt, max_tokens=4, temperature=0.0, cache=False)
+            # progress comes between two passes of the reading (PREFILL_GROUP tokens each), at most once
+            # every PROGRESS_SECONDS: the timeout is more than that and three passes of this CPU
+            passes = -(-alone.usage.prompt_tokens // PREFILL_GROUP)
+            timeout = PROGRESS_SECONDS + 3 * alone.timings.prompt_seconds / passes
             if alone.timings.prompt_seconds > 2 * timeout:
                 break
-    assert alone.timings.prompt_seconds > 2 * timeout, "7,000 tokens read in under 4 s: a longer prompt is needed"
+    assert alone.timings.prompt_seconds > 2 * timeout, "7,000 tokens read in under two timeouts: a longer prompt"
     with d.client(timeout=timeout) as c:
         done = c.complete(prompt=prompt, max_tokens=4, temperature=0.0, cache=False)
         stream = c.generate(prompt=prompt, max_tokens=4, temperature=0.0, cache=False)

@@ -256,7 +256,7 @@ def test_the_drafter_keeps_its_own_pages_and_output_is_unchanged(start_daemon, p
     with d.client() as client:
         assert not client.status().model.draft_off  # (the probe found drafting exact here: else it says why)
         first = client.complete(messages=history, max_tokens=16, temperature=0.0)
-        assert first.draft is not None and first.draft.rounds > 0, first.draft
+        assert first.draft is not None and first.draft.rounds > 0, (first, client.status())
         c = first.cache
         assert set(c.page_bytes) == {"target", "drafter"} and c.drafter_tokens_from_cache == 0
         # every cached stretch of tokens has a page of each model

@@ -15,9 +15,10 @@ the defaults run tandem's, daemon/kernels), tandem ``--kernels fast``, and llama
 llama.cpp (``bench/build_llama_server.sh vendored``), all greedy with
 ``ignore_eos`` so they write the same number of tokens. Per request: TTFT,
 prefill tok/s (prompt tokens / TTFT), decode tok/s after the first token, the
-P99 of the gaps between streamed tokens, and the resident memory of the
-system's processes after it. Reported as medians (min-max) over runs, and the
-ratios to llama-server within each run and size.
+P99 of the gaps between streamed tokens, and the memory of the system's
+processes after it (RSS summed, and PSS: what is mapped twice counted once).
+Reported as medians (min-max) over runs, and the ratios to llama-server within
+each run and size.
 """
 
 from __future__ import annotations
@@ -138,9 +139,15 @@ def server_request(port: int, messages: list[dict], tokens: int) -> dict:
     return figures(started, times, int(usage.get("prompt_tokens") or -1))
 
 
-def rss_mib(pid: int) -> float:
+def memory_mib(pid: int) -> dict[str, float]:
+    """The memory of ``pid`` and its children: RSS summed, and PSS (a page mapped
+    twice, by two processes or twice in one, counted once: tandem's worker maps the
+    model file for its steps and again for its prompt reader)."""
     proc = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+    procs = [proc, *proc.children(recursive=True)]
+    rss = sum(p.memory_info().rss for p in procs)
+    pss = sum(getattr(p.memory_full_info(), "pss", 0) for p in procs)
+    return {"rss_mib": rss / 2**20, "pss_mib": pss / 2**20 or None}
 
 
 def say(line: str) -> None:
@@ -175,12 +182,12 @@ def run_system(system: str, path: Path, sizes: list[int], runs: int, tokens: int
             for r in range(runs):
                 wait_quiet([pid])
                 s = ask(prompts[size][r])
-                s.update(system=system, size=size, run=r, rss_mib=rss_mib(pid))
+                s.update(system=system, size=size, run=r, **memory_mib(pid))
                 rows.append(s)
                 say(
                     f"  {system:12s} {size:6d} run {r + 1}: prompt {s['prompt_tokens']} ttft {s['ttft']:.1f} s "
                     f"prefill {s['prefill']:.0f} tok/s decode {s['decode'] or 0:.2f} tok/s "
-                    f"p99 gap {s['p99_gap_ms'] or 0:.0f} ms rss {s['rss_mib']:.0f} MiB"
+                    f"p99 gap {s['p99_gap_ms'] or 0:.0f} ms rss {s['rss_mib']:.0f} MiB pss {s['pss_mib'] or 0:.0f} MiB"
                 )
     finally:
         if client is not None:
@@ -206,9 +213,9 @@ def report(model: str, rows: list[dict], out: Path, command: str) -> Path:
         "",
         f"{datetime.date.today()}, {cpu_model()}, {psutil.cpu_count()} cores. Command: `{command}`",
         "",
-        "| size | system | prompt tokens | TTFT s | prefill tok/s | decode tok/s | P99 gap ms | RSS MiB | "
+        "| size | system | prompt tokens | TTFT s | prefill tok/s | decode tok/s | P99 gap ms | RSS MiB | PSS MiB | "
         "decode / llama-server | prefill / llama-server |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size in sorted({r["size"] for r in rows}):
         peer = {r["run"]: r for r in rows if r["size"] == size and r["system"] == "llama-server"}
@@ -223,6 +230,7 @@ def report(model: str, rows: list[dict], out: Path, command: str) -> Path:
                 f"| {size} | {system} | {tokens} | {ttft} "
                 f"| {med([r['prefill'] for r in mine], 0)} | {med([r['decode'] for r in mine])} "
                 f"| {med([r['p99_gap_ms'] for r in mine], 0)} | {med([r['rss_mib'] for r in mine], 0)} "
+                f"| {med([r.get('pss_mib') for r in mine], 0)} "
                 f"| {med(ratio_d)} | {med(ratio_p)} |"
             )
     return write_report(out, rows, lines)

@@ -134,9 +134,10 @@ class SettingsFields:
     """with repacked weights and mixed kernels, read prompts in a second llama.cpp context over the weights as the file
     has them (not repacked; both map the same file) and copy its KV state over, steps staying on the repacked ones:
     llama.cpp's repacked Q4_K reads prompts slower than its plain kernels on some CPUs (Qwen2.5-Coder-1.5B in
-    0.63-0.82x the time on a 2-core AVX-512 EPYC). It costs a second KV cache of --ctx-size and a buffer to copy it.
-    auto = where a prompt pass measures at least a tenth faster that way at load (kept beside the load probe's
-    verdict); output is as exact either way"""
+    0.63-0.82x the time on a 2-core AVX-512 EPYC). It costs a second KV cache of --ctx-size (and, while it copies a
+    long prompt's, a buffer as large). auto = where a prompt pass measures at least a tenth faster that way at load
+    (kept beside the load probe's verdict) and that second KV cache fits in what --kv-budget leaves beside the ones
+    the context was sized for; output is as exact either way"""
     gpu_layers: int | Literal["all"] | None = None
     """layers of the target to offload to a GPU or to --rpc servers: N, all, or 0 (none); auto = all where llama.cpp has
     a GPU or RPC device, else none. Accepted on a build without a GPU backend, where `tandem status` says how to

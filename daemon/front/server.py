@@ -79,6 +79,7 @@ class ServeConfig:
     drafter_why: str = ""  # --drafter auto: what it chose and why ("auto: ..."), shown in status
     n_ctx: int = 0  # the context both models get (models/context_size.py); 0: the settings' or the model's
     context_note: str = ""  # how n_ctx was chosen, for `tandem status`
+    kv_room: int = -1  # bytes --kv-budget leaves beside the KV caches n_ctx was chosen for (-1: not known)
     embedding_name: str = ""  # --embedding-model's display name ("": none)
     embedding_path: Optional[Path] = None  # its file: loaded in a worker of its own
 

@@ -116,6 +116,7 @@ class Supervisor:
             probe_cache=str(c.state_dir / "batch-invariance.json") if c.state_dir is not None else "",
             drafter_bytes=_size(c.drafter_path),
             drafter_quantization=_quantization(c.drafter_path),
+            kv_room=c.kv_room,
             spin_count=spin_count_for(kind, "target"),
             **common,
         )

@@ -18,6 +18,8 @@ import numpy as np
 
 from .llama_load import DecodeError
 
+KEEP_BUFFER_BYTES = 64 * 2**20  # a larger copy buffer is not kept: it would hold a long prompt's KV a third time
+
 
 class PromptReader:
     """``context``: the second ``LlamaModel``, with fast prefill, over the weights not repacked."""
@@ -25,7 +27,7 @@ class PromptReader:
     def __init__(self, context):
         self.context = context
         self.same = 0  # KV positions from 0 the reader holds as the model's context does
-        self._state_buf: Optional[np.ndarray] = None  # reused to copy KV state between the two contexts
+        self._state_buf: Optional[np.ndarray] = None  # reused to copy KV states up to KEEP_BUFFER_BYTES
 
     def holding(self, model):
         """The reader, holding ``model``'s KV (kept from its last prompt where
@@ -50,11 +52,14 @@ class PromptReader:
 
     def copy_state(self, source, target) -> None:
         """``target``'s sequence 0 replaced by ``source``'s KV (its positions,
-        history and what of it was read in whole chunks), through a reused buffer."""
+        history and what of it was read in whole chunks), through a buffer: reused
+        up to KEEP_BUFFER_BYTES, a larger one (a long prompt's KV) let go at once."""
         size = llama.llama_state_seq_get_size(source.ctx, 0)
-        if self._state_buf is None or len(self._state_buf) < size:  # (grown by half again: a chat grows)
-            self._state_buf = np.empty(max(size + size // 2, 1 << 20), dtype=np.uint8)
-        ptr = self._state_buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        buf = self._state_buf
+        if buf is None or len(buf) < size:  # (grown by half again: a chat grows)
+            buf = np.empty(max(size + size // 2, 1 << 20) if size <= KEEP_BUFFER_BYTES else size, dtype=np.uint8)
+        self._state_buf = buf if len(buf) <= KEEP_BUFFER_BYTES else None
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         written = llama.llama_state_seq_get_data(source.ctx, ptr, size, 0)
         if written != size:
             raise DecodeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")

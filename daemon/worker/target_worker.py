@@ -44,6 +44,8 @@ from tandem.protocol.internal import WORKER_REQUESTS, CacheState, DrafterHung, D
 from ..constraints.constraint import Grammars
 from ..drafting.interfaces import Drafter, RequestError
 from ..kernels import in_use
+from ..models.context_size import ContextError, kv_bytes_per_token, mib
+from ..models.gguf_meta import GGUFError, read_metadata
 from .engine import Engine
 from .invariance import invariance_fix, kept_check, probe_batch_invariance
 from .lane import ResumeFailed
@@ -340,12 +342,14 @@ def check_fast_prefill(model, info: ModelInfo, config: Optional[WorkerConfig] = 
 def choose_prompt_reader(model, config: WorkerConfig) -> None:
     """--prompt-reader auto: keep the second context that reads prompts over the
     weights not repacked (``LlamaModel.add_prompt_reader``) only where a prompt
-    pass measures at least 10% faster with it; the verdict is kept beside the
-    load probe's, so a restart does not measure again."""
+    pass measures at least 10% faster with it (the verdict is kept beside the
+    load probe's, so a restart does not measure again) and its KV cache fits in
+    what --kv-budget leaves beside the caches the context was sized for."""
     if model.reader is None:
         if config.settings.prompt_reader == "on" and model.repacked:
             log.warning("--prompt-reader on: no reader (fast prefill is off, or llama.cpp could not create one)")
         return
+    kv = reader_kv_bytes(model)
     if config.settings.prompt_reader == "auto":
         try:
             name = f"prompt_reader faster chunk={model.prefill_chunk} group={model.prefill_group}"
@@ -357,11 +361,31 @@ def choose_prompt_reader(model, config: WorkerConfig) -> None:
             log.info("prompts are read over the repacked weights: reading them over the file's was not faster here")
             model.drop_prompt_reader()
             return
+        if 0 <= config.kv_room < kv:
+            log.info(
+                "prompts are read over the repacked weights: a prompt reader would be faster here, but its KV cache "
+                "(%s at %d tokens) does not fit in what --kv-budget leaves (%s): raise --kv-budget, or "
+                "--prompt-reader on",
+                mib(kv),
+                model.n_ctx,
+                mib(max(config.kv_room, 0)),
+            )
+            model.drop_prompt_reader()
+            return
     log.info(
-        "prompts are read by a second context over the weights not repacked (--prompt-reader %s); steps over "
-        "the repacked ones",
+        "prompts are read by a second context over the weights not repacked (--prompt-reader %s; its KV cache: "
+        "%s more); steps over the repacked ones",
         config.settings.prompt_reader,
+        mib(kv) if kv else "unknown",
     )
+
+
+def reader_kv_bytes(model) -> int:
+    """The prompt reader's KV cache at the model's context: one more of the model's own (0: not known)."""
+    try:
+        return model.n_ctx * kv_bytes_per_token(read_metadata(model.path), model.kv_type)
+    except (ContextError, GGUFError, OSError, KeyError):
+        return 0
 
 
 def slow_prompts(model) -> None:

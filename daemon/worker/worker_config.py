@@ -46,6 +46,7 @@ class WorkerConfig:
     spin_count: Optional[int] = None  # GOMP_SPINCOUNT (None: libgomp's default); see ``spin_count_for``
     life: int = 1  # 1 at the daemon's start, 2... for each restart of this worker
     n_ctx: int = 0  # the context the daemon chose (models/context_size.py); 0: settings' ctx_size or the model's
+    kv_room: int = -1  # the target's: bytes --kv-budget leaves beside the KV caches of n_ctx (-1: not known)
 
     @property
     def draft_tokens(self) -> int:

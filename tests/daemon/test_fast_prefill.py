@@ -6,6 +6,8 @@ was kept, restored or read before, and the model says what a later request may r
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -341,4 +343,63 @@ def test_a_prompt_stopped_between_passes_keeps_what_was_read(model, tokens):
         assert np.array_equal(rest, whole)
     finally:
         model.prefill_group = group
+        model.clear()
+
+
+def test_auto_keeps_a_faster_prompt_reader_only_where_its_kv_cache_fits_the_budget(coder_path, caplog):
+    """--prompt-reader auto weighs memory too: the reader's KV cache (one more of the
+    context's) must fit in what --kv-budget leaves beside the caches the context was
+    sized for. The speed verdict is set here (True: what the rule then weighs is
+    memory); the model and its reader are real."""
+    from tandem.daemon.config import SettingsValues
+    from tandem.daemon.worker.llama_load import cpu_has_amx
+    from tandem.daemon.worker.llama_model import LlamaModel
+    from tandem.daemon.worker.target_worker import choose_prompt_reader, reader_kv_bytes
+    from tandem.daemon.worker.worker_config import WorkerConfig
+
+    def config(kv_room: int) -> WorkerConfig:
+        return WorkerConfig("target", "coder", str(coder_path), SettingsValues(), kv_room=kv_room)
+
+    caplog.set_level(logging.INFO, logger="tandem")
+    m = LlamaModel(coder_path, n_ctx=1024, fast_prefill=True, prompt_reader=True)
+    try:
+        m.prompt_reader_pays = lambda margin=1.1: True
+        if m.reader is None:  # no weights repacked (a CPU with AMX): no reader to weigh, whatever the budget
+            assert cpu_has_amx()
+            choose_prompt_reader(m, config(-1))
+            assert m.reader is None
+            return
+        kv = reader_kv_bytes(m)
+        assert kv == 1024 * 24 * 2 * (64 + 64) * 2  # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64, K and V, f16
+        choose_prompt_reader(m, config(kv))  # it just fits
+        assert m.reader is not None and "its KV cache: 12 MiB more" in caplog.text
+        choose_prompt_reader(m, config(-1))  # (room not known: speed decides)
+        assert m.reader is not None
+        choose_prompt_reader(m, config(kv - 1))
+        assert m.reader is None
+        assert "does not fit in what --kv-budget leaves (12 MiB): raise --kv-budget" in caplog.text
+    finally:
+        m.close()
+
+
+def test_the_prompt_readers_copy_buffer_is_kept_only_while_small(model, tokens, monkeypatch):
+    """The buffer the reader copies KV states through is reused while small; one for a
+    long prompt's KV (hundreds of MiB at 32k) is let go after the copy, not held beside
+    the two KV caches."""
+    from tandem.daemon.worker import prompt_reader
+
+    if model.reader is None:  # (SmolLM2, or a CPU with AMX: no reader, nothing copied)
+        assert model.prompt_reader is None
+        return
+    try:
+        model.clear()
+        model.prefill(tokens)
+        buf = model.prompt_reader._state_buf
+        assert buf is not None and len(buf) >= 1 << 20  # small: kept for the next copy
+        monkeypatch.setattr(prompt_reader, "KEEP_BUFFER_BYTES", len(buf) - 1)
+        model.clear()
+        model.prefill(tokens)
+        assert model.prompt_reader._state_buf is None  # over the limit: let go
+        assert model.n_past == len(tokens)
+    finally:
         model.clear()

@@ -248,8 +248,10 @@ class Supervisor:
             self.embedding.on_ready()
         if worker is self.target and self.drafter is not None and (self.drafter_off or not self.drafter.ready):
             self.target.send(DrafterState(id="daemon", available=False))  # a new target: the drafter is down
-        if worker is self.drafter and (self.ever_ready or worker.policy.restarts) and self.target.alive:
-            self.target.send(DrafterState(id="daemon", available=True))  # a restarted drafter: draft again
+        if worker is self.drafter and self.target.ready and not self.drafter_off:
+            # a drafter up after the target (restarted, or slower to load at the first start; the target was
+            # told it is down): draft again. A target still loading finds it up when it is ready (above)
+            self.target.send(DrafterState(id="daemon", available=True))
         if worker is self.target:
             self.scheduler.governor = msg.governor
             self.scheduler.cache = msg.cache

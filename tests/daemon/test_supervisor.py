@@ -239,6 +239,25 @@ def test_a_worker_that_crashes_while_loading_fails_the_daemon_at_once(code):
     assert h.sup.state == "failed" and h.stopped and f"died (exit code {code}) while loading /m.gguf" in h.sup.failure
 
 
+def test_a_drafter_that_loads_after_the_target_drafts():
+    """The daemon's first start, the target ready first (a small or seeded target, a
+    drafter still loading): the target is told the drafter is down, then that it is up."""
+    h = loading_harness(drafter=True)
+    h.sup._on_ready(h.sup.target, Ready(id="target", model=INFO, pid=1))
+    assert h.sup.state == "loading"
+    h.sup._on_ready(h.sup.drafter, Ready(id="drafter", model=INFO, pid=2))
+    assert h.sup.state == "ready"
+    assert [m.available for m in h.sup.target.sent if isinstance(m, DrafterState)] == [False, True]
+
+
+def test_a_drafter_that_loads_before_the_target_is_not_announced_twice():
+    h = loading_harness(drafter=True)
+    h.sup.target.sent.clear()
+    h.sup._on_ready(h.sup.drafter, Ready(id="drafter", model=INFO, pid=2))
+    h.sup._on_ready(h.sup.target, Ready(id="target", model=INFO, pid=1))
+    assert h.sup.state == "ready" and not [m for m in h.sup.target.sent if isinstance(m, DrafterState)]
+
+
 def test_a_drafter_killed_while_loading_is_loaded_again_and_then_drafts():
     h = loading_harness(drafter=True)
     h.sup.drafter.die()

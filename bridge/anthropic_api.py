@@ -385,9 +385,7 @@ async def messages(ex: "Exchange", body: dict) -> None:
         ex.send_json(HTTPStatus.OK, whole_message(await ex.run_to_done(req.start), msg_id, req.model))
         return
     events = MessageEvents(msg_id, req.model)
-    prompt_tokens = await _prompt_tokens(
-        ex, req.messages or [], req.tools
-    )  # message_start carries them, as Anthropic's
+    prompt_tokens = await _prompt_tokens(ex, req)  # message_start carries them, as Anthropic's
 
     def out(pairs) -> list[bytes]:
         return [sse(data, event=name) for name, data in pairs]
@@ -406,8 +404,9 @@ async def messages(ex: "Exchange", body: dict) -> None:
 async def count_tokens(ex: "Exchange", body: dict) -> None:
     """``/v1/messages/count_tokens``: the prompt's tokens, as the daemon renders and reads it."""
     await ex.hello()  # (a model that is loading: waited for)
-    chat = chat_messages(body)
-    ex.send_json(HTTPStatus.OK, {"input_tokens": await _prompt_tokens(ex, chat, tool_use(body))})
+    req = GenRequest(messages=chat_messages(body), tools=tool_use(body))
+    reasoning_controls(body, req)  # (a reasoning model's template renders thinking on and off apart)
+    ex.send_json(HTTPStatus.OK, {"input_tokens": await _prompt_tokens(ex, req)})
 
 
 def counted_tools(tools: Optional[ToolUse]) -> Optional[list[dict]]:
@@ -415,7 +414,13 @@ def counted_tools(tools: Optional[ToolUse]) -> Optional[list[dict]]:
     return None if tools is None or tools.choice == "none" else tools.tools
 
 
-async def _prompt_tokens(ex: "Exchange", chat: list[dict], tools: Optional[ToolUse]) -> int:
-    """The prompt's tokens as generate renders it."""
+async def _prompt_tokens(ex: "Exchange", req: GenRequest) -> int:
+    """The prompt's tokens as generate renders it (its tools and its reasoning controls)."""
     async with ex.daemon() as client:
-        return await client.count_tokens(messages=chat, tools=counted_tools(tools))
+        return await client.count_tokens(
+            messages=req.messages or [],
+            tools=counted_tools(req.tools),
+            think=req.think,
+            reasoning_effort=req.reasoning_effort,
+            max_thinking_tokens=req.max_thinking_tokens,
+        )

@@ -49,6 +49,7 @@ from .core import (
     check_daemon_speaks,
     check_socket_exists,
     complete_request,
+    counted,
     dealer_options,
     dropped,
     embed_request,
@@ -241,7 +242,7 @@ class AsyncClient:
         """As Client.count_tokens."""
         if messages is None:
             return len((await self.tokenize(prompt or "", parse_special=True)).tokens)
-        return len((await self.tokenize(messages=messages, tools=params.get("tools"))).tokens)
+        return len((await self.tokenize(messages=messages, **counted(params))).tokens)
 
     async def detokenize(self, tokens: list[int]) -> str:
         await self.connect()

@@ -48,6 +48,7 @@ from .core import (
     check_daemon_speaks,
     check_socket_exists,
     complete_request,
+    counted,
     dealer_options,
     dropped,
     embed_request,
@@ -254,11 +255,11 @@ class Client:
         return reply
 
     def count_tokens(self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params) -> int:
-        """How many prompt tokens a ``generate`` with these arguments would read."""
-        tools = params.get("tools")
+        """How many prompt tokens a ``generate`` with these arguments would read
+        (``tools`` and the reasoning controls count; the rest does not)."""
         if messages is None:
             return len(self.tokenize(prompt or "", parse_special=True).tokens)
-        return len(self.tokenize(messages=messages, tools=tools).tokens)
+        return len(self.tokenize(messages=messages, **counted(params)).tokens)
 
     def detokenize(self, tokens: list[int]) -> str:
         self.connect()

@@ -168,6 +168,14 @@ def generate_request(
     return _checked(Generate(id=request_id, prompt=prompt, messages=chat, **params))
 
 
+COUNTED = ("tools", "think", "reasoning_effort", "max_thinking_tokens")  # generate's arguments a count renders
+
+
+def counted(params: dict) -> dict:
+    """Of a generate's arguments, those that change its chat prompt's tokens (``tokenize``'s options)."""
+    return {k: params[k] for k in COUNTED if params.get(k) is not None}
+
+
 def tokenize_request(
     text: Optional[str] = None, messages: Optional[Iterable[MessageLike]] = None, tools: Any = None, **options: Any
 ) -> Tokenize:

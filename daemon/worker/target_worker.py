@@ -711,7 +711,15 @@ class TargetLoop:
         engine = self.engine
         try:
             if msg.messages is not None:  # rendered exactly as generate renders them (tools included)
-                req = Generate(id=msg.id, messages=msg.messages, tools=msg.tools, max_tokens=1)
+                req = Generate(
+                    id=msg.id,
+                    messages=msg.messages,
+                    tools=msg.tools,
+                    max_tokens=1,
+                    think=msg.think,
+                    reasoning_effort=msg.reasoning_effort,
+                    max_thinking_tokens=msg.max_thinking_tokens,
+                )
                 req.check()
                 tokens = engine.prompt_tokens(req, engine.tool_plan(req), check_fits=False)  # a count
             else:

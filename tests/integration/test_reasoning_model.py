@@ -76,6 +76,15 @@ def test_thinking_off_answers_at_once(client):
     assert done.reasoning == "" and done.usage.reasoning_tokens == 0 and done.text
 
 
+def test_a_count_renders_the_prompt_as_the_request_with_its_reasoning_controls(client):
+    """This template closes the thinking in the prompt when it is off: more tokens, counted so."""
+    default, off = client.count_tokens(messages=ASK), client.count_tokens(messages=ASK, think=False)
+    assert off > default
+    assert off == client.complete(messages=ASK, max_tokens=1, think=False, **GREEDY).usage.prompt_tokens
+    assert client.count_tokens(messages=ASK, max_thinking_tokens=0) == off  # (a budget of 0: thinking off)
+    assert client.count_tokens(messages=ASK, think=True) == default
+
+
 def test_the_split_output_is_the_same_with_cache_and_drafting_on_or_off(client):
     kw = dict(messages=LONG_ASK, max_tokens=40, max_thinking_tokens=10, **GREEDY)
     runs = [
@@ -169,6 +178,11 @@ def test_anthropic_thinking_blocks_whole_streamed_and_sent_back(bridge):
     assert again.content and again.usage.cache_read_input_tokens > 0
     off = client.messages.create(**{**kw, "thinking": {"type": "disabled"}, "max_tokens": 16})
     assert [b.type for b in off.content] == ["text"]
+    # count_tokens renders the prompt with the request's thinking too (disabled: the thinking closed in it)
+    count = {k: v for k, v in kw.items() if k in ("model", "messages", "system")}
+    counted_off = client.messages.count_tokens(**count, thinking={"type": "disabled"}).input_tokens
+    assert counted_off == off.usage.input_tokens + off.usage.cache_read_input_tokens
+    assert client.messages.count_tokens(**count, thinking=kw["thinking"]).input_tokens < counted_off
 
 
 def test_responses_reasoning_items(bridge):

@@ -11,9 +11,11 @@ the same GGUF template). A salt in the first line makes every request a new
 prompt: nothing is served from a cache. Four systems, one at a time on the
 machine (each started, measured at every size, then stopped): tandem with its
 defaults, tandem with llama.cpp's CPU kernels as installed (``--kernel-patch off``;
-the defaults run tandem's, daemon/kernels), tandem ``--kernels fast``, and llama-server built from the vendored
-llama.cpp (``bench/build_llama_server.sh vendored``), all greedy with
-``ignore_eos`` so they write the same number of tokens. Per request: TTFT,
+the defaults run tandem's, daemon/kernels), tandem ``--kernels fast``, and
+llama-server built from the vendored llama.cpp (``bench/build_llama_server.sh vendored``), all greedy with
+``ignore_eos`` so they write the same number of tokens (``--systems`` also
+takes ``tandem no-reader``: ``--prompt-reader off``, what the reader costs and
+gives). Per request: TTFT,
 prefill tok/s (prompt tokens / TTFT), decode tok/s after the first token, the
 P99 of the gaps between streamed tokens, and the memory of the system's
 processes after it (RSS summed, and PSS: what is mapped twice counted once).
@@ -45,7 +47,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RECORDED = ROOT / "tests" / "bridge" / "recorded" / "claude-code-2.1.328-first.json"
 SOURCES = ("daemon", "bridge", "client", "protocol", "cli")
-SYSTEMS = ("tandem", "tandem stock-kernels", "tandem fast", "llama-server")
+SYSTEMS = ("tandem", "tandem stock-kernels", "tandem fast", "tandem no-reader", "llama-server")
 
 
 def agent_preamble() -> tuple[str, str]:
@@ -170,6 +172,7 @@ def run_system(system: str, path: Path, sizes: list[int], runs: int, tokens: int
             sock = temp_socket("tdm-long-")
             args += ["--kernels", "fast"] if "fast" in system else []
             args += ["--kernel-patch", "off"] if "stock" in system else []  # llama.cpp's CPU kernels as installed
+            args += ["--prompt-reader", "off"] if "no-reader" in system else []  # (its memory, its speed)
             daemon = start_daemon(sock, *args, timeout=900)
             client = Client(sock)
             pid = daemon.pid
@@ -252,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="tokens written per request (default 64)")
     ap.add_argument("--threads", type=int, default=psutil.cpu_count() or 1)
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--systems", nargs="+", default=[s for s in SYSTEMS if s != "tandem no-reader"], choices=SYSTEMS)
     ap.add_argument("--out", type=Path, default=None, help="report directory (default bench/results/DATE-long-MODEL)")
     args = ap.parse_args(argv)
     command = "python -m bench.long_context " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -30,6 +30,7 @@ import datetime
 import http.client
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -188,7 +189,7 @@ def run_system(system: str, path: Path, sizes: list[int], runs: int, tokens: int
                 s.update(system=system, size=size, run=r, **memory_mib(pid))
                 rows.append(s)
                 say(
-                    f"  {system:12s} {size:6d} run {r + 1}: prompt {s['prompt_tokens']} ttft {s['ttft']:.1f} s "
+                    f"  {system:16s} {size:6d} run {r + 1}: prompt {s['prompt_tokens']} ttft {s['ttft']:.1f} s "
                     f"prefill {s['prefill']:.0f} tok/s decode {s['decode'] or 0:.2f} tok/s "
                     f"p99 gap {s['p99_gap_ms'] or 0:.0f} ms rss {s['rss_mib']:.0f} MiB pss {s['pss_mib'] or 0:.0f} MiB"
                 )
@@ -258,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--systems", nargs="+", default=[s for s in SYSTEMS if s != "tandem no-reader"], choices=SYSTEMS)
     ap.add_argument("--out", type=Path, default=None, help="report directory (default bench/results/DATE-long-MODEL)")
     args = ap.parse_args(argv)
-    command = "python -m bench.long_context " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.long_context " + shlex.join(argv if argv is not None else sys.argv[1:])
     for model in args.models:
         path = model_path(model)
         # the prompts, counted by tandem's template (a daemon without a drafter, cache off)

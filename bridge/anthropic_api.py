@@ -409,18 +409,7 @@ async def count_tokens(ex: "Exchange", body: dict) -> None:
     ex.send_json(HTTPStatus.OK, {"input_tokens": await _prompt_tokens(ex, req)})
 
 
-def counted_tools(tools: Optional[ToolUse]) -> Optional[list[dict]]:
-    """The tools a prompt is rendered with: none under tool_choice none (they cost nothing then)."""
-    return None if tools is None or tools.choice == "none" else tools.tools
-
-
 async def _prompt_tokens(ex: "Exchange", req: GenRequest) -> int:
-    """The prompt's tokens as generate renders it (its tools and its reasoning controls)."""
+    """The prompt's tokens as generate renders it (tools and tool_choice, and the reasoning controls)."""
     async with ex.daemon() as client:
-        return await client.count_tokens(
-            messages=req.messages or [],
-            tools=counted_tools(req.tools),
-            think=req.think,
-            reasoning_effort=req.reasoning_effort,
-            max_thinking_tokens=req.max_thinking_tokens,
-        )
+        return await client.count_tokens(messages=req.messages or [], **req.daemon_params())

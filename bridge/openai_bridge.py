@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from tandem.client.core import assistant_message
+from tandem.client.core import assistant_message, counted
 from tandem.daemon.version import __version__
 from tandem.protocol import MAX_TOKENS_LIMIT, Chunk, Done, FinishReason, ToolCallDelta
 
@@ -438,9 +438,9 @@ async def tokens(ex: "Exchange", path: str, body: dict) -> None:
                 return ex.send_json(HTTPStatus.OK, {"tokens": out})
             return ex.send_json(HTTPStatus.OK, {"tokens": reply.tokens})
         if body.get("messages") is not None:
-            messages = chat_messages(body)
-            tools = _tools(body)
-            reply = await client.tokenize(messages=messages, tools=tools.tools if tools else None)
+            req = GenRequest(messages=chat_messages(body), tools=_tools(body))
+            _reasoning(body, req)  # (a reasoning model's template renders thinking on and off apart)
+            reply = await client.tokenize(messages=req.messages, **counted(req.daemon_params()))
         else:
             prompt = read(body, "prompt", (str,))
             if prompt is None:

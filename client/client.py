@@ -247,7 +247,8 @@ class Client:
     ) -> Tokenized:
         """The token ids of ``text``, or of ``messages`` (and ``tools``) as the chat
         template renders them for ``generate``. Options: add_special, parse_special,
-        with_pieces. Answered between decoding steps, never queued behind a request."""
+        with_pieces (text); tool_choice, think, reasoning_effort, max_thinking_tokens
+        (messages, daemon 1.12). Answered between decoding steps, never queued behind a request."""
         self.connect()
         reply = self._request(tokenize_request(text, messages, tools, **options), self.connect_timeout)
         raise_for_terminal(reply)
@@ -256,7 +257,7 @@ class Client:
 
     def count_tokens(self, prompt: Optional[str] = None, messages: Optional[list[MessageLike]] = None, **params) -> int:
         """How many prompt tokens a ``generate`` with these arguments would read
-        (``tools`` and the reasoning controls count; the rest does not)."""
+        (``tools``, ``tool_choice`` and the reasoning controls render into it; the rest does not)."""
         if messages is None:
             return len(self.tokenize(prompt or "", parse_special=True).tokens)
         return len(self.tokenize(messages=messages, **counted(params)).tokens)

@@ -168,7 +168,8 @@ def generate_request(
     return _checked(Generate(id=request_id, prompt=prompt, messages=chat, **params))
 
 
-COUNTED = ("tools", "think", "reasoning_effort", "max_thinking_tokens")  # generate's arguments a count renders
+# generate's arguments that change its chat prompt (tokenize's options): the rest renders no token of it
+COUNTED = ("tools", "tool_choice", "think", "reasoning_effort", "max_thinking_tokens")
 
 
 def counted(params: dict) -> dict:

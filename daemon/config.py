@@ -140,8 +140,8 @@ OPTIONS: tuple[Option, ...] = (
         "kv_budget",
         "size",
         AUTO,
-        "memory the KV caches of --ctx-size auto may take (target and model drafter together): auto = a quarter "
-        "of the machine's memory",
+        "memory the KV caches of --ctx-size auto may take (target and model drafter together; --prompt-reader "
+        "auto keeps a reader only where its KV cache fits in what is left): auto = a quarter of the machine's memory",
         auto=True,
         metavar="SIZE",
     ),

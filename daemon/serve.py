@@ -80,7 +80,7 @@ def serve(
                 drafter_why=drafter_why,
                 n_ctx=context.n_ctx,
                 context_note=context.note,
-                kv_room=context.budget - context.kv_bytes if context.kv_bytes else -1,
+                kv_room=context.room,
                 embedding_name=embedding_name,
                 embedding_path=embedding_path,
             ),

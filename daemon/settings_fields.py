@@ -27,8 +27,8 @@ class SettingsFields:
     """context length in tokens (auto: the model's trained context where the KV caches fit --kv-budget, else the longest
     that fits; `tandem status` says which)"""
     kv_budget: int | None = None
-    """memory the KV caches of --ctx-size auto may take (target and model drafter together): auto = a quarter of the
-    machine's memory"""
+    """memory the KV caches of --ctx-size auto may take (target and model drafter together; --prompt-reader auto keeps a
+    reader only where its KV cache fits in what is left): auto = a quarter of the machine's memory"""
     kv_type: Literal["f16", "q8_0", "q4_0"] = "f16"
     """the KV cache's element type (llama.cpp's type_k/type_v): q8_0 takes about half of f16's memory and q4_0 about a
     quarter, at some cost in quality; output stays exact either way; q8_0 and q4_0 need --flash-attn on"""

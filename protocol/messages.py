@@ -22,7 +22,8 @@ from typing import Any, ClassVar, Optional
 PROTOCOL_VERSION: tuple[int, int] = (1, 12)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
-their defaults. 1.11 added ``status.within``. 1.10 added ``ModelInfo.cpu_kernels``. 1.9 added
+their defaults. 1.12 added ``tool_choice`` and the reasoning controls on ``tokenize``
+(an older daemon counts without them). 1.11 added ``status.within``. 1.10 added ``ModelInfo.cpu_kernels``. 1.9 added
 ``timings.paused_seconds`` (the short-request lane). 1.8 added the embed op
 and reasoning (thinking) fields. 1.1 added tools and
 tool calls: a client refuses to send tools to a 1.0 daemon, which would ignore them. 1.2 added
@@ -480,7 +481,9 @@ class Tokenize(Message):
     add_special: bool = True  # text only: BOS etc. as the model adds them to a prompt
     parse_special: bool = False  # text only: "<|im_start|>" written in the text is that special token
     with_pieces: bool = False  # also each token's text
-    # messages only (1.12): the prompt as a generate with these reasoning controls renders it (Generate's)
+    # messages only (1.12): the prompt as a generate with these renders it (Generate's fields): tool_choice
+    # none renders no tools, and a required call or thinking off closes a reasoning model's thinking
+    tool_choice: Any = None
     think: Optional[bool] = None
     reasoning_effort: Optional[str] = None
     max_thinking_tokens: Optional[int] = None
@@ -488,9 +491,9 @@ class Tokenize(Message):
     def check(self) -> None:
         if (self.text is None) == (self.messages is None):
             raise ValueError("give exactly one of 'text' and 'messages'")
-        reasoning = (self.think, self.reasoning_effort, self.max_thinking_tokens)
-        if self.messages is None and any(v is not None for v in reasoning):
-            raise ValueError("'think', 'reasoning_effort' and 'max_thinking_tokens' go with 'messages'")
+        rendering = (self.tool_choice, self.think, self.reasoning_effort, self.max_thinking_tokens)
+        if self.messages is None and any(v is not None for v in rendering):
+            raise ValueError("'tool_choice', 'think', 'reasoning_effort' and 'max_thinking_tokens' go with 'messages'")
         if self.text is not None and len(self.text) > MAX_MESSAGE_BYTES:
             raise ValueError("'text' is too long")
         if self.tools and self.messages is None:

@@ -246,11 +246,12 @@ class Supervisor:
         worker.info = msg.model
         if worker is self.embedder:
             self.embedding.on_ready()
-        if worker is self.target and self.drafter is not None and (self.drafter_off or not self.drafter.ready):
-            self.target.send(DrafterState(id="daemon", available=False))  # a new target: the drafter is down
+        if worker is self.target and self.drafter is not None:
+            # a new target: the drafter's state now, after any told while it loaded (a death meanwhile)
+            self.target.send(DrafterState(id="daemon", available=self.drafter.ready and not self.drafter_off))
         if worker is self.drafter and self.target.ready and not self.drafter_off:
             # a drafter up after the target (restarted, or slower to load at the first start; the target was
-            # told it is down): draft again. A target still loading finds it up when it is ready (above)
+            # told it is down): draft again. A target still loading is told when it is ready (above)
             self.target.send(DrafterState(id="daemon", available=True))
         if worker is self.target:
             self.scheduler.governor = msg.governor

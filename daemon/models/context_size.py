@@ -6,10 +6,11 @@ caches of every context the daemon creates for it (the target's and a model
 drafter's) fit ``--kv-budget``; else the longest that fits, in whole 1,024s. An
 explicit ``--ctx-size`` is taken as given, with a warning when it is over the
 budget. llama.cpp allocates the KV cache of the whole context at load, so this
-is what a context costs in memory whether or not a prompt fills it. Not counted:
-the prompt reader's second context (``--prompt-reader``, on by default only over
-repacked weights), which doubles the target's KV cache; and with layers on a GPU
-the budget is still the machine's memory, not the device's.
+is what a context costs in memory whether or not a prompt fills it. The prompt
+reader's second context (``--prompt-reader``, over repacked weights), which
+doubles the target's KV cache, is kept by ``auto`` only where it fits in what the
+budget leaves (``ContextChoice.room``). With layers on a GPU the budget is still
+the machine's memory, not the device's.
 
 Per token and layer a context keeps ``n_head_kv * (key_length + value_length)``
 elements; their size is the ``--kv-type``'s (llama.cpp's ``type_k``/``type_v``):
@@ -77,6 +78,11 @@ class ContextChoice:
     kv_bytes: int  # the KV caches of every context at n_ctx (target and model drafter)
     budget: int
     note: str  # how it was chosen, for the start-up log and `tandem status`
+
+    @property
+    def room(self) -> int:
+        """Bytes the budget leaves beside those KV caches (0 when they are over it; -1: not known)."""
+        return max(0, self.budget - self.kv_bytes) if self.kv_bytes else -1
 
 
 def mib(n: float) -> str:

@@ -57,7 +57,8 @@ class PromptReader:
         size = llama.llama_state_seq_get_size(source.ctx, 0)
         buf = self._state_buf
         if buf is None or len(buf) < size:  # (grown by half again: a chat grows)
-            buf = np.empty(max(size + size // 2, 1 << 20) if size <= KEEP_BUFFER_BYTES else size, dtype=np.uint8)
+            grown = min(max(size + size // 2, 1 << 20), KEEP_BUFFER_BYTES)
+            buf = np.empty(grown if size <= KEEP_BUFFER_BYTES else size, dtype=np.uint8)
         self._state_buf = buf if len(buf) <= KEEP_BUFFER_BYTES else None
         ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         written = llama.llama_state_seq_get_data(source.ctx, ptr, size, 0)

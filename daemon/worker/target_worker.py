@@ -351,6 +351,16 @@ def choose_prompt_reader(model, config: WorkerConfig) -> None:
         return
     kv = reader_kv_bytes(model)
     if config.settings.prompt_reader == "auto":
+        if 0 <= config.kv_room < kv:  # (before measuring its speed: seconds of prompt passes)
+            log.info(
+                "prompts are read over the repacked weights: a prompt reader's KV cache (%s at %d tokens) does not "
+                "fit in what --kv-budget leaves (%s): raise --kv-budget, or --prompt-reader on",
+                mib(kv),
+                model.n_ctx,
+                mib(config.kv_room),
+            )
+            model.drop_prompt_reader()
+            return
         try:
             name = f"prompt_reader faster chunk={model.prefill_chunk} group={model.prefill_group}"
             faster = kept_check(model, config, name, model.prompt_reader_pays)
@@ -359,17 +369,6 @@ def choose_prompt_reader(model, config: WorkerConfig) -> None:
             faster = False
         if not faster:
             log.info("prompts are read over the repacked weights: reading them over the file's was not faster here")
-            model.drop_prompt_reader()
-            return
-        if 0 <= config.kv_room < kv:
-            log.info(
-                "prompts are read over the repacked weights: a prompt reader would be faster here, but its KV cache "
-                "(%s at %d tokens) does not fit in what --kv-budget leaves (%s): raise --kv-budget, or "
-                "--prompt-reader on",
-                mib(kv),
-                model.n_ctx,
-                mib(max(config.kv_room, 0)),
-            )
             model.drop_prompt_reader()
             return
     log.info(
@@ -715,6 +714,7 @@ class TargetLoop:
                     id=msg.id,
                     messages=msg.messages,
                     tools=msg.tools,
+                    tool_choice=msg.tool_choice,
                     max_tokens=1,
                     think=msg.think,
                     reasoning_effort=msg.reasoning_effort,

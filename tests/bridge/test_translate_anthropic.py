@@ -16,10 +16,8 @@ from tandem.bridge.anthropic_api import (
     MessageEvents,
     chat_messages,
     content_blocks,
-    counted_tools,
     parse_messages,
     stop_reason,
-    tool_use,
     usage,
     whole_message,
 )
@@ -158,11 +156,7 @@ def test_tools_and_tool_choice(choice, expected, parallel):
     assert req.tools == ToolUse([WEATHER_SPEC, ping], choice=expected, parallel=parallel)
 
 
-def test_count_tokens_reads_no_tools_under_tool_choice_none():
-    assert counted_tools(None) is None
-    assert counted_tools(ToolUse([WEATHER_SPEC], choice="none")) is None
-    assert counted_tools(ToolUse([WEATHER_SPEC], choice="auto")) == [WEATHER_SPEC]
-    assert counted_tools(tool_use({"tools": [WEATHER]})) == [WEATHER_SPEC]
+def test_count_tokens_reads_the_system_prompt_as_a_message():
     assert chat_messages({"system": "S", "messages": [{"role": "user", "content": "x"}]}) == [
         {"role": "system", "content": "S"},
         {"role": "user", "content": "x"},

@@ -54,6 +54,8 @@ def test_the_default_context_is_the_trained_one_where_it_fits_else_the_longest_t
     assert both.n_ctx < 32768 and both.kv_bytes <= 500 << 20
     asked = choose_context(4096, smollm2_path, budget=1 << 20)  # asked for: taken as given, over the budget
     assert asked.n_ctx == 4096 and "(--ctx-size)" in asked.note
+    # what the budget leaves beside them (a prompt reader's KV cache must fit in it): none when over it
+    assert fits.room == (1 << 30) - 32768 * per_token and asked.room == 0
 
 
 def test_kv_type_and_budget_are_settings_and_a_quantized_cache_needs_flash_attention():
@@ -75,5 +77,5 @@ def test_a_model_without_attention_heads_gets_a_context_without_a_budget(tmp_pat
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + header)
     auto = choose_context(None, path, budget=1 << 20)
-    assert auto.n_ctx == 8192 and auto.kv_bytes == 0 and "not known" in auto.note
+    assert auto.n_ctx == 8192 and auto.kv_bytes == 0 and "not known" in auto.note and auto.room == -1
     assert choose_context(3000, path).n_ctx == 3000

@@ -377,7 +377,7 @@ def test_auto_keeps_a_faster_prompt_reader_only_where_its_kv_cache_fits_the_budg
         assert m.reader is not None
         choose_prompt_reader(m, config(kv - 1))
         assert m.reader is None
-        assert "does not fit in what --kv-budget leaves (12 MiB): raise --kv-budget" in caplog.text
+        assert "KV cache (12 MiB at 1024 tokens) does not fit in what --kv-budget leaves (12 MiB)" in caplog.text
     finally:
         m.close()
 

@@ -166,10 +166,10 @@ def test_a_drafter_death_lets_a_drafting_request_go_on_and_the_target_decodes_pl
     h.sup.check(time.monotonic())
     assert h.replies == [] and h.scheduler.active is not None  # the request is not failed: it goes on plainly
     states = [m for m in h.sup.target.sent if isinstance(m, DrafterState)]
-    assert [s.available for s in states] == [False] and h.sup.state == "ready"
+    assert [s.available for s in states] == [True, False] and h.sup.state == "ready"  # (up at its ready, then down)
     assert h.sup.drafter_note() == " (restarting)"
     h.restart_due(h.sup.drafter)
-    assert [m.available for m in h.sup.target.sent if isinstance(m, DrafterState)] == [False, True]
+    assert [m.available for m in h.sup.target.sent if isinstance(m, DrafterState)] == [True, False, True]
 
 
 def test_a_drafter_that_keeps_dying_is_switched_off_and_serving_goes_on():
@@ -204,6 +204,7 @@ def loading_harness(drafter: bool = False) -> Harness:
     h.sup.ever_ready, h.sup.state = False, "loading"
     for w in h.sup.workers:
         w.info = None
+        w.sent.clear()
     return h
 
 
@@ -250,12 +251,24 @@ def test_a_drafter_that_loads_after_the_target_drafts():
     assert [m.available for m in h.sup.target.sent if isinstance(m, DrafterState)] == [False, True]
 
 
-def test_a_drafter_that_loads_before_the_target_is_not_announced_twice():
+def test_a_drafter_that_loads_before_the_target_is_announced_once():
     h = loading_harness(drafter=True)
-    h.sup.target.sent.clear()
     h.sup._on_ready(h.sup.drafter, Ready(id="drafter", model=INFO, pid=2))
     h.sup._on_ready(h.sup.target, Ready(id="target", model=INFO, pid=1))
-    assert h.sup.state == "ready" and not [m for m in h.sup.target.sent if isinstance(m, DrafterState)]
+    assert h.sup.state == "ready"
+    assert [m.available for m in h.sup.target.sent if isinstance(m, DrafterState)] == [True]
+
+
+def test_a_drafter_restarted_while_the_target_loads_is_up_for_the_target():
+    """Told while it loaded that the drafter died (a queued message it reads after its ready), a target is
+    told at its ready that the drafter is back."""
+    h = loading_harness(drafter=True)
+    h.sup.drafter.die()
+    h.sup.check(time.monotonic())
+    h.restart_due(h.sup.drafter)
+    h.sup._on_ready(h.sup.target, Ready(id="target", model=INFO, pid=1))
+    assert h.sup.state == "ready"
+    assert [m.available for m in h.sup.target.sent if isinstance(m, DrafterState)][-1] is True
 
 
 def test_a_drafter_killed_while_loading_is_loaded_again_and_then_drafts():

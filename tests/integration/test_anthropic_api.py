@@ -109,6 +109,8 @@ def test_count_tokens_is_what_the_message_reads(client, weather_tool_anthropic):
     assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
     no_tools = client.messages.count_tokens(model="tandem", system="Be brief.", messages=kw["messages"]).input_tokens
     assert no_tools < counted  # the tools are rendered into the prompt too
+    # ... except under tool_choice none, as the message renders it
+    assert client.messages.count_tokens(**kw, tool_choice={"type": "none"}).input_tokens == no_tools
 
 
 def raw(url: str, body) -> tuple[int, dict]:

@@ -185,6 +185,20 @@ def test_anthropic_thinking_blocks_whole_streamed_and_sent_back(bridge):
     assert client.messages.count_tokens(**count, thinking=kw["thinking"]).input_tokens < counted_off
 
 
+def test_v1_tokenize_counts_with_the_reasoning_controls(bridge):
+    """The bridge's /v1/tokenize renders messages as the chat request with the same fields would."""
+
+    def count(**extra) -> int:
+        body = json.dumps({"model": "tandem", "messages": ASK, **extra}).encode()
+        req = urllib.request.Request(bridge.url + "/tokenize", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["count"]
+
+    default = count()
+    assert count(reasoning_effort="none") == count(chat_template_kwargs={"enable_thinking": False}) > default
+    assert count(think=True) == default
+
+
 def test_responses_reasoning_items(bridge):
     body = {"model": "tandem", "input": ASK[0]["content"], "max_output_tokens": 40, "temperature": 0}
     oa = bridge.openai()

@@ -62,6 +62,7 @@ REQUESTS = [
     P.CacheClear(id="k2", memory_only=True),
     P.Tokenize(id="t1", text="def f():", with_pieces=True),
     P.Tokenize(id="t2", messages=[P.ChatMessage(role="user", content="Hi")], tools=[]),
+    P.Tokenize(id="t3", messages=[P.ChatMessage(role="user", content="Hi")], tool_choice="none", think=False),
     P.Detokenize(id="d1", tokens=[1, 2, 3]),
     P.Embed(id="e1", input=["def f():", "héllo"], truncate=False, dimensions=64),
 ]
@@ -415,3 +416,11 @@ def test_protocol_md_documents_every_op_field_and_error_code():
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in doc, f"{cls.__name__}.{f.name}"
     assert f"{P.PROTOCOL_VERSION[0]}.{P.PROTOCOL_VERSION[1]}" in doc
+
+
+def test_tokenize_takes_the_rendering_fields_with_messages_only():
+    chat = [P.ChatMessage(role="user", content="Hi")]
+    P.Tokenize(id="t", messages=chat, tool_choice="required", think=True, reasoning_effort="low").check()
+    for field in ({"tool_choice": "none"}, {"think": False}, {"max_thinking_tokens": 0}):
+        with pytest.raises(ValueError, match="go with 'messages'"):
+            P.Tokenize(id="t", text="Hi", **field).check()

@@ -247,12 +247,13 @@ class Supervisor:
         if worker is self.embedder:
             self.embedding.on_ready()
         if worker is self.target and self.drafter is not None:
-            # a new target: the drafter's state now, after any told while it loaded (a death meanwhile)
-            self.target.send(DrafterState(id="daemon", available=self.drafter.ready and not self.drafter_off))
-        if worker is self.drafter and self.target.ready and not self.drafter_off:
-            # a drafter up after the target (restarted, or slower to load at the first start; the target was
-            # told it is down): draft again. A target still loading is told when it is ready (above)
-            self.target.send(DrafterState(id="daemon", available=True))
+            # a new target while the drafter is down: switched off, or restarting after the first start (at the
+            # first start the daemon serves nothing until both are loaded: a drafter still loading is not down,
+            # and telling the target so would leave it off for good)
+            if self.drafter_off or (self.ever_ready and not self.drafter.ready):
+                self.target.send(DrafterState(id="daemon", available=False))
+        if worker is self.drafter and (self.ever_ready or worker.policy.restarts) and self.target.alive:
+            self.target.send(DrafterState(id="daemon", available=True))  # a restarted drafter: draft again
         if worker is self.target:
             self.scheduler.governor = msg.governor
             self.scheduler.cache = msg.cache

@@ -20,8 +20,9 @@ opens one, or a first token that opens a JSON object: ``CallOpener``), and
 from there the call is constrained. Its ``parser`` turns the output into the
 answer's text and tool calls, each streamed whole once it closes; a call that
 names no tool or has no arguments object (possible only where the output was
-not constrained), or that was cut off (``max_tokens``, a stop string), is not
-reported, and a call identical to one already made ends the turn. The
+not constrained) is text, as the model wrote it; one that was cut off
+(``max_tokens``, a stop string) is not reported, and a call identical to one
+already made ends the turn. The
 arguments are compact JSON (``", "`` and ``": "``), exactly what the
 templates' ``tojson`` writes back, so a history that re-sends the calls
 renders the tokens the model generated and the prefix cache keeps hitting.
@@ -420,7 +421,9 @@ class HermesParser(ToolCallParser):
         self.fence_close = False  # that call closed: its fence's closing line is not text either
         self._reset_call()
 
-    def _reset_call(self) -> None:
+    def _reset_call(self, opened: str = "") -> None:
+        self.raw = opened  # what the model wrote of this call so far: given back as text if it is not a call
+        self.given = ""  # a closed call's text that was not a call, for the answer
         self.name: Optional[str] = None
         self.call_id = ""
         self.args = ""
@@ -444,7 +447,7 @@ class HermesParser(ToolCallParser):
             self.started = True
             if self.buf.lstrip().startswith("{"):
                 self.in_call = self.bare = True
-                self._reset_call()
+                self._reset_call(self.dropped)
         while True:
             if self.fence_close:
                 s = self.buf.lstrip()
@@ -481,8 +484,12 @@ class HermesParser(ToolCallParser):
                 self.held = ""
                 self.buf = self.buf[i + len(OPEN) :]
                 self.in_call = True
-                self._reset_call()
-            if not self._call_step(deltas):
+                self._reset_call(OPEN)
+            closed = self._call_step(deltas)
+            if self.given:
+                content += self._text(self.given)
+                self.given = ""
+            if not closed:
                 return content, deltas
 
     def _fenced_block(self, block: str, deltas: list[ToolCallDelta]) -> str:
@@ -510,9 +517,11 @@ class HermesParser(ToolCallParser):
             if m is None:
                 close = self.buf.find(CLOSE) if not self.bare else -1
                 if close >= 0:  # a call in another shape (unconstrained): parse it whole
-                    self._whole(self.buf[:close], deltas)
+                    text = self.buf[: close + len(CLOSE)]
                     self.buf = self.buf[close + len(CLOSE) :]
                     self.in_call = False
+                    if not self._whole(text[:close], deltas):
+                        self.given = self.raw + text
                     return True
                 return False
             try:
@@ -520,31 +529,40 @@ class HermesParser(ToolCallParser):
             except ValueError:
                 self.name = m.group(1)  # not a valid JSON string; it will not match a tool's name
             self.call_id = new_call_id()
+            self.raw += self.buf[: m.end()]
             self.buf = self.buf[m.end() :]
         if not self.args_done:
             n = self._scan(self.buf)
             piece, self.buf = self.buf[:n], self.buf[n:]
             self.args += piece
+            self.raw += piece
             if not self.args_done:
                 return False
         end, word = (self.buf.find("}"), "}") if self.bare else (self.buf.find(CLOSE), CLOSE)
         if end < 0:
             return False
+        self.raw += self.buf[: end + len(word)]
         self.buf = self.buf[end + len(word) :]
-        self.fence_close = self.bare and bool(self.dropped)  # the fence it was written in may close next
-        self.in_call = self.bare = False
-        self._close(deltas)
+        bare, self.in_call, self.bare = self.bare, False, False
+        if self._close(deltas):
+            self.fence_close = bare and bool(self.dropped)  # the fence it was written in may close next
+        else:
+            self.given = self.raw
         return True
 
-    def _close(self, deltas: list[ToolCallDelta]) -> None:
-        """A closed call is reported if it calls a tool with an arguments object (unconstrained
-        output may not; it is then neither streamed nor in done)."""
+    def _close(self, deltas: list[ToolCallDelta]) -> bool:
+        """A closed call is reported if it calls a tool with an arguments object; unconstrained
+        output may not (a string for arguments, a name that is no tool's), and it is then the
+        answer's text, as the model wrote it (as llama-server gives back a call it cannot parse):
+        False."""
         try:
             args = json.loads(self.args)
         except (ValueError, RecursionError):
             args = None
         if isinstance(args, dict) and (self.names is None or self.name in self.names):
             self._add(ToolCall(id=self.call_id, function=FunctionCall(self.name, self.args)), deltas)
+            return True
+        return False
 
     def _scan(self, text: str) -> int:
         """How much of ``text`` belongs to the arguments value (a JSON object)."""
@@ -570,7 +588,7 @@ class HermesParser(ToolCallParser):
                 return i
         return len(text)
 
-    def _whole(self, text: str, deltas: list[ToolCallDelta]) -> None:
+    def _whole(self, text: str, deltas: list[ToolCallDelta]) -> bool:
         try:
             obj = json.loads(text)
         except (ValueError, RecursionError):
@@ -582,6 +600,8 @@ class HermesParser(ToolCallParser):
             and isinstance(obj.get("arguments"), dict)
         ):
             self._add(ToolCall(new_call_id(), FunctionCall(name, _dump(obj["arguments"]))), deltas)
+            return True
+        return False
 
     def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
@@ -589,12 +609,13 @@ class HermesParser(ToolCallParser):
             if cut:  # cut off (max_tokens, a stop string) before the model closed it: not a call, none of it
                 if self.bare and self.name is None:  # streamed; held JSON at the start of the answer is text
                     content = self.dropped + self.buf
-            elif self.name is not None and self.args_done:  # the model ended without the closing tag
-                self._close(deltas)
-            elif self.name is None:
-                self._whole(self.buf, deltas)
-                if self.bare and not self.calls:
-                    content = self.dropped + self.buf  # an answer that is JSON, not a call
+            else:  # the model ended without the closing tag: a call if what it wrote is one, else text
+                if self.name is not None:
+                    called = self.args_done and self._close(deltas)
+                else:
+                    called = self._whole(self.buf, deltas)
+                if not called:
+                    content = self._text(self.raw + self.buf)  # (an answer that is JSON, not a call)
         elif not self.started:
             content = self.buf  # only whitespace
         elif self.fence_open:  # a code fence the output never closed

@@ -138,6 +138,42 @@ def test_a_repeated_call_is_not_reported_again_and_says_so():
     assert parser.repeated and len(parser.calls) == 2 and more == []  # nor a new call after the repeat
 
 
+# Qwen2.5-Coder-0.5B under Claude Code's prompt (2026-12-07): a bare object, not compact JSON (so not constrained),
+# whose arguments are a string. It is no call; it was dropped, the answer came back empty, and Claude Code re-asked
+BARE_STRING_ARGS = '{\n    "name": "Bash",\n    "arguments": "cd /tmp/repo && git status"\n}'
+NOT_CALLS = [
+    BARE_STRING_ARGS,
+    "```json\n" + BARE_STRING_ARGS + "\n```",
+    '<tool_call>\n{"name": "Bash", "arguments": "ls"}\n</tool_call>',
+    '<tool_call>\n{"name": "no_such_tool", "arguments": {"a": 1}}\n</tool_call>',
+    '<tool_call>\n{"arguments": {"a": 1}, "name": "no_such_tool"}\n</tool_call>',
+    '<tool_call>\n{"name": "Bash", "arguments": "ls"}',  # ended by itself, without the closing tag
+    "<tool_call>\nls -la",
+]
+
+
+@pytest.mark.parametrize("text", NOT_CALLS)
+@pytest.mark.parametrize("cut", [0, 1, 7, 15, 30, 45])
+def test_what_is_not_a_call_is_the_answers_text_as_written(text, cut):
+    """A call the model closed (or ended its answer in) that names no tool or whose arguments
+    are not an object is given back as text, as llama-server does, never dropped: an empty
+    answer makes an agent re-ask (Claude Code: 'Your previous response had no visible output')."""
+    parser = HermesParser({"Bash"})
+    content, deltas = feed_all(parser, text, [min(cut, len(text))])
+    assert content == text and deltas == [] and parser.calls == []
+
+
+def test_a_call_that_is_not_one_between_two_calls_is_text_and_both_calls_are_reported():
+    call = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>\n'
+    bad = '<tool_call>\n{"name": "Bash", "arguments": "pwd"}\n</tool_call>\n'
+    other = call.replace("ls", "pwd")
+    for cut in range(0, len(call + bad + other), 9):
+        parser = HermesParser({"Bash"})
+        content, deltas = feed_all(parser, call + bad + other, [cut])
+        assert content == bad.rstrip("\n"), (cut, content)  # (whitespace between calls is not text)
+        assert _calls(deltas) == [("Bash", '{"command": "ls"}'), ("Bash", '{"command": "pwd"}')]
+
+
 def test_text_without_calls_passes_through_even_if_it_looks_like_a_tag():
     content, deltas = feed_all(HermesParser(), "a <tool no> b <tool_c", [3, 9])
     assert content == "a <tool no> b <tool_c" and deltas == []

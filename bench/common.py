@@ -51,9 +51,26 @@ def temp_socket(prefix: str) -> Path:
 # What the daemons' load checks found (daemon/worker/invariance.py: keyed by model file, settings and CPU),
 # handed to each later daemon of a run that is given a fresh --state-dir, as a restarted daemon finds them
 # in its own: the daemons a benchmark compares read prompts the same way, and none spends its start on them
-# (tests/conftest.py hands them on between the test daemons of a session the same way).
+# (tests/conftest.py hands them on between the test daemons of a session the same way). Where
+# $TANDEM_BENCH_VERDICTS names a file, they are read from it and written back to it: a test session shares
+# them so with the benchmarks it runs as subprocesses (a fresh daemon's checks take 7-15 s on two cores).
 VERDICTS: dict = {}
 VERDICTS_FILE = "batch-invariance.json"
+VERDICTS_ENV = "TANDEM_BENCH_VERDICTS"
+
+
+def _shared_verdicts() -> Path | None:
+    path = os.environ.get(VERDICTS_ENV)
+    return Path(path) if path else None
+
+
+def _read_verdicts(path: Path) -> None:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(found, dict):
+        VERDICTS.update({k: v for k, v in found.items() if isinstance(v, dict)})
 
 
 def _state_dir(serve_args: tuple) -> Path | None:
@@ -81,18 +98,23 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180, stderr=No
 def seed_verdicts(state: Path) -> None:
     """Put the verdicts found so far (``VERDICTS``) into a daemon's state directory ``state``,
     unless it has its own file."""
+    shared = _shared_verdicts()
+    if shared is not None:
+        _read_verdicts(shared)
     if VERDICTS and not (state / VERDICTS_FILE).exists():
         state.mkdir(parents=True, exist_ok=True)
         (state / VERDICTS_FILE).write_text(json.dumps(VERDICTS))
 
 
 def keep_verdicts(state: Path) -> None:
-    """Add what a daemon with the state directory ``state`` found to ``VERDICTS``."""
-    try:
-        found = json.loads((state / VERDICTS_FILE).read_text())
-        VERDICTS.update({k: v for k, v in found.items() if isinstance(v, dict)})
-    except (OSError, ValueError):
-        pass
+    """Add what a daemon with the state directory ``state`` found to ``VERDICTS`` (and to the shared file)."""
+    _read_verdicts(state / VERDICTS_FILE)
+    shared = _shared_verdicts()
+    if shared is not None and VERDICTS:
+        _read_verdicts(shared)  # (another process's, since)
+        part = shared.with_name(f"{shared.name}.{os.getpid()}")
+        part.write_text(json.dumps(VERDICTS))
+        part.replace(shared)
 
 
 def _spawn(socket: Path, serve_args: tuple, stderr) -> subprocess.Popen:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import keep_verdicts, seed_verdicts
+from bench.common import VERDICTS_ENV, keep_verdicts, seed_verdicts
 from tandem.client import Client, DaemonNotRunning
 
 if os.environ.get("TANDEM_TEST_WITHOUT_LLAMA_CPP"):  # as if llama-cpp-python were not installed
@@ -46,6 +46,8 @@ def pytest_configure(config):
     os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tdm-cfg-")
     # ... and the prefix cache's disk tier never in the user's ~/.cache (nor shared with a DaemonProcess's)
     os.environ["TANDEM_DISK_CACHE_DIR"] = tempfile.mkdtemp(prefix="tdm-kv-")
+    # the load checks' verdicts the session's daemons found, also for the benchmarks it runs as subprocesses
+    os.environ[VERDICTS_ENV] = os.path.join(tempfile.mkdtemp(prefix="tdm-verdicts-"), "verdicts.json")
 
 
 @pytest.fixture(scope="session")

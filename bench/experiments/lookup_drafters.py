@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round (default %(default)s)")
     ap.add_argument("--kinds", nargs="+", default=["edit", "agent"])
+    ap.add_argument("--prompts", type=int, default=0, metavar="N", help="only each task's first N prompts (0: all)")
     ap.add_argument("--ctx-size", default="4096")
     ap.add_argument(
         "--also-fast",
@@ -182,7 +183,7 @@ def main() -> None:
         print("|---|---|" + "---|" * (len(systems) - 1))
         details, cached = [], 0
         for kind in args.kinds:
-            prompts = corpus[kind]
+            prompts = corpus[kind][: args.prompts or None]
             res: dict[str, list[dict]] = {s: [] for s in systems}
             for client, params in systems.values():  # untimed: warms every system, and the governors meet the task
                 run(client, prompts, args.tokens, **params)

@@ -45,6 +45,7 @@ from .core import (
     MessageLike,
     ReplyRouter,
     StreamState,
+    check_daemon_counts,
     check_daemon_embeds,
     check_daemon_speaks,
     check_socket_exists,
@@ -232,8 +233,9 @@ class AsyncClient:
 
     async def tokenize(self, text: Optional[str] = None, messages=None, tools=None, **options) -> Tokenized:
         """As Client.tokenize."""
-        await self.connect()
-        reply = await self._request(tokenize_request(text, messages, tools, **options), self.connect_timeout)
+        req = tokenize_request(text, messages, tools, **options)
+        check_daemon_counts(await self.connect(), req)
+        reply = await self._request(req, self.connect_timeout)
         raise_for_terminal(reply)
         assert isinstance(reply, Tokenized)
         return reply

@@ -44,6 +44,7 @@ from .core import (
     MessageLike,
     ReplyRouter,
     StreamState,
+    check_daemon_counts,
     check_daemon_embeds,
     check_daemon_speaks,
     check_socket_exists,
@@ -248,9 +249,11 @@ class Client:
         """The token ids of ``text``, or of ``messages`` (and ``tools``) as the chat
         template renders them for ``generate``. Options: add_special, parse_special,
         with_pieces (text); tool_choice, think, reasoning_effort, max_thinking_tokens
-        (messages, daemon 1.12). Answered between decoding steps, never queued behind a request."""
-        self.connect()
-        reply = self._request(tokenize_request(text, messages, tools, **options), self.connect_timeout)
+        (messages; a daemon older than 1.12 would not count them: InvalidRequest). Answered between
+        decoding steps, never queued behind a request."""
+        req = tokenize_request(text, messages, tools, **options)
+        check_daemon_counts(self.connect(), req)
+        reply = self._request(req, self.connect_timeout)
         raise_for_terminal(reply)
         assert isinstance(reply, Tokenized)
         return reply

@@ -169,7 +169,8 @@ def generate_request(
 
 
 # generate's arguments that change its chat prompt (tokenize's options): the rest renders no token of it
-COUNTED = ("tools", "tool_choice", "think", "reasoning_effort", "max_thinking_tokens")
+TOKENIZE_1_12 = ("tool_choice", "think", "reasoning_effort", "max_thinking_tokens")  # tokenize's options since 1.12
+COUNTED = ("tools", *TOKENIZE_1_12)
 
 
 def counted(params: dict) -> dict:
@@ -221,6 +222,17 @@ def check_daemon_speaks(hello: Any, req: Decoding) -> None:
         raise InvalidRequest(
             f"the daemon speaks protocol {version[0]}.{version[1]}, which ignores tools: "
             "restart it from this tandem (tandem service restart, or stop it and run tandem serve)"
+        )
+
+
+def check_daemon_counts(hello: Any, req: Tokenize) -> None:
+    """Refuse to send tokenize's 1.12 options to an older daemon: it would count the prompt without them."""
+    version = tuple(hello.protocol_version[:2])
+    given = [k for k in TOKENIZE_1_12 if getattr(req, k, None) is not None]
+    if given and version < (1, 12):
+        raise InvalidRequest(
+            f"the daemon speaks protocol {version[0]}.{version[1]}, which counts a prompt without "
+            f"{', '.join(given)}: restart it from this tandem (tandem service restart, or stop it and run tandem serve)"
         )
 
 

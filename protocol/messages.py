@@ -194,7 +194,7 @@ class Timings:
     prompt_seconds: float  # tokenizing and prefilling the prompt
     generation_seconds: float  # first generated token to the last
     tokens_per_second: float  # completion tokens after the first / generation_seconds
-    queued_seconds: float  # waiting in the queue before the worker took the request
+    queued_seconds: float  # waiting in the queue before the worker served it (the lane: and in the worker)
     # seconds it waited while short requests were served (the lane): in its prompt's reading (of
     # prompt_seconds) and between its steps (of generation_seconds; tokens_per_second leaves those out): 1.9
     paused_seconds: float = 0.0

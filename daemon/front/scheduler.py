@@ -302,7 +302,8 @@ class Scheduler:
         if isinstance(msg, Done):
             self.on_request_done()
             msg.serial = job.serial
-            msg.timings.queued_seconds = (job.started_at or job.enqueued_at) - job.enqueued_at
+            # its wait here, and in the worker for a round of the running request to end (the lane)
+            msg.timings.queued_seconds += (job.started_at or job.enqueued_at) - job.enqueued_at
             if msg.governor is not None:
                 self.governor = msg.governor
             if msg.cache is not None:

@@ -517,6 +517,7 @@ class TargetLoop:
         self.serving: Optional[Decoding] = None  # ... and the one _serve took (a short one's host, for the lane)
         self.waiting: Optional[Decoding] = None  # a short request the daemon sent while another runs (the lane)
         self.waiting_held = False  # ... that waits for the running one to end (its KV was too large to copy)
+        self.waiting_since = 0.0  # ... since then (its wait here is part of its queued_seconds)
         self.drafter_died = False  # the drafter died while the current request was served
         self.narrow_drafted = self.narrow_accepted = 0  # a 4-bit drafter's first drafts (reported once)
         self.narrow_reported = False
@@ -554,7 +555,7 @@ class TargetLoop:
             cache = engine.cache
             if self.waiting is not None:  # sent within a request that ended before it could be served: next
                 msg, self.waiting, self.waiting_held = self.waiting, None, False
-                self._serve(msg, sent_within=True)
+                self._serve(msg, sent_within=True, held=time.monotonic() - self.waiting_since)
                 continue
             if self.settle_due and not self.sock.poll(0, zmq.POLLIN):
                 self.settle_due = False  # once per request: what it left is settled, or a request came
@@ -611,7 +612,8 @@ class TargetLoop:
     def _shutdown(self, msg: Shutdown) -> None:
         self.stopping = True
 
-    def _serve(self, msg, sent_within: bool = False) -> None:
+    def _serve(self, msg, sent_within: bool = False, held: float = 0.0) -> None:
+        """``held``: the seconds a request sent within the one before waited here (in its queued_seconds)."""
         engine = self.engine
         assert engine is not None
         # a cancel of a request sent within the one before (the lane) is due to it
@@ -624,6 +626,7 @@ class TargetLoop:
         try:
             done = engine.run(msg, self.send, lambda: self._poll_cancel(msg.id), self._lend)
             done.drafter_died = self.drafter_died  # it finished plainly: say so
+            done.timings.queued_seconds = held  # (the daemon adds its own queue's)
             if engine.cache is not None:
                 # before the reply (a few ms in tmpfs): once a request is answered,
                 # its pages survive this worker being killed
@@ -653,6 +656,7 @@ class TargetLoop:
         if short is None or self.waiting_held:
             return False
         self.waiting = None
+        held = time.monotonic() - self.waiting_since
         outer, died = self.current, self.drafter_died
         self.current = short.id
         self.send(Progress(id=short.id))
@@ -664,6 +668,7 @@ class TargetLoop:
                 log.info("request %s waits for %s to end: its KV state is too large to copy", short.id, outer)
                 self.waiting, self.waiting_held = short, True
                 return False
+            done.timings.queued_seconds = held  # its wait for this round's end (the daemon adds its queue's)
             if engine.cache is not None:
                 self._save_cache_index()  # (as _serve: once answered, its pages survive this worker)
             self.send(done)
@@ -684,7 +689,7 @@ class TargetLoop:
         """The short request the worker holds (not started) was cancelled: answered now."""
         short, self.waiting, self.waiting_held = self.waiting, None, False
         self.cancelled.discard(short.id)
-        self.send(Done.cancelled(short.id))
+        self.send(Done.cancelled(short.id, queued_seconds=time.monotonic() - self.waiting_since))
 
     def _report_narrow_drafter(self, done) -> None:
         """A drafter of 4 bits or fewer: once it has drafted enough to say, log the
@@ -843,7 +848,7 @@ class TargetLoop:
                 self._drafter_state(msg)
             elif isinstance(msg, (Generate, Complete)):  # a short request, for the lane (``_lend``)
                 if self.waiting is None:
-                    self.waiting = msg
+                    self.waiting, self.waiting_since = msg, time.monotonic()
                 else:  # the daemon sends one at a time: a bug
                     why = "the worker holds a short request already"
                     self.send(Error.of(msg.id, ErrorCode.INTERNAL, why))

@@ -4,6 +4,7 @@ handshake, streaming, routing, terminal errors, timeouts and a missing daemon.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import tempfile
 import threading
@@ -47,6 +48,8 @@ from tandem.protocol import (
     Status,
     StatusReply,
     Timings,
+    Tokenize,
+    Tokenized,
     Usage,
     decode,
     encode,
@@ -229,6 +232,27 @@ def test_a_daemon_refusing_the_protocol_version_raises_request_failed(fake_daemo
         assert (info.value.code, info.value.name) == (103, "UNSUPPORTED_VERSION")
         assert "2.x" in str(info.value)
         assert c.server is None
+
+
+def test_counting_with_1_12_options_on_an_older_daemon_is_refused_not_miscounted(fake_daemon):
+    """A 1.11 daemon would count the prompt without tool_choice or the reasoning controls: a wrong
+    count, silently. The client refuses before sending; a count without them still goes."""
+    old = lambda m: dataclasses.replace(hello_reply(m), protocol_version=[1, 11])  # noqa: E731
+    tokens = lambda m: [Tokenized(id=m.id, tokens=[1, 2])]  # noqa: E731
+    d = fake_daemon(tokens, hello=old)
+    chat = [{"role": "user", "content": "hi"}]
+    with Client(d.socket_path, timeout=5) as c:
+        with pytest.raises(InvalidRequest, match=r"protocol 1\.11.*think, reasoning_effort.*tandem service restart"):
+            c.count_tokens(messages=chat, think=True, reasoning_effort="low")
+        assert c.count_tokens(messages=chat, temperature=0.5) == 2
+    assert len(d.requests(Tokenize)) == 1
+
+    async def aio():
+        async with AsyncClient(d.socket_path, timeout=5) as c:
+            with pytest.raises(InvalidRequest, match="tool_choice"):
+                await c.count_tokens(messages=chat, tool_choice="none")
+
+    asyncio.run(aio())
 
 
 def test_no_socket_file_raises_daemon_not_running_naming_the_path(tmp_path):

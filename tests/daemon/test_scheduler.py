@@ -462,6 +462,21 @@ def test_a_short_request_is_sent_while_a_long_one_runs_and_answered_first(lane):
     assert h.s.start_next() and h.started()[-1] == "queued-long"
 
 
+def test_a_short_requests_queued_seconds_add_its_wait_in_the_worker_for_a_rounds_end(lane):
+    h = lane
+    h.submit(b"L", "long", max_tokens=1000)
+    h.s.start_next()
+    h.clock.advance(0.5)
+    h.submit(b"S", "short", max_tokens=16)
+    h.clock.advance(1.0)  # in the daemon's queue ...
+    h.s.start_next()
+    h.clock.advance(0.4)
+    answer = served("short", 0.1)
+    answer.timings.queued_seconds = 0.3  # ... and the worker's: it held the request until a round ended
+    h.worker_says(answer)
+    assert h.replies_to(b"S")[0].timings.queued_seconds == pytest.approx(1.3)
+
+
 def test_the_long_request_keeps_at_least_half_the_time(lane):
     h = lane
     h.submit(b"L", "long", max_tokens=1000)

@@ -288,6 +288,8 @@ def test_where_the_model_cannot_copy_its_kv_the_short_request_waits_for_the_runn
     long, short = terminals(w, 2)
     assert (long.id, long.text, long.timings.paused_seconds) == ("long", "x" * 40, 0.0)
     assert (short.id, short.text) == ("short", "xxx")
+    # it waited here for at least the long one's last 35 steps of 20 ms (the daemon adds its own queue's wait)
+    assert short.timings.queued_seconds >= 35 * 0.02
 
 
 def test_a_waiting_short_request_that_is_cancelled_is_answered_at_once(worker_on, scripted_model):

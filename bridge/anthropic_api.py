@@ -23,6 +23,7 @@ import secrets
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Optional
 
+from tandem.client.core import TOKENIZE_1_12
 from tandem.protocol import Chunk, Done, FinishReason
 
 from .answers import sse
@@ -410,6 +411,17 @@ async def count_tokens(ex: "Exchange", body: dict) -> None:
 
 
 async def _prompt_tokens(ex: "Exchange", req: GenRequest) -> int:
-    """The prompt's tokens as generate renders it (tools and tool_choice, and the reasoning controls)."""
+    """The prompt's tokens as generate renders it (tools and tool_choice, and the reasoning controls).
+    A daemon older than 1.12 counts without tool_choice and the reasoning controls (the client refuses
+    to ask it with them): a count a few tokens off, said in the log, rather than a failed request."""
     async with ex.daemon() as client:
-        return await client.count_tokens(messages=req.messages or [], **req.daemon_params())
+        params = req.daemon_params()
+        version = tuple((await client.connect()).protocol_version[:2])
+        if version < (1, 12) and any(params.get(k) is not None for k in TOKENIZE_1_12):
+            log.warning(
+                "the daemon speaks protocol %d.%d: prompt tokens counted without tool_choice and the reasoning "
+                "controls; restart it from this tandem for exact counts",
+                *version,
+            )
+            params = {k: v for k, v in params.items() if k not in TOKENIZE_1_12}
+        return await client.count_tokens(messages=req.messages or [], **params)

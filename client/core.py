@@ -205,35 +205,32 @@ def embed_request(
     return _checked(Embed(id=request_id, input=texts, tokens=ids, **options))
 
 
+RESTART_HINT = "restart it from this tandem (tandem service restart, or stop it and run tandem serve"
+
+
+def _older(hello: Any, what: str, serve: str = "") -> InvalidRequest:
+    """The error for a daemon whose protocol is older than a request needs; ``what``: what it does instead."""
+    major, minor = hello.protocol_version[:2]
+    return InvalidRequest(f"the daemon speaks protocol {major}.{minor}, which {what}: {RESTART_HINT}{serve})")
+
+
 def check_daemon_embeds(hello: Any) -> None:
     """Refuse to send embed to a daemon that has no such op (its minor is below 1.8)."""
-    version = tuple(hello.protocol_version[:2])
-    if version < (1, 8):
-        raise InvalidRequest(
-            f"the daemon speaks protocol {version[0]}.{version[1]}, which has no embed op: restart it from this "
-            "tandem (tandem service restart, or stop it and run tandem serve --embedding-model MODEL)"
-        )
+    if tuple(hello.protocol_version[:2]) < (1, 8):
+        raise _older(hello, "has no embed op", " --embedding-model MODEL")
 
 
 def check_daemon_speaks(hello: Any, req: Decoding) -> None:
     """Refuse to send tools to a daemon that would silently ignore them (its minor is below 1.1)."""
-    version = tuple(hello.protocol_version[:2])
-    if getattr(req, "tools", None) and version < (1, 1):
-        raise InvalidRequest(
-            f"the daemon speaks protocol {version[0]}.{version[1]}, which ignores tools: "
-            "restart it from this tandem (tandem service restart, or stop it and run tandem serve)"
-        )
+    if getattr(req, "tools", None) and tuple(hello.protocol_version[:2]) < (1, 1):
+        raise _older(hello, "ignores tools")
 
 
 def check_daemon_counts(hello: Any, req: Tokenize) -> None:
     """Refuse to send tokenize's 1.12 options to an older daemon: it would count the prompt without them."""
-    version = tuple(hello.protocol_version[:2])
     given = [k for k in TOKENIZE_1_12 if getattr(req, k, None) is not None]
-    if given and version < (1, 12):
-        raise InvalidRequest(
-            f"the daemon speaks protocol {version[0]}.{version[1]}, which counts a prompt without "
-            f"{', '.join(given)}: restart it from this tandem (tandem service restart, or stop it and run tandem serve)"
-        )
+    if given and tuple(hello.protocol_version[:2]) < (1, 12):
+        raise _older(hello, f"counts a prompt without {', '.join(given)}")
 
 
 def heard_often(hello: Any, req: Decoding, timeout: Optional[float]) -> tuple[bool, bool]:

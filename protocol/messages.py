@@ -23,7 +23,8 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 12)
 """(major, minor). A client whose major differs is refused; minors are compatible:
 receivers ignore fields they do not know and fill missing optional fields with
 their defaults. 1.12 added ``tool_choice`` and the reasoning controls on ``tokenize``
-(an older daemon counts without them). 1.11 added ``status.within``. 1.10 added ``ModelInfo.cpu_kernels``. 1.9 added
+(an older daemon would count without them: the client refuses to send them to one). 1.11 added
+``status.within``. 1.10 added ``ModelInfo.cpu_kernels``. 1.9 added
 ``timings.paused_seconds`` (the short-request lane). 1.8 added the embed op
 and reasoning (thinking) fields. 1.1 added tools and
 tool calls: a client refuses to send tools to a 1.0 daemon, which would ignore them. 1.2 added

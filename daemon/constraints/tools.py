@@ -417,6 +417,7 @@ class HermesParser(ToolCallParser):
         self.started = False  # something other than whitespace was seen
         self.held = ""  # whitespace after a call: text only if something else follows
         self.fence_open = False  # a ```json block after text is held until it closes
+        self.fence = ""  # ... the fence of one that holds a tagged call (not part of the answer)
         self.dropped = ""  # the code fence left out before a call at the answer's start
         self.fence_close = False  # that call closed: its fence's closing line is not text either
         self._reset_call()
@@ -466,6 +467,7 @@ class HermesParser(ToolCallParser):
                     if inside and OPEN.startswith(inside[: len(OPEN)]):  # a tagged call in the fence
                         if len(inside) < len(OPEN):
                             return content, deltas
+                        self.fence = self.buf[: len(self.buf) - len(inside)]  # (given back if no call follows)
                         self.buf, self.fence_open = inside, False  # (the fence is not part of the answer)
                         continue
                     end = self.buf.find("\n```", len(FENCES[0]) - 1)
@@ -484,7 +486,8 @@ class HermesParser(ToolCallParser):
                 self.held = ""
                 self.buf = self.buf[i + len(OPEN) :]
                 self.in_call = True
-                self._reset_call(OPEN)
+                self._reset_call(self.fence + OPEN)
+                self.fence = ""
             closed = self._call_step(deltas)
             if self.given:
                 content += self._text(self.given)
@@ -574,6 +577,9 @@ class HermesParser(ToolCallParser):
                     self.escaped = True
                 elif ch == '"':
                     self.in_string = False
+                    if self.depth == 0:  # a string, not an object: it stands for itself (not a call)
+                        self.args_done = True
+                        return i + 1
             elif ch == '"':
                 self.in_string = True
             elif ch in "{[":

@@ -555,7 +555,7 @@ class TargetLoop:
             cache = engine.cache
             if self.waiting is not None:  # sent within a request that ended before it could be served: next
                 msg, self.waiting, self.waiting_held = self.waiting, None, False
-                self._serve(msg, sent_within=True, held=time.monotonic() - self.waiting_since)
+                self._serve(msg, sent_within=True, held=self._held())
                 continue
             if self.settle_due and not self.sock.poll(0, zmq.POLLIN):
                 self.settle_due = False  # once per request: what it left is settled, or a request came
@@ -647,6 +647,10 @@ class TargetLoop:
         finally:
             self.current = ""  # between requests: a drafter's death concerns none
 
+    def _held(self) -> float:
+        """The seconds the short request waiting here has waited (part of its queued_seconds)."""
+        return time.monotonic() - self.waiting_since
+
     def _lend(self) -> bool:
         """Between two rounds of the running request: serve the short request the
         daemon sent meanwhile, if any (``Engine.run_within``); True when one was served.
@@ -656,7 +660,7 @@ class TargetLoop:
         if short is None or self.waiting_held:
             return False
         self.waiting = None
-        held = time.monotonic() - self.waiting_since
+        held = self._held()
         outer, died = self.current, self.drafter_died
         self.current = short.id
         self.send(Progress(id=short.id))
@@ -689,7 +693,7 @@ class TargetLoop:
         """The short request the worker holds (not started) was cancelled: answered now."""
         short, self.waiting, self.waiting_held = self.waiting, None, False
         self.cancelled.discard(short.id)
-        self.send(Done.cancelled(short.id, queued_seconds=time.monotonic() - self.waiting_since))
+        self.send(Done.cancelled(short.id, queued_seconds=self._held()))
 
     def _report_narrow_drafter(self, done) -> None:
         """A drafter of 4 bits or fewer: once it has drafted enough to say, log the

@@ -5,8 +5,10 @@ and the daemon's results rendered as a message and as its event sequence."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +16,7 @@ from tandem.bridge.answers import ApiError
 from tandem.bridge.anthropic_api import (
     BILLING_HEADER,
     MessageEvents,
+    _prompt_tokens,
     chat_messages,
     content_blocks,
     parse_messages,
@@ -445,3 +448,49 @@ def test_a_system_message_between_turns_stays_between_them():
         ("assistant", "Hello"),
         ("user", "Day?"),
     ]
+
+
+class _Counting:
+    """What ``_prompt_tokens`` uses of the bridge's exchange and daemon client (a daemon of ``version``)."""
+
+    def __init__(self, version: list[int]):
+        self.version, self.params = version, None
+
+    def daemon(self):
+        outer = self
+
+        class Opened:
+            async def __aenter__(self):
+                return outer
+
+            async def __aexit__(self, *exc):
+                return False
+
+        return Opened()
+
+    async def connect(self):
+        return SimpleNamespace(protocol_version=self.version)
+
+    async def count_tokens(self, messages, **params):
+        self.params = params
+        return 7
+
+
+@pytest.mark.parametrize("version", [[1, 11], [1, 12]])
+def test_a_streamed_messages_prompt_count_on_an_older_daemon_leaves_out_what_it_cannot_count(version, caplog):
+    """message_start's count: a 1.11 daemon (a bridge of a newer tandem in front of a daemon still running)
+    counts without tool_choice and the reasoning controls, and the log says so; the request is not failed."""
+    body = {
+        "model": "m",
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "enabled", "budget_tokens": 64},
+        "tools": [{"name": "get_time", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any"},
+    }
+    fake = _Counting(version)
+    assert asyncio.run(_prompt_tokens(fake, parse_messages(body, 4096))) == 7
+    assert fake.params["tools"]
+    old = version < [1, 12]
+    assert ("think" in fake.params, "tool_choice" in fake.params) == (not old, not old)
+    assert ("counted without tool_choice" in caplog.text) == old

@@ -149,6 +149,8 @@ NOT_CALLS = [
     '<tool_call>\n{"arguments": {"a": 1}, "name": "no_such_tool"}\n</tool_call>',
     '<tool_call>\n{"name": "Bash", "arguments": "ls"}',  # ended by itself, without the closing tag
     "<tool_call>\nls -la",
+    BARE_STRING_ARGS + "\n\nThat runs git status.",
+    'Sure.\n```json\n<tool_call>\n{"name": "Bash", "arguments": "ls"}\n</tool_call>\n```',
 ]
 
 
@@ -161,6 +163,14 @@ def test_what_is_not_a_call_is_the_answers_text_as_written(text, cut):
     parser = HermesParser({"Bash"})
     content, deltas = feed_all(parser, text, [min(cut, len(text))])
     assert content == text and deltas == [] and parser.calls == []
+
+
+def test_a_bare_object_that_is_not_a_call_is_streamed_as_text_once_it_closes_and_kept_if_then_cut_off():
+    parser = HermesParser({"Bash"})
+    assert parser.feed(BARE_STRING_ARGS[:20]) == ("", [])
+    assert parser.feed(BARE_STRING_ARGS[20:] + "\n") == (BARE_STRING_ARGS, [])  # at its close, not the answer's end
+    content, deltas = feed_all(parser, "\nand more", [], cut_off=True)  # (max_tokens after it)
+    assert content == "\n\nand more" and deltas == [] and parser.calls == []  # (the newline held till then)
 
 
 def test_a_call_that_is_not_one_between_two_calls_is_text_and_both_calls_are_reported():

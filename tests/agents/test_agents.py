@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,8 +96,26 @@ def agent_daemon(daemon_process, coder_path):
     )
     d.wait_ready(300)
     yield d
+    wait_for_disk_tier(d)
     d.stop()
     d.cleanup()
+
+
+def wait_for_disk_tier(d, limit: float = 60.0) -> None:
+    """Let the daemon write the last session's pages to its disk tier, as it does in idle time, before it is
+    stopped (a stopping worker writes for 3 s: not a 17k-token prompt's pages after a session's others), so
+    that the next run reads the agents' preambles from disk. The status shows the tier's counts once it has
+    written what was waiting; nothing waiting: ``limit`` seconds."""
+
+    def written():
+        with d.client() as c:
+            cache = c.status().cache
+        return cache.disk.pages_written if cache is not None and cache.disk is not None else None
+
+    before = written()
+    deadline = time.monotonic() + limit
+    while before is not None and time.monotonic() < deadline and written() == before:
+        time.sleep(1.0)
 
 
 def run_agent(d, bin_dir: Path, agent: str, root: Path) -> tuple[subprocess.CompletedProcess, list[Logged], Path]:

@@ -23,7 +23,7 @@ import secrets
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Optional
 
-from tandem.client.core import TOKENIZE_1_12
+from tandem.client.core import uncounted
 from tandem.protocol import Chunk, Done, FinishReason
 
 from .answers import sse
@@ -416,12 +416,14 @@ async def _prompt_tokens(ex: "Exchange", req: GenRequest) -> int:
     to ask it with them): a count a few tokens off, said in the log, rather than a failed request."""
     async with ex.daemon() as client:
         params = req.daemon_params()
-        version = tuple((await client.connect()).protocol_version[:2])
-        if version < (1, 12) and any(params.get(k) is not None for k in TOKENIZE_1_12):
+        hello = await client.connect()
+        left_out = uncounted(hello, params)
+        if left_out:
             log.warning(
-                "the daemon speaks protocol %d.%d: prompt tokens counted without tool_choice and the reasoning "
-                "controls; restart it from this tandem for exact counts",
-                *version,
+                "the daemon speaks protocol %d.%d: prompt tokens counted without %s; restart it from this tandem "
+                "for exact counts",
+                *hello.protocol_version[:2],
+                ", ".join(left_out),
             )
-            params = {k: v for k, v in params.items() if k not in TOKENIZE_1_12}
+            params = {k: v for k, v in params.items() if k not in left_out}
         return await client.count_tokens(messages=req.messages or [], **params)

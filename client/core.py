@@ -205,13 +205,14 @@ def embed_request(
     return _checked(Embed(id=request_id, input=texts, tokens=ids, **options))
 
 
-RESTART_HINT = "restart it from this tandem (tandem service restart, or stop it and run tandem serve"
+RESTART_HINT = "restart it from this tandem (tandem service restart, or stop it and run tandem serve{serve})"
 
 
 def _older(hello: Any, what: str, serve: str = "") -> InvalidRequest:
     """The error for a daemon whose protocol is older than a request needs; ``what``: what it does instead."""
     major, minor = hello.protocol_version[:2]
-    return InvalidRequest(f"the daemon speaks protocol {major}.{minor}, which {what}: {RESTART_HINT}{serve})")
+    hint = RESTART_HINT.format(serve=serve)
+    return InvalidRequest(f"the daemon speaks protocol {major}.{minor}, which {what}: {hint}")
 
 
 def check_daemon_embeds(hello: Any) -> None:
@@ -226,10 +227,18 @@ def check_daemon_speaks(hello: Any, req: Decoding) -> None:
         raise _older(hello, "ignores tools")
 
 
+def uncounted(hello: Any, options: dict) -> list[str]:
+    """Of tokenize's ``options`` (those set), the ones the daemon would count the prompt without: the 1.12
+    options, for an older daemon."""
+    if tuple(hello.protocol_version[:2]) >= (1, 12):
+        return []
+    return [k for k in TOKENIZE_1_12 if options.get(k) is not None]
+
+
 def check_daemon_counts(hello: Any, req: Tokenize) -> None:
     """Refuse to send tokenize's 1.12 options to an older daemon: it would count the prompt without them."""
-    given = [k for k in TOKENIZE_1_12 if getattr(req, k, None) is not None]
-    if given and tuple(hello.protocol_version[:2]) < (1, 12):
+    given = uncounted(hello, {k: getattr(req, k, None) for k in TOKENIZE_1_12})
+    if given:
         raise _older(hello, f"counts a prompt without {', '.join(given)}")
 
 

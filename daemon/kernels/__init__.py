@@ -15,9 +15,13 @@ CPU kernels"):
   once for all the query heads that share it;
 - repacked weights: a pass of 4 rows or more goes to a 4-row gemm that rounds
   otherwise than the one-row gemv (so tandem cut steps into passes of 3 rows);
-  the patched one quantizes every row as one row alone and runs each through
-  the gemv, over column blocks that stay in the cache while every row passes:
+  the patched one quantizes every row as one row alone and gives it the gemv's
+  arithmetic, over column blocks that stay in the cache while every row passes:
   a pass of any width gives each row a step's bits and reads the weights once.
+  On x86 with AVX2, Q4_K (repacked) and Q6_K (not) weights are multiplied with
+  up to 8 rows at once, each row's integer sums and float operations those of
+  the one-row kernel, the weights unpacked once for all of them: a verify pass
+  over w tokens then costs well under w steps.
 
 A daemon's start (``--kernel-patch auto``, the default), or ``tandem kernels build``, downloads the
 llama-cpp-python sdist of the installed version from PyPI (pip checks its

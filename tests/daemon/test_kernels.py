@@ -16,8 +16,8 @@ from tandem.daemon import kernels
 
 # In a fresh process: load the patched backend as a worker does, read a prompt longer than several of the
 # patched attention's 256-position KV chunks, then decode the same tokens one at a time and in verify
-# passes of 3, 5 and 9 rows (a daemon's steps, its repacked-weight passes and wider drafts): every row's
-# logits must be the same bits.
+# passes of 2 to 12 rows (a daemon's steps, and its verify passes: the patched matmuls take up to 8 rows at
+# once, so 9 and 12 are a group of 8 and the rest): every row's logits must be the same bits.
 CHECK = textwrap.dedent(
     """
     import json, sys
@@ -32,13 +32,13 @@ CHECK = textwrap.dedent(
     prompt = model.tokenize(text + " Count the stones.", add_special=True)
     first = int(np.argmax(model.prefill(prompt)))
     steps, token = [], first
-    for _ in range(9):
+    for _ in range(12):
         row = model.decode([token])[0]
         steps.append(row)
         token = int(np.argmax(row))
-    tokens = [first] + [int(np.argmax(r)) for r in steps[:8]]
+    tokens = [first] + [int(np.argmax(r)) for r in steps[:11]]
     same = {}
-    for width in (3, 5, 9):
+    for width in (2, 3, 5, 8, 9, 12):
         model.truncate(len(prompt))
         rows = model.decode(tokens[:width], logits_for=list(range(width)))
         same[width] = all(np.array_equal(rows[i], steps[i]) for i in range(width))
@@ -55,22 +55,30 @@ def run_check(model) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("which", ["smollm2", "coder"])
+@pytest.mark.parametrize("which", ["smollm2", "coder", "coder-1.5b"])
 def test_patched_attention_gives_every_row_of_a_verify_pass_the_bits_of_a_step(which, smollm2_path, coder_path):
-    """SmolLM2 (9 query heads over 3 KV heads) and Qwen2.5-Coder-0.5B (14 over 2; its Q4_K weights
-    repacked where the CPU has AVX2 and no AMX), over 1,000+ positions of KV: the patched kernels are
-    the ones loaded, a pass over repacked weights is one llama_decode of any width (not passes of 3
-    rows), and the steps and the verify passes agree bit for bit."""
-    out = run_check(smollm2_path if which == "smollm2" else coder_path)
+    """SmolLM2 (9 query heads over 3 KV heads), Qwen2.5-Coder-0.5B (14 over 2; its Q4_K weights
+    repacked where the CPU has AVX2 and no AMX) and Qwen2.5-Coder-1.5B Q4_K_M (most of its weights Q4_K,
+    the rest and the output Q6_K: the two types the patch multiplies several rows at once), over 1,000+
+    positions of KV: the patched kernels are the ones loaded, a pass over repacked weights is one
+    llama_decode of any width (not passes of 3 rows), and the steps and the verify passes agree bit for
+    bit."""
+    if which == "coder-1.5b":
+        from tandem.daemon import models
+
+        path = models.pull("qwen2.5-coder-1.5b", progress=lambda line: None)
+    else:
+        path = smollm2_path if which == "smollm2" else coder_path
+    out = run_check(path)
     assert out["loaded"] == str(kernels.built()) and out["in_use"].startswith("tandem-"), out
     assert out["in_use"] in out["runtime"]  # (part of what KV pages and the probe's verdicts are kept under)
     assert out["prompt"] > 4 * 256
     assert out["step_rows"] == 0, out
-    if which == "coder":
+    if which != "smollm2":
         from tandem.daemon.worker.llama_load import cpu_has_amx
 
         assert out["repacked"] is not cpu_has_amx()  # (repacked: the 9-row pass went through the patched gemv)
-    assert out["same"] == {"3": True, "5": True, "9": True}, out
+    assert out["same"] == {str(w): True for w in (2, 3, 5, 8, 9, 12)}, out
 
 
 @pytest.mark.model  # (it loads llama.cpp, if not a model)

@@ -395,8 +395,9 @@ OPTIONS: tuple[Option, ...] = (
         "so with mixed kernels and llama.cpp's own CPU kernels the daemon runs decoding steps in passes of at "
         "most 3 rows (verify and jump-forward passes too; tandem's CPU kernels, --kernel-patch, compute every "
         "row of one pass as a step does): exact, Q4_K decoding about a third faster here, prompts read a third "
-        "slower (as llama-server, which repacks); a verify pass of k+1 tokens then costs about k+1 steps, so a "
-        "model drafter pays less (off: cheaper verify passes, slower steps)",
+        "slower (as llama-server, which repacks); with llama.cpp's own kernels a verify pass of k+1 tokens then "
+        "costs about k+1 steps, so a model drafter pays less (off: cheaper verify passes, slower steps); "
+        "tandem's multiply Q4_K weights with up to 8 rows at once (5 tokens: about 2.4 steps)",
         choices=("auto", "on", "off"),
     ),
     Option(

@@ -18,7 +18,7 @@ CPU kernels"):
   the patched one quantizes every row as one row alone and gives it the gemv's
   arithmetic, over column blocks that stay in the cache while every row passes:
   a pass of any width gives each row a step's bits and reads the weights once.
-  On x86 with AVX2, Q4_K (repacked) and Q6_K (not) weights are multiplied with
+  On x86 with AVX2, Q4_K (repacked or not) and Q6_K weights are multiplied with
   up to 8 rows at once, each row's integer sums and float operations those of
   the one-row kernel, the weights unpacked once for all of them: a verify pass
   over w tokens then costs well under w steps.

@@ -26,7 +26,8 @@ CHECK = textwrap.dedent(
     import numpy as np
     from tandem.daemon.worker.llama_model import LlamaModel
 
-    model = LlamaModel(sys.argv[1], n_ctx=2048, fast_prefill=True)
+    extra = None if sys.argv[2] == "default" else False
+    model = LlamaModel(sys.argv[1], n_ctx=2048, fast_prefill=True, extra_buffers=extra)
     colours = ['red', 'blue', 'green']
     text = " ".join(f"item {i}: the {colours[i % 3]} box holds {i * 7 % 13} stones." for i in range(90))
     prompt = model.tokenize(text + " Count the stones.", add_special=True)
@@ -49,32 +50,36 @@ CHECK = textwrap.dedent(
 )
 
 
-def run_check(model) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHECK, str(model)], capture_output=True, text=True, timeout=600)
+def run_check(model, extra_buffers: str = "default") -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, str(model), extra_buffers], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("which", ["smollm2", "coder", "coder-1.5b"])
+@pytest.mark.parametrize("which", ["smollm2", "coder", "coder-1.5b", "coder-1.5b-not-repacked"])
 def test_patched_attention_gives_every_row_of_a_verify_pass_the_bits_of_a_step(which, smollm2_path, coder_path):
     """SmolLM2 (9 query heads over 3 KV heads), Qwen2.5-Coder-0.5B (14 over 2; its Q4_K weights
     repacked where the CPU has AVX2 and no AMX) and Qwen2.5-Coder-1.5B Q4_K_M (most of its weights Q4_K,
-    the rest and the output Q6_K: the two types the patch multiplies several rows at once), over 1,000+
-    positions of KV: the patched kernels are the ones loaded, a pass over repacked weights is one
+    the rest and the output Q6_K: the two types the patch multiplies several rows at once), also with its
+    weights not repacked (as on CPUs with AMX, where Q4_K goes through the patched dot product), over
+    1,000+ positions of KV: the patched kernels are the ones loaded, a pass over repacked weights is one
     llama_decode of any width (not passes of 3 rows), and the steps and the verify passes agree bit for
     bit."""
-    if which == "coder-1.5b":
+    if which.startswith("coder-1.5b"):
         from tandem.daemon import models
 
         path = models.pull("qwen2.5-coder-1.5b", progress=lambda line: None)
     else:
         path = smollm2_path if which == "smollm2" else coder_path
-    out = run_check(path)
+    repack = "off" if which.endswith("not-repacked") else "default"  # (default: on, but off on AMX CPUs)
+    out = run_check(path, repack)
     assert out["loaded"] == str(kernels.built()) and out["in_use"].startswith("tandem-"), out
     assert out["in_use"] in out["runtime"]  # (part of what KV pages and the probe's verdicts are kept under)
     assert out["prompt"] > 4 * 256
     assert out["step_rows"] == 0, out
-    if which != "smollm2":
+    if which != "smollm2" and repack == "default":
         from tandem.daemon.worker.llama_load import cpu_has_amx
 
         assert out["repacked"] is not cpu_has_amx()  # (repacked: the 9-row pass went through the patched gemv)

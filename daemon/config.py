@@ -397,7 +397,7 @@ OPTIONS: tuple[Option, ...] = (
         "row of one pass as a step does): exact, Q4_K decoding about a third faster here, prompts read a third "
         "slower (as llama-server, which repacks); with llama.cpp's own kernels a verify pass of k+1 tokens then "
         "costs about k+1 steps, so a model drafter pays less (off: cheaper verify passes, slower steps); "
-        "tandem's multiply Q4_K weights with up to 8 rows at once (5 tokens: about 2.4 steps)",
+        "tandem's multiply Q4_K and Q6_K weights with up to 8 rows at once (5 tokens: about 2.4 steps)",
         choices=("auto", "on", "off"),
     ),
     Option(
@@ -409,7 +409,9 @@ OPTIONS: tuple[Option, ...] = (
         "the repacked ones: llama.cpp's repacked Q4_K reads prompts slower than its plain kernels on some CPUs "
         "(Qwen2.5-Coder-1.5B in 0.63-0.82x the time on a 2-core AVX-512 EPYC). It costs a second KV cache of "
         "--ctx-size (and, while it copies a long prompt's, a buffer as large). auto = where a prompt pass measures "
-        "at least a tenth faster that way at load (kept beside the load probe's verdict) and that second KV cache "
+        "at least a tenth faster that way at load (the first such verdict kept for every daemon of this user on this "
+        "machine, ~/.cache/tandem/machine-verdicts.json: the reader computes a prompt's KV in other bits, so "
+        "daemons of the same settings must decide alike) and that second KV cache "
         "fits in what --kv-budget leaves beside the ones the context was sized for; output is as exact either way",
         choices=("auto", "on", "off"),
     ),

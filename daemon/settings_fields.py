@@ -130,16 +130,18 @@ class SettingsFields:
     passes too; tandem's CPU kernels, --kernel-patch, compute every row of one pass as a step does): exact, Q4_K
     decoding about a third faster here, prompts read a third slower (as llama-server, which repacks); with
     llama.cpp's own kernels a verify pass of k+1 tokens then costs about k+1 steps, so a model drafter pays less
-    (off: cheaper verify passes, slower steps); tandem's multiply Q4_K weights with up to 8 rows at once (5 tokens:
-    about 2.4 steps)"""
+    (off: cheaper verify passes, slower steps); tandem's multiply Q4_K and Q6_K weights with up to 8 rows at once (5
+    tokens: about 2.4 steps)"""
     prompt_reader: Literal["auto", "on", "off"] = "auto"
     """with repacked weights and mixed kernels, read prompts in a second llama.cpp context over the weights as the file
     has them (not repacked; both map the same file) and copy its KV state over, steps staying on the repacked ones:
     llama.cpp's repacked Q4_K reads prompts slower than its plain kernels on some CPUs (Qwen2.5-Coder-1.5B in
     0.63-0.82x the time on a 2-core AVX-512 EPYC). It costs a second KV cache of --ctx-size (and, while it copies a
     long prompt's, a buffer as large). auto = where a prompt pass measures at least a tenth faster that way at load
-    (kept beside the load probe's verdict) and that second KV cache fits in what --kv-budget leaves beside the ones
-    the context was sized for; output is as exact either way"""
+    (the first such verdict kept for every daemon of this user on this machine,
+    ~/.cache/tandem/machine-verdicts.json: the reader computes a prompt's KV in other bits, so daemons of the same
+    settings must decide alike) and that second KV cache fits in what --kv-budget leaves beside the ones the context
+    was sized for; output is as exact either way"""
     gpu_layers: int | Literal["all"] | None = None
     """layers of the target to offload to a GPU or to --rpc servers: N, all, or 0 (none); auto = all where llama.cpp has
     a GPU or RPC device, else none. Accepted on a build without a GPU backend, where `tandem status` says how to

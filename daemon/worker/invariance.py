@@ -8,6 +8,7 @@ everything the verdict depends on.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -106,6 +107,49 @@ def kept_check(model, config: Optional[WorkerConfig], name: str, check: Callable
     verdict = check()
     if verdict is not None:
         _keep(path, key, {"exact": bool(verdict)})
+    return verdict
+
+
+def machine_verdicts() -> Path:
+    """Where verdicts that are timings are kept for every daemon of this user on this machine."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "machine-verdicts.json"
+
+
+def machine_kept_check(
+    model, config: Optional[WorkerConfig], name: str, check: Callable[[], Optional[bool]]
+) -> Optional[bool]:
+    """``kept_check`` for a verdict that is a timing (the prompt reader's: is it faster here?), where a
+    verdict decides which kernels compute a prompt's KV, so which bits: kept for every daemon of this user on
+    this machine, not per state directory, and the first verdict taken stands (a daemon that measured at the
+    same time as another takes the other's if it was kept first). So two daemons of the same settings on one
+    machine decide alike, whatever their state directories hold. Only for a daemon that keeps verdicts (a
+    state directory); None (could not run) is never kept."""
+    if config is None or not config.probe_cache:
+        return check()
+    path = machine_verdicts()
+    key = f"{probe_key(model, config)} {name}"
+
+    def kept() -> Optional[bool]:
+        found = _read_kept(path).get(key)
+        ok = isinstance(found, dict) and set(found) == {"exact"} and isinstance(found["exact"], bool)
+        return found["exact"] if ok else None
+
+    found = kept()
+    if found is not None:
+        return found
+    verdict = check()
+    if verdict is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            found = kept()
+            if found is not None:  # another daemon decided first
+                return found
+            _keep(path, key, {"exact": bool(verdict)})
+    except OSError as exc:
+        log.warning("could not keep a load check's verdict in %s: %s", path, exc)
     return verdict
 
 

@@ -47,7 +47,7 @@ from ..kernels import in_use
 from ..models.context_size import ContextError, kv_bytes_per_token, mib
 from ..models.gguf_meta import GGUFError, read_metadata
 from .engine import Engine
-from .invariance import invariance_fix, kept_check, probe_batch_invariance
+from .invariance import invariance_fix, kept_check, machine_kept_check, probe_batch_invariance
 from .lane import ResumeFailed
 from .worker_config import WorkerConfig, describe_model, load_model
 
@@ -342,9 +342,11 @@ def check_fast_prefill(model, info: ModelInfo, config: Optional[WorkerConfig] = 
 def choose_prompt_reader(model, config: WorkerConfig) -> None:
     """--prompt-reader auto: keep the second context that reads prompts over the
     weights not repacked (``LlamaModel.add_prompt_reader``) only where a prompt
-    pass measures at least 10% faster with it (the verdict is kept beside the
-    load probe's, so a restart does not measure again) and its KV cache fits in
-    what --kv-budget leaves beside the caches the context was sized for."""
+    pass measures at least 10% faster with it and its KV cache fits in what
+    --kv-budget leaves beside the caches the context was sized for. The reader
+    computes a prompt's KV in other bits than the repacked weights do, so the
+    speed verdict is kept for the machine (``machine_kept_check``): the first
+    one stands for every daemon of this user, whatever its state directory."""
     if model.reader is None:
         if config.settings.prompt_reader == "on" and model.repacked:
             log.warning("--prompt-reader on: no reader (fast prefill is off, or llama.cpp could not create one)")
@@ -363,7 +365,7 @@ def choose_prompt_reader(model, config: WorkerConfig) -> None:
             return
         try:
             name = f"prompt_reader faster chunk={model.prefill_chunk} group={model.prefill_group}"
-            faster = kept_check(model, config, name, model.prompt_reader_pays)
+            faster = machine_kept_check(model, config, name, model.prompt_reader_pays)
         except Exception as exc:  # never a reason not to serve: read prompts here
             log.warning("measuring the prompt reader failed (%s: %s)", type(exc).__name__, exc)
             faster = False

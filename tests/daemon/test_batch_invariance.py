@@ -242,6 +242,37 @@ def test_the_load_checks_verdicts_are_kept_beside_the_probes(tmp_path):
     assert kept_check(model, None, "grouping group=256", check(True)) is True and len(runs) == 7  # no config: no file
 
 
+def test_a_timing_verdict_is_the_machines_the_first_one_kept_standing(tmp_path, monkeypatch):
+    """The prompt reader's verdict (is it faster here?) decides which kernels read a prompt, so which bits
+    its KV has: two daemons of the same settings with other state directories take the one verdict kept
+    for the machine, the first one taken, whatever their own measurement or state directory says. (Before,
+    a daemon that kept "not faster" in its state directory read prompts otherwise than fresh daemons that
+    measured "faster", and 2 of 6 greedy agent answers differed.)"""
+    from dataclasses import replace as with_
+
+    from tandem.daemon.worker.invariance import kept_check, machine_kept_check, machine_verdicts
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf, state, config = stand_in_config(tmp_path)
+    other = with_(config, probe_cache=str(tmp_path / "other-state" / "batch-invariance.json"))
+    model = CountingModel(gguf, {})
+    runs = []
+
+    def check(result):
+        return lambda: runs.append(result) or result
+
+    name = "prompt_reader faster chunk=64 group=256"
+    assert kept_check(model, other, name, check(False)) is False  # a state directory's own, from before
+    assert machine_kept_check(model, config, name, check(True)) is True
+    assert machine_kept_check(model, other, name, check(False)) is True  # the machine's, not run again
+    assert runs == [False, True] and machine_verdicts().is_file()
+    assert machine_kept_check(model, config, "another", check(None)) is None  # None is not kept
+    assert machine_kept_check(model, config, "another", check(False)) is False and len(runs) == 4
+    assert machine_kept_check(model, None, name, check(False)) is False  # no state directory: measured, not kept
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))  # (another machine, as far as it knows)
+    assert machine_kept_check(model, other, name, check(False)) is False
+
+
 def exact_steps_agree_with_verify_passes(model, n_tokens: int = 300) -> bool:
     """What drafting on a not-invariant target rests on, past 256 tokens of context:
     verify passes of 2 to 9 rows give, row for row, the logits exact steps (the token

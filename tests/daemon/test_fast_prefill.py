@@ -382,6 +382,40 @@ def test_auto_keeps_a_faster_prompt_reader_only_where_its_kv_cache_fits_the_budg
         m.close()
 
 
+def test_auto_decides_the_prompt_reader_alike_for_every_daemon_on_the_machine(coder_path, tmp_path, monkeypatch):
+    """The reader reads a prompt's KV in other bits than the repacked weights, so --prompt-reader auto must
+    not decide it per state directory: a daemon whose state directory kept "not faster" from before, and
+    one that measures "not faster" now, both take the verdict kept for the machine (here: the first daemon
+    measured "faster")."""
+    from tandem.daemon.config import SettingsValues
+    from tandem.daemon.worker.invariance import kept_check
+    from tandem.daemon.worker.llama_model import LlamaModel
+    from tandem.daemon.worker.target_worker import choose_prompt_reader
+    from tandem.daemon.worker.worker_config import WorkerConfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def config(state: str) -> WorkerConfig:
+        kept = str(tmp_path / state / "batch-invariance.json")
+        return WorkerConfig("target", "coder", str(coder_path), SettingsValues(), probe_cache=kept)
+
+    m = LlamaModel(coder_path, n_ctx=1024, fast_prefill=True, prompt_reader=True)
+    try:
+        if m.reader is None:  # no weights repacked (a CPU with AMX): no reader to decide on
+            return
+        name = f"prompt_reader faster chunk={m.prefill_chunk} group={m.prefill_group}"
+        assert kept_check(m, config("old"), name, lambda: False) is False  # kept in a state directory before
+        m.prompt_reader_pays = lambda margin=1.1: True
+        choose_prompt_reader(m, config("first"))
+        assert m.reader is not None
+        m.prompt_reader_pays = lambda margin=1.1: False
+        choose_prompt_reader(m, config("old"))
+        choose_prompt_reader(m, config("fresh"))
+        assert m.reader is not None
+    finally:
+        m.close()
+
+
 def test_the_prompt_readers_copy_buffer_is_kept_only_while_small(model, tokens, monkeypatch):
     """The buffer the reader copies KV states through is reused while small; one for a
     long prompt's KV (hundreds of MiB at 32k) is let go after the copy, not held beside

@@ -94,6 +94,13 @@ def probe_batch_invariance(model, config: WorkerConfig) -> dict[str, bool]:
     return paths
 
 
+def _kept_verdict(path: Optional[Path], key: str) -> Optional[bool]:
+    """A load check's kept verdict (``{"exact": bool}``) under ``key``; None where there is none."""
+    found = _read_kept(path).get(key)
+    ok = isinstance(found, dict) and set(found) == {"exact"} and isinstance(found["exact"], bool)
+    return found["exact"] if ok else None
+
+
 def kept_check(model, config: Optional[WorkerConfig], name: str, check: Callable[[], Optional[bool]]) -> Optional[bool]:
     """A load check's verdict (``check()``: True, False, or None when it could not
     run), kept beside the probe's under the probe's key and ``name`` (which says
@@ -101,9 +108,9 @@ def kept_check(model, config: Optional[WorkerConfig], name: str, check: Callable
     (several hundred tokens: seconds for a 1.5B model on 2 cores). None is never kept."""
     path = Path(config.probe_cache) if config is not None and config.probe_cache else None
     key = f"{probe_key(model, config)} {name}" if path is not None else ""
-    cached = _read_kept(path).get(key) if path is not None else None
-    if isinstance(cached, dict) and set(cached) == {"exact"} and isinstance(cached["exact"], bool):
-        return cached["exact"]
+    cached = _kept_verdict(path, key)
+    if cached is not None:
+        return cached
     verdict = check()
     if verdict is not None:
         _keep(path, key, {"exact": bool(verdict)})
@@ -128,13 +135,7 @@ def machine_kept_check(
         return check()
     path = machine_verdicts()
     key = f"{probe_key(model, config)} {name}"
-
-    def kept() -> Optional[bool]:
-        found = _read_kept(path).get(key)
-        ok = isinstance(found, dict) and set(found) == {"exact"} and isinstance(found["exact"], bool)
-        return found["exact"] if ok else None
-
-    found = kept()
+    found = _kept_verdict(path, key)
     if found is not None:
         return found
     verdict = check()
@@ -144,7 +145,7 @@ def machine_kept_check(
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(path.name + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            found = kept()
+            found = _kept_verdict(path, key)
             if found is not None:  # another daemon decided first
                 return found
             _keep(path, key, {"exact": bool(verdict)})

@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--alternate", default="", help="two kinds to alternate, e.g. edit,story")
     ap.add_argument("--cycles", type=int, default=4, help="A-B pairs in the alternating part (default %(default)s)")
     ap.add_argument("--ctx-size", default="2048")
+    ap.add_argument("--draft-tokens", type=int, help="the drafting daemon's --draft-tokens (default: its own)")
     args = ap.parse_args()
 
     target = model_path(args.target)
@@ -114,6 +115,7 @@ def main() -> None:
             args.ctx_size,
             "--state-dir",
             str(state),
+            *(["--draft-tokens", str(args.draft_tokens)] if args.draft_tokens is not None else []),
         ),
     }
     try:

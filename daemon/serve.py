@@ -59,9 +59,11 @@ def serve(
             v.drafter, v.model, name, path, lambda drafter: _resolve(drafter, say)
         )
         if drafter_path is not None:
-            loaded = models.drafter_file(drafter_path, v.drafter_quantize, say)
-            if loaded != drafter_path:
-                drafter_name, drafter_path = f"{drafter_name} as Q8_0 ({loaded})", loaded
+            # (repacked where a drafter's extra buffers will be on: worker_config.load_model)
+            repacked = v.extra_buffers == "on" or (v.extra_buffers == "auto" and not kernels.cpu_has_amx())
+            loaded, copy = models.drafter_file(drafter_path, v.drafter_quantize, say, repacked)
+            if copy:
+                drafter_name, drafter_path = f"{drafter_name} as {copy} ({loaded})", loaded
         embedding_name, embedding_path = "", None
         if v.embedding_model != "none":  # resolved (and pulled) as the target is
             embedding_name, embedding_path = _resolve(v.embedding_model, say)

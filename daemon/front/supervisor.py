@@ -25,6 +25,7 @@ from tandem.protocol import Error, ErrorCode, Message, ProtocolError, Shutdown, 
 from tandem.protocol.internal import WORKER_REPLIES, CacheState, DrafterHung, DrafterState, Progress, Ready
 
 from ..drafting.governor import state_file
+from ..models import narrow_drafter
 from ..models.vocab import vocab_mismatch
 from ..worker.worker_config import WorkerConfig, spin_count_for
 from .embedder import Embedder
@@ -115,7 +116,7 @@ class Supervisor:
             governor_identity=identity,
             probe_cache=str(c.state_dir / "batch-invariance.json") if c.state_dir is not None else "",
             drafter_bytes=_size(c.drafter_path),
-            drafter_quantization=_quantization(c.drafter_path),
+            drafter_quantization=narrow_drafter(c.drafter_path),
             kv_room=c.kv_room,
             spin_count=spin_count_for(kind, "target"),
             **common,
@@ -450,9 +451,3 @@ def _size(path: Optional[Path]) -> int:
         return path.stat().st_size if path is not None else 0
     except OSError:
         return 0
-
-
-def _quantization(path: Optional[Path]) -> str:
-    from ..models.gguf_meta import facts
-
-    return str(facts(path).get("quantization", "")) if path is not None else ""

@@ -83,6 +83,11 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cpu_has_amx() -> bool:
+    """Intel AMX (its int8 tiles): llama.cpp's extra buffers then crash (``llama_load.default_extra_buffers``)."""
+    return "amx_int8" in _cpu_flags().split()
+
+
 RECIPE = 1  # how ``build`` configures and builds (a change here is a new library)
 
 

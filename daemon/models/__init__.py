@@ -345,49 +345,58 @@ def derive_f16(source: Path, target: Optional[Path] = None) -> Path:
     return target
 
 
-WIDE_TYPES = ("F32", "F16", "BF16")  # a drafter this wide costs twice what it needs to
 NARROW_PREFIXES = ("Q4", "Q3", "Q2", "IQ4", "IQ3", "IQ2", "IQ1")  # 4 bits or fewer
+WIDE_BITS = 9.0  # bits per weight above which a drafter is wide (F16, BF16, F32): a Q8_0 copy
+Q4_BITS = 5.5  # ... above which a large drafter gets a Q4_0 copy (a Q4_K_M file has about 5)
+Q4_MIN_PARAMS = 300_000_000  # weights from which a drafter's guesses keep up at 4 bits (see below)
+# what each copy is made with: llama.cpp's file type, and every matrix (the output and the token
+# embeddings included) at that type
+COPIES = {"Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", None), "Q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", "GGML_TYPE_Q4_0")}
 
 
-def derived_q8_0_path(source: Path) -> Path:
-    """Where the Q8_0 copy of ``source`` lives: the model cache, named by the
+def derived_path(source: Path, kind: str) -> Path:
+    """Where the ``kind`` (Q8_0, Q4_0) copy of ``source`` lives: the model cache, named by the
     source's path, size and mtime (a source replaced or edited gets a new copy)."""
     st = source.stat()
     key = hashlib.sha256(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return models_dir() / "derived" / f"{source.stem}.{key}.Q8_0.gguf"
+    return models_dir() / "derived" / f"{source.stem}.{key}.{kind}.gguf"
 
 
-def derive_q8_0(source: Path, progress: Callable[[str], None]) -> Path:
-    """The Q8_0 copy of ``source`` (made once, with llama.cpp's quantizer; older
+def derive(source: Path, kind: str, progress: Callable[[str], None]) -> Path:
+    """The ``kind`` copy of ``source`` (made once, with llama.cpp's quantizer; older
     copies of the same file are removed)."""
     import llama_cpp
     from llama_cpp import _logger
 
-    target = derived_q8_0_path(source)
+    target = derived_path(source, kind)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     progress(
-        f"tandem: quantizing the drafter {source.name} ({source.stat().st_size / 2**20:,.0f} MiB) to Q8_0 once, "
+        f"tandem: quantizing the drafter {source.name} ({source.stat().st_size / 2**20:,.0f} MiB) to {kind} once, "
         f'into {target} (set drafter_quantize = "off" or --drafter-quantize off to load it as it is)'
     )
     started = time.monotonic()
     _logger.set_verbose(False)
+    ftype, every = COPIES[kind]
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.ftype = getattr(llama_cpp, ftype)
+    params.allow_requantize = True  # (a quantized source: its weights as llama.cpp dequantizes them)
+    if every is not None:
+        params.output_tensor_type = params.token_embedding_type = getattr(llama_cpp, every)
     params.nthread = os.cpu_count() or 1
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     rc = llama_cpp.llama_model_quantize(os.fsencode(source), os.fsencode(partial), params)
     if rc != 0 or not partial.is_file():
         partial.unlink(missing_ok=True)
         raise ModelError(
-            f"could not quantize the drafter {source} to Q8_0 (llama_model_quantize returned {rc}); "
+            f"could not quantize the drafter {source} to {kind} (llama_model_quantize returned {rc}); "
             "load it as it is with --drafter-quantize off"
         )
     os.replace(partial, target)
     target.with_name(target.name + ".source").write_text(str(source.resolve()))
     # older copies of this same source (its path hashed in): never another file's
-    mine = re.compile(re.escape(source.stem) + r"\.[0-9a-f]{12}\.Q8_0\.gguf")
+    mine = re.compile(re.escape(source.stem) + r"\.[0-9a-f]{12}\.(Q4_0|Q8_0)\.gguf")  # (a copy of the other kind too)
     for old in target.parent.iterdir():
         if old != target and mine.fullmatch(old.name) and _copy_of(old) == str(source.resolve()):
             old.unlink(missing_ok=True)
@@ -406,20 +415,76 @@ def _copy_of(copy: Path) -> str:
         return ""
 
 
-def drafter_file(path: Path, quantize: str, progress: Callable[[str], None]) -> Path:
-    """The file to load as the drafter: a Q8_0 copy of a 16/32-bit file (``quantize``
-    "auto"), else ``path``; a drafter of 4 bits or fewer is loaded with a warning."""
-    from .gguf_meta import facts
+def drafter_copy(path: Path, quantize: str, repacked: bool = True) -> str:
+    """The copy (Q4_0, Q8_0) ``path`` is drafted with under ``--drafter-quantize quantize``, or "" (the file).
 
-    quantization = facts(path).get("quantization", "unknown")
-    if quantization in WIDE_TYPES and quantize == "auto":
-        return derive_q8_0(path, progress)
-    if quantization.startswith(NARROW_PREFIXES):
+    A drafter's output is never the reply (the target verifies every guess), so its weights are
+    chosen for speed: ``auto`` gives a drafter of 300M weights or more a Q4_0 copy where its matrices
+    average over 5.5 bits and its weights will be ``repacked`` (llama.cpp's extra buffers: not on
+    CPUs with AMX, nor with --extra-buffers off, where a Q4_0 step costs more than the file's).
+    Qwen2.5-Coder-0.5B's file (6.2 bits, mostly Q5_0 with a Q8_0 output) then steps in 15 instead of
+    25 ms here, and the 1.5B's greedy token was its guess within 1 point as often on code, an edit
+    and an agent turn, 8 points less often on a story (bench.experiments.drafter_copies). A smaller
+    drafter, or one not repacked, gets a Q8_0 copy where it is at 16 or 32 bits (small models lose
+    more at 4 bits)."""
+    from .gguf_meta import weight_profile
+
+    if quantize == "off":
+        return ""
+    params, bits = weight_profile(path)
+    if quantize == "q4_0" or (quantize == "auto" and repacked and params >= Q4_MIN_PARAMS):
+        return "Q4_0" if bits > Q4_BITS else ""
+    return "Q8_0" if bits > WIDE_BITS else ""
+
+
+def drafter_file(path: Path, quantize: str, progress: Callable[[str], None], repacked: bool = True) -> tuple[Path, str]:
+    """(the file to load as the drafter, the copy it is: "Q4_0", "Q8_0" or "" for ``path`` itself).
+    Under ``auto`` a copy that cannot be made (a full or read-only cache) is a warning, and the
+    file is loaded as given; asked for by name, an error. A small drafter of 4 bits or fewer is
+    loaded with a warning (``narrow_drafter``)."""
+    from .gguf_meta import GGUFError
+
+    try:
+        kind = drafter_copy(path, quantize, repacked)
+    except (OSError, GGUFError) as exc:  # llama.cpp says what is wrong with the file when it loads it
+        log.warning("cannot read the drafter %s's weights (%s): loading it as it is", path, exc)
+        kind = ""
+    if kind:
+        try:
+            return derive(path, kind, progress), kind
+        except ModelError as exc:  # (its message names --drafter-quantize off)
+            if quantize != "auto":
+                raise
+            log.warning("%s; under --drafter-quantize auto the drafter is loaded as it is", exc)
+        except OSError as exc:  # a full or read-only model cache
+            if quantize != "auto":
+                raise ModelError(
+                    f"could not write the drafter's {kind} copy ({exc}); --drafter-quantize off loads the file as it is"
+                ) from exc
+            log.warning("could not write the drafter's %s copy (%s): the drafter is loaded as it is", kind, exc)
+    quantization = narrow_drafter(path)
+    if quantization:
         log.warning(
-            "the drafter %s is %s: at 4 bits or fewer a drafter's guesses are confirmed less often (one "
+            "the drafter %s is %s: at 4 bits or fewer a small drafter's guesses are confirmed less often (one "
             "measurement: acceptance 72%% at 8 bits, 41%% at 4), and the governor drafts only where that still "
             "pays; a Q8_0 file of the same model is the usual drafter (tandem status shows the acceptance)",
             path.name,
             quantization,
         )
-    return path
+    return path, ""
+
+
+def narrow_drafter(path: Optional[Path]) -> str:
+    """A drafter's quantization where it is a small model (under 300M weights) at 4 bits or fewer, whose
+    acceptance the target worker reports once measured; else ""."""
+    from .gguf_meta import facts, weight_profile
+
+    if path is None:
+        return ""
+    quantization = str(facts(path).get("quantization", ""))
+    if not quantization.startswith(NARROW_PREFIXES):
+        return ""
+    try:
+        return quantization if weight_profile(path)[0] < Q4_MIN_PARAMS else ""
+    except Exception:  # (facts read it; a file that fails here fails to load anyway)
+        return ""

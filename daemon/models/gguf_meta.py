@@ -118,6 +118,8 @@ def _has_fim_tokens(f: BinaryIO, size: int) -> bool:
     found = False
     for _ in range(count):
         n = _read(f, "<Q")
+        if n > size - f.tell():
+            raise GGUFError("a token longer than the file")
         if n > 64:
             f.seek(n, 1)
             continue
@@ -145,28 +147,76 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key of the header (arrays of more than 64 entries as None)."""
     with open(path, "rb") as f:
         size, n_kv = header(f, path)
-        out: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = _string(f)
-            kind = _read(f, "<I")
-            if kind == _ARRAY and key == "tokenizer.ggml.tokens":
-                value = None
-                out["tandem.fim"] = _has_fim_tokens(f, size)  # read while skipping: no second pass
-            elif kind == _ARRAY:
-                at = f.tell()
-                _item, count = _read(f, "<I"), _read(f, "<Q")
-                f.seek(at)
-                value = _value(f, kind, keep_arrays=count <= 64, size=size)
-            else:
-                value = _value(f, kind, False, size)
-            if isinstance(value, str) and len(value) > MAX_KEPT_STRING and key != "tokenizer.chat_template":
-                value = None
-            if isinstance(value, float) and value != value:
-                value = None  # NaN: not JSON
-            out[key] = value
+        return _read_keys(f, path, size, n_kv)
+
+
+MAX_TENSORS = 1 << 20
+
+
+def weight_profile(path: str | Path) -> tuple[int, float]:
+    """(parameters, bits per parameter) of a model file's weight matrices (its tensors of two or
+    more dimensions), from the tensor table: each tensor's bytes run to the next one's offset."""
+    with open(path, "rb") as f:
+        size, n_kv = header(f, path)
+        f.seek(8)
+        n_tensors = _read(f, "<Q")
+        f.seek(24)  # the first key (header() checked the magic, the version and the counts)
+        meta = _read_keys(f, path, size, n_kv)
+        if n_tensors > MAX_TENSORS:
+            raise GGUFError(f"{n_tensors} tensors")
+        table = []  # (offset, elements, is a matrix)
+        for _ in range(n_tensors):
+            _string(f)
+            n_dims = _read(f, "<I")
+            if not 1 <= n_dims <= 4:
+                raise GGUFError(f"a tensor of {n_dims} dimensions")
+            elements = 1
+            for _ in range(n_dims):
+                elements *= _read(f, "<Q")
+            _read(f, "<I")  # its type
+            table.append((_read(f, "<Q"), elements, n_dims >= 2))
             if f.tell() > MAX_HEADER:
                 raise GGUFError(f"the header is over {MAX_HEADER >> 20} MiB")
-        return out
+        alignment = meta.get("general.alignment") or 32
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise GGUFError(f"general.alignment {alignment!r}")
+        data = -(-f.tell() // alignment) * alignment
+    table.sort()
+    params = bits = 0
+    for i, (offset, elements, matrix) in enumerate(table):
+        end = table[i + 1][0] if i + 1 < len(table) else size - data
+        if end < offset:
+            raise GGUFError("a tensor lies outside the file")
+        if matrix:
+            params += elements
+            bits += 8 * (end - offset)
+    return params, (bits / params if params else 0.0)
+
+
+def _read_keys(f: BinaryIO, path: str | Path, size: int, n_kv: int) -> dict[str, Any]:
+    """The key-value section (``f`` at its first key; left after its last)."""
+    out: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = _string(f)
+        kind = _read(f, "<I")
+        if kind == _ARRAY and key == "tokenizer.ggml.tokens":
+            value = None
+            out["tandem.fim"] = _has_fim_tokens(f, size)  # read while skipping: no second pass
+        elif kind == _ARRAY:
+            at = f.tell()
+            _item, count = _read(f, "<I"), _read(f, "<Q")
+            f.seek(at)
+            value = _value(f, kind, keep_arrays=count <= 64, size=size)
+        else:
+            value = _value(f, kind, False, size)
+        if isinstance(value, str) and len(value) > MAX_KEPT_STRING and key != "tokenizer.chat_template":
+            value = None
+        if isinstance(value, float) and value != value:
+            value = None  # NaN: not JSON
+        out[key] = value
+        if f.tell() > MAX_HEADER:
+            raise GGUFError(f"the header is over {MAX_HEADER >> 20} MiB")
+    return out
 
 
 def facts(path: str | Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import llama_cpp as llama
 
+from ..kernels import cpu_has_amx
 from ..models.context_size import KV_TYPES
 
 log = logging.getLogger(__name__)
@@ -48,14 +49,6 @@ def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " amx_int8" in f.read()
-    except OSError:
-        return False
-
-
 def default_extra_buffers(reference_kernels: bool = True, fast_prefill: bool = False) -> bool:
     """llama.cpp's extra weight buffers (repacking, and AMX on Intel CPUs that
     have it): on where steps stay exact with them, off where AMX is present
@@ -67,8 +60,9 @@ def default_extra_buffers(reference_kernels: bool = True, fast_prefill: bool = F
     rows is all gemv, each row as a one-token step computes it. So: on with
     fast kernels (nothing is exact there anyway); on with ``--kernels mixed``
     (``fast_prefill``), whose steps run in passes of at most ``REPACK_STEP_ROWS``
-    rows (``decode``); off with the reference kernels everywhere (a drafter's,
-    and ``--kernels reference``, whose prompts are read by steps). Repacking decodes Q4_K a third faster on
+    rows (``decode``); off with the reference kernels everywhere (``--kernels
+    reference``, whose prompts are read by steps). A drafter's load passes
+    ``reference_kernels=False``: its steps need not agree with its passes. Repacking decodes Q4_K a third faster on
     this machine's AVX-512 EPYC (Qwen2.5-Coder-1.5B: 26.8 against 36.7 ms a step)
     and reads prompts slower (148 against 246 tok/s), as llama-server does; the
     prompt reader (``add_prompt_reader``) gives the faster prompts back."""

@@ -79,14 +79,15 @@ class LlamaModel(LlamaDecoder):
         self.flash_attn = flash_attn
         self.kv_type = kv_type  # the KV cache's element type (models/context_size.py's KV_TYPES)
         self.reference_kernels = reference_kernels or fast_prefill
-        # rows per llama_decode of a step, with fast prefill (the target with --kernels mixed, whose
-        # steps must agree): repacked weights (llama.cpp's CPU_REPACK buffer, which it fills only for
-        # the types it repacks: Q4_0, Q4_K, Q8_0, ...) compute at most REPACK_STEP_ROWS rows as a
-        # one-row step does (0: no limit but n_batch; a drafter's steps need not agree)
+        # rows per llama_decode on the reference kernels (the target's steps, and a drafter's reads, whose
+        # KV then does not depend on how its tokens were split, so a seeded request reproduces):
+        # repacked weights (llama.cpp's CPU_REPACK buffer, which it fills only for the types it repacks:
+        # Q4_0, Q4_K, Q8_0, ...) compute at most REPACK_STEP_ROWS rows as a one-row step does (0: no
+        # limit but n_batch)
         self.repacked = any("REPACK" in name for name in self.placement.weights)
         # ... except with tandem's CPU kernels (daemon/kernels), whose reference mode computes every row of
         # a pass through the one-row kernel (the weights read once per pass): passes of any width are exact
-        self.step_rows = REPACK_STEP_ROWS if self.repacked and fast_prefill and not rows_as_steps() else 0
+        self.step_rows = REPACK_STEP_ROWS if self.repacked and self.reference_kernels and not rows_as_steps() else 0
         self._empty_sequence()
         use_reference_kernels(self.reference_kernels)
         # fast prefill: prompts read with fast kernels, in chunks of this many tokens from position 0 (0: off)

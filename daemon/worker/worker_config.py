@@ -42,7 +42,9 @@ class WorkerConfig:
     governor_identity: str = ""  # target, drafter, k and kernels: the state is valid only for these
     probe_cache: str = ""  # file keeping the batch-invariance probe's verdicts across restarts ("": not kept)
     drafter_bytes: int = 0  # the target's: the model drafter's file size (its step-cost prior)
-    drafter_quantization: str = ""  # the target's: the model drafter's (gguf general.file_type), "" unknown
+    # the target's: the model drafter's quantization where it is small and at 4 bits or fewer (its
+    # acceptance is logged once measured: models.narrow_drafter), else ""
+    drafter_quantization: str = ""
     spin_count: Optional[int] = None  # GOMP_SPINCOUNT (None: libgomp's default); see ``spin_count_for``
     life: int = 1  # 1 at the daemon's start, 2... for each restart of this worker
     n_ctx: int = 0  # the context the daemon chose (models/context_size.py); 0: settings' ctx_size or the model's
@@ -115,6 +117,7 @@ def placement_settings(config: WorkerConfig) -> tuple[int, list[str]]:
 def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
+    from .llama_load import default_extra_buffers
     from .llama_model import LlamaModel
 
     s = config.settings
@@ -136,7 +139,10 @@ def load_model(config: WorkerConfig):
         kv_type=s.kv_type,
         n_threads=s.threads,
         n_batch=s.batch_size,
-        extra_buffers=EXTRA_BUFFERS[s.extra_buffers],  # auto: default_extra_buffers
+        # auto: default_extra_buffers; a drafter's repacked (its steps need not agree with its passes)
+        extra_buffers=EXTRA_BUFFERS[s.extra_buffers]
+        if s.extra_buffers != "auto" or config.role == "target"
+        else default_extra_buffers(reference_kernels=False),
         flash_attn=s.flash_attn,
         reference_kernels=kernels != "fast",
         # the drafter's KV need not be exact (the target verifies what it drafts): it reads as before
@@ -203,16 +209,16 @@ def spin_count_for(drafter_kind: str, role: str) -> Optional[int]:
     llama.cpp's threads spin after each graph, and ggml's barriers between a
     graph's ops are OpenMP barriers that spin as long before they sleep. With a
     model drafter, two llama.cpp processes take turns on the same cores, and the
-    idle one's spinning steals the busy one's: the drafter spins briefly
-    (10,000), so a target round right after drafter steps is not slowed (FACTS.md:
-    +23% at the default spin for both, none at 10,000 for both). The target keeps
-    libgomp's default (300,000) in every case: most rounds are the target's alone
-    (a governor drafts only where it pays), and a short spin costs each of them
-    its barriers' sleeps and wake-ups. Measured with the Qwen2.5-Coder 1.5B/0.5B
-    pair (two runs, 4 and 6 alternating runs of 2 prompts each, 2026-12-02):
-    governed / plain on story and JSON 0.96-1.04 (median of the four 1.01) with
-    the target at the default, 0.85-1.00 (median 0.98, mean 0.95) with both short;
-    forced drafting 0.46-0.82 against 0.48-0.83, within noise of each other.
-    With one llama.cpp process (no drafter, or a lookup drafter, which is
-    Python) nothing competes: the default. GOMP_SPINCOUNT in the environment wins."""
-    return TWO_PROCESS_SPIN if drafter_kind == "model" and role == "drafter" else None
+    idle one's spinning steals the busy one's: both spin briefly (10,000). The
+    drafter's spin slowed the target's round after its steps (FACTS.md: +23% at the
+    default spin for both, none at 10,000 for both); the target's (libgomp's
+    default, 300,000) slowed the drafter's steps after each verify pass: with the
+    Qwen2.5-Coder 1.5B/0.5B pair, a Q4_0 drafter repacked (2026-12-07, AVX2 EPYC,
+    forced drafting on a code prompt, 2 runs each) a draft cost 19-25 ms beside the
+    target at the default spin and 16-17 ms at 10,000 (15 ms alone); forced drafting
+    ran 0.95x and 1.30x plain against 1.25x and 1.26x, and the target's plain rounds
+    took 51-52 ms against 54-59 (the machine's noise). (An earlier measurement, with dearer drafters, 2026-12-02, had
+    governed plain rounds 2-3% slower at the short spin, within its noise.) With one
+    llama.cpp process (no drafter, or a lookup drafter, which is Python) nothing
+    competes: the default. GOMP_SPINCOUNT in the environment wins."""
+    return TWO_PROCESS_SPIN if drafter_kind == "model" else None

@@ -289,11 +289,12 @@ def test_a_drafter_that_keeps_dying_while_loading_is_switched_off_and_the_target
 
 @pytest.mark.parametrize(
     "drafter_name, drafter_path, spins",
-    [("none", None, [None]), ("ngram", None, [None]), ("d", Path("/d.gguf"), [None, 10_000])],
+    [("none", None, [None]), ("ngram", None, [None]), ("d", Path("/d.gguf"), [10_000, 10_000])],
 )
-def test_the_openmp_spin_is_short_only_for_a_model_drafter(monkeypatch, tmp_path, drafter_name, drafter_path, spins):
-    """The target always gets libgomp's default spin (faster rounds of its own); a
-    model drafter, whose idle spinning would steal the target's cores, the short one."""
+def test_the_openmp_spin_is_short_only_beside_a_model_drafter(monkeypatch, tmp_path, drafter_name, drafter_path, spins):
+    """Alone (no drafter, or a lookup drafter in Python) the target gets libgomp's default spin;
+    beside a model drafter both processes get the short one: each one's idle spinning would steal
+    the other's cores."""
     from tandem.daemon.front import supervisor as sup_module
 
     started = []

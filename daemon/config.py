@@ -394,7 +394,7 @@ OPTIONS: tuple[Option, ...] = (
         "choice",
         "auto",
         "llama.cpp weight repacking/AMX buffers; auto = on for the target with mixed and fast kernels and for a "
-        "model drafter (its steps need not agree with its passes), off with reference kernels and on CPUs with "
+        "model drafter with tandem's CPU kernels or fast ones, off with reference kernels and on CPUs with "
         "AMX (it crashes there). "
         "Repacked weights (Q4_0, Q4_K, Q8_0) multiply 4 rows at a time, which rounds differently from one row, "
         "so with mixed kernels and llama.cpp's own CPU kernels the daemon runs decoding steps in passes of at "

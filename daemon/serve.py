@@ -60,7 +60,11 @@ def serve(
         )
         if drafter_path is not None:
             # (repacked where a drafter's extra buffers will be on: worker_config.load_model)
-            repacked = v.extra_buffers == "on" or (v.extra_buffers == "auto" and not kernels.cpu_has_amx())
+            repacked = v.extra_buffers == "on" or (
+                v.extra_buffers == "auto"
+                and not kernels.cpu_has_amx()
+                and (v.kernel_patch != "off" or v.kernels == "fast")
+            )
             loaded, copy = models.drafter_file(drafter_path, v.drafter_quantize, say, repacked)
             if copy:
                 drafter_name, drafter_path = f"{drafter_name} as {copy} ({loaded})", loaded

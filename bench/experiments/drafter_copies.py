@@ -65,7 +65,7 @@ def child(job: dict) -> dict:
         return {"outs": outs}
     model = LlamaModel(job["path"], n_ctx=8192, reference_kernels=True, extra_buffers=job["repack"])
     agree = {}
-    model.use_reference(False)  # (a drafter reads with the fast kernels)
+    model.use_reference(False)  # (faster; the agreement hardly depends on how the drafter's KV rounds)
     for kind, (prompt, out) in zip(job["kinds"], job["outs"]):
         model.clear()
         rows = model.decode(prompt + out, logits_for=range(len(prompt) - 1, len(prompt) + len(out) - 1))

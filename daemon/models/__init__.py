@@ -396,9 +396,13 @@ def derive(source: Path, kind: str, progress: Callable[[str], None]) -> Path:
     os.replace(partial, target)
     target.with_name(target.name + ".source").write_text(str(source.resolve()))
     # older copies of this same source (its path hashed in): never another file's
-    mine = re.compile(re.escape(source.stem) + r"\.[0-9a-f]{12}\.(Q4_0|Q8_0)\.gguf")  # (a copy of the other kind too)
+    # (of either kind, made from an earlier version of it: another key; a copy of the other kind from this
+    # version may be another daemon's, loaded with other settings)
+    mine = re.compile(re.escape(source.stem) + r"\.([0-9a-f]{12})\.(Q4_0|Q8_0)\.gguf")
+    key = target.name[len(source.stem) + 1 :][:12]
     for old in target.parent.iterdir():
-        if old != target and mine.fullmatch(old.name) and _copy_of(old) == str(source.resolve()):
+        found = mine.fullmatch(old.name)
+        if found and found.group(1) != key and _copy_of(old) == str(source.resolve()):
             old.unlink(missing_ok=True)
             old.with_name(old.name + ".source").unlink(missing_ok=True)
     progress(
@@ -456,12 +460,11 @@ def drafter_file(path: Path, quantize: str, progress: Callable[[str], None], rep
             if quantize != "auto":
                 raise
             log.warning("%s; under --drafter-quantize auto the drafter is loaded as it is", exc)
-        except OSError as exc:  # a full or read-only model cache
+        except Exception as exc:  # a full or read-only model cache; llama.cpp's quantizer failing to load
+            why = f"could not make the drafter's {kind} copy ({type(exc).__name__}: {exc})"
             if quantize != "auto":
-                raise ModelError(
-                    f"could not write the drafter's {kind} copy ({exc}); --drafter-quantize off loads the file as it is"
-                ) from exc
-            log.warning("could not write the drafter's %s copy (%s): the drafter is loaded as it is", kind, exc)
+                raise ModelError(f"{why}; --drafter-quantize off loads the file as it is") from exc
+            log.warning("%s: the drafter is loaded as it is", why)
     quantization = narrow_drafter(path)
     if quantization:
         log.warning(

@@ -62,10 +62,11 @@ def default_extra_buffers(reference_kernels: bool = True, fast_prefill: bool = F
     (``fast_prefill``), whose steps run in passes of at most ``REPACK_STEP_ROWS``
     rows (``decode``); off with the reference kernels everywhere (``--kernels
     reference``, whose prompts are read by steps). A drafter's load passes
-    ``reference_kernels=False``: its steps need not agree with its passes. Repacking decodes Q4_K a third faster on
-    this machine's AVX-512 EPYC (Qwen2.5-Coder-1.5B: 26.8 against 36.7 ms a step)
-    and reads prompts slower (148 against 246 tok/s), as llama-server does; the
-    prompt reader (``add_prompt_reader``) gives the faster prompts back."""
+    ``reference_kernels=False`` where its passes of any width stay exact (tandem's
+    kernels). Repacking decodes Q4_K a third faster on this machine's AVX-512
+    EPYC (Qwen2.5-Coder-1.5B: 26.8 against 36.7 ms a step) and reads prompts
+    slower (148 against 246 tok/s), as llama-server does; the prompt reader
+    (``add_prompt_reader``) gives the faster prompts back."""
     return (not reference_kernels or fast_prefill) and not cpu_has_amx()
 
 

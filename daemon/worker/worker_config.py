@@ -117,6 +117,7 @@ def placement_settings(config: WorkerConfig) -> tuple[int, list[str]]:
 def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
+    from ..kernels import rows_as_steps
     from .llama_load import default_extra_buffers
     from .llama_model import LlamaModel
 
@@ -139,13 +140,15 @@ def load_model(config: WorkerConfig):
         kv_type=s.kv_type,
         n_threads=s.threads,
         n_batch=s.batch_size,
-        # auto: default_extra_buffers; a drafter's repacked (its steps need not agree with its passes)
+        # auto: default_extra_buffers; a drafter's repacked where its passes of any width stay exact (tandem's
+        # kernels) or need not (fast kernels): with llama.cpp's own reference kernels a repacked model reads in
+        # passes of 3 rows, about a step a token (a drafter reading a long prompt would time out)
         extra_buffers=EXTRA_BUFFERS[s.extra_buffers]
         if s.extra_buffers != "auto" or config.role == "target"
-        else default_extra_buffers(reference_kernels=False),
+        else default_extra_buffers(reference_kernels=False) and (rows_as_steps() or kernels == "fast"),
         flash_attn=s.flash_attn,
         reference_kernels=kernels != "fast",
-        # the drafter's KV need not be exact (the target verifies what it drafts): it reads as before
+        # (a drafter reads on the reference kernels, its KV independent of how its tokens were split)
         fast_prefill=kernels == "mixed" and config.role == "target",
         # a turn's tail read again in whole chunks between requests (LlamaModel.settle), into cache pages
         settle=config.role == "target" and bool(config.cache_shm) and s.settle,

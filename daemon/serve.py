@@ -19,6 +19,7 @@ from .front.server import Daemon, ServeConfig
 from .models.context_size import ContextError, choose_context
 from .models.drafter_auto import pick_drafter
 from .models.gguf_meta import GGUFError
+from .worker.worker_config import drafter_extra_buffers
 
 log = logging.getLogger("tandem.daemon")
 
@@ -59,12 +60,7 @@ def serve(
             v.drafter, v.model, name, path, lambda drafter: _resolve(drafter, say)
         )
         if drafter_path is not None:
-            # (repacked where a drafter's extra buffers will be on: worker_config.load_model)
-            repacked = v.extra_buffers == "on" or (
-                v.extra_buffers == "auto"
-                and not kernels.cpu_has_amx()
-                and (v.kernel_patch != "off" or v.kernels == "fast")
-            )
+            repacked = drafter_extra_buffers(v, patched=v.kernel_patch != "off")  # (off where the build failed)
             loaded, copy = models.drafter_file(drafter_path, v.drafter_quantize, say, repacked)
             if copy:
                 drafter_name, drafter_path = f"{drafter_name} as {copy} ({loaded})", loaded

@@ -55,7 +55,7 @@ def vocab_of(path: Path) -> Optional[Vocab]:
 
 def _read_vocab(path: Path) -> Optional[Vocab]:
     with open(path, "rb") as f:
-        size, n_kv = header(f, path)
+        size, _tensors, n_kv = header(f, path)
         for _ in range(n_kv):
             key = _string(f)
             kind = _read(f, "<I")

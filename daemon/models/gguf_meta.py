@@ -128,25 +128,25 @@ def _has_fim_tokens(f: BinaryIO, size: int) -> bool:
     return found
 
 
-def header(f: BinaryIO, path: str | Path) -> tuple[int, int]:
-    """An open GGUF file's magic, version and counts checked: (the file's size, its metadata keys);
-    ``f`` is left at the first key."""
+def header(f: BinaryIO, path: str | Path) -> tuple[int, int, int]:
+    """An open GGUF file's magic, version and counts checked: (the file's size, its tensors, its
+    metadata keys); ``f`` is left at the first key."""
     size = os.fstat(f.fileno()).st_size
     if f.read(4) != MAGIC:
         raise GGUFError(f"{path} is not a GGUF file")
     version = _read(f, "<I")
     if version not in (2, 3):
         raise GGUFError(f"GGUF version {version} (this reader knows 2 and 3)")
-    _tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+    n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
     if n_kv > MAX_KV:
         raise GGUFError(f"{n_kv} metadata keys")
-    return size, n_kv
+    return size, n_tensors, n_kv
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key of the header (arrays of more than 64 entries as None)."""
     with open(path, "rb") as f:
-        size, n_kv = header(f, path)
+        size, _tensors, n_kv = header(f, path)
         return _read_keys(f, path, size, n_kv)
 
 
@@ -157,10 +157,7 @@ def weight_profile(path: str | Path) -> tuple[int, float]:
     """(parameters, bits per parameter) of a model file's weight matrices (its tensors of two or
     more dimensions), from the tensor table: each tensor's bytes run to the next one's offset."""
     with open(path, "rb") as f:
-        size, n_kv = header(f, path)
-        f.seek(8)
-        n_tensors = _read(f, "<Q")
-        f.seek(24)  # the first key (header() checked the magic, the version and the counts)
+        size, n_tensors, n_kv = header(f, path)
         meta = _read_keys(f, path, size, n_kv)
         if n_tensors > MAX_TENSORS:
             raise GGUFError(f"{n_tensors} tensors")

@@ -61,9 +61,8 @@ def default_extra_buffers(reference_kernels: bool = True, fast_prefill: bool = F
     fast kernels (nothing is exact there anyway); on with ``--kernels mixed``
     (``fast_prefill``), whose steps run in passes of at most ``REPACK_STEP_ROWS``
     rows (``decode``); off with the reference kernels everywhere (``--kernels
-    reference``, whose prompts are read by steps). A drafter's load passes
-    ``reference_kernels=False`` where its passes of any width stay exact (tandem's
-    kernels). Repacking decodes Q4_K a third faster on this machine's AVX-512
+    reference``, whose prompts are read by steps); a drafter's:
+    ``worker_config.drafter_extra_buffers``. Repacking decodes Q4_K a third faster on this machine's AVX-512
     EPYC (Qwen2.5-Coder-1.5B: 26.8 against 36.7 ms a step) and reads prompts
     slower (148 against 246 tok/s), as llama-server does; the prompt reader
     (``add_prompt_reader``) gives the faster prompts back."""

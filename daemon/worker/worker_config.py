@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping, Optional
 from tandem.protocol import ModelInfo
 
 from ..config import SettingsValues, is_loopback, rpc_servers
+from ..kernels import cpu_has_amx
 
 log = logging.getLogger("tandem.worker")
 
@@ -118,7 +119,6 @@ def load_model(config: WorkerConfig):
     """Load the worker's model with the daemon's llama.cpp settings (call only
     after the process environment is set: this imports llama.cpp)."""
     from ..kernels import rows_as_steps
-    from .llama_load import default_extra_buffers
     from .llama_model import LlamaModel
 
     s = config.settings
@@ -140,12 +140,10 @@ def load_model(config: WorkerConfig):
         kv_type=s.kv_type,
         n_threads=s.threads,
         n_batch=s.batch_size,
-        # auto: default_extra_buffers; a drafter's repacked where its passes of any width stay exact (tandem's
-        # kernels) or need not (fast kernels): with llama.cpp's own reference kernels a repacked model reads in
-        # passes of 3 rows, about a step a token (a drafter reading a long prompt would time out)
+        # auto: default_extra_buffers for the target, drafter_extra_buffers for a drafter
         extra_buffers=EXTRA_BUFFERS[s.extra_buffers]
-        if s.extra_buffers != "auto" or config.role == "target"
-        else default_extra_buffers(reference_kernels=False) and (rows_as_steps() or kernels == "fast"),
+        if config.role == "target"
+        else drafter_extra_buffers(s, patched=rows_as_steps()),
         flash_attn=s.flash_attn,
         reference_kernels=kernels != "fast",
         # (a drafter reads on the reference kernels, its KV independent of how its tokens were split)
@@ -159,6 +157,18 @@ def load_model(config: WorkerConfig):
     )
     _say_where(model, config)
     return model
+
+
+def drafter_extra_buffers(s: SettingsValues, patched: bool) -> bool:
+    """Whether a model drafter's weights are repacked (llama.cpp's extra buffers): as --extra-buffers
+    says; under auto where its passes of any width stay exact (tandem's kernels: ``patched``) or need not
+    (fast kernels), never on CPUs with AMX (it crashes there). With llama.cpp's own reference kernels a
+    repacked model reads in passes of 3 rows, about a step a token: a drafter reading a long prompt would
+    time out. The daemon asks it before starting workers (which copy of the drafter to load, serve.py),
+    a drafter's worker when it loads."""
+    if s.extra_buffers != "auto":
+        return s.extra_buffers == "on"
+    return not cpu_has_amx() and (patched or s.kernels == "fast")
 
 
 RPC_RESTART_WAIT = 300.0  # seconds a restarted target waits for its rpc-servers to come back

@@ -8,8 +8,9 @@ recorded system prompt and tools (tests/bridge/recorded), its first user turn,
 and then source files of this repository "read" into the conversation until the
 prompt has SIZE tokens (counted by tandem's chat template; llama-server renders
 the same GGUF template). A salt in the first line makes every request a new
-prompt: nothing is served from a cache. Four systems, one at a time on the
-machine (each started, measured at every size, then stopped): tandem with its
+prompt: nothing is served from a cache. The systems are started together and
+stay resident (idle while another is measured); each run of a size asks them
+one after another, in an order turned by one each run: tandem with its
 defaults, tandem with llama.cpp's CPU kernels as installed (``--kernel-patch off``;
 the defaults run tandem's, daemon/kernels), tandem ``--kernels fast``, and
 llama-server built from the vendored llama.cpp (``bench/build_llama_server.sh vendored``), all greedy with
@@ -34,6 +35,7 @@ import shlex
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -157,50 +159,49 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_system(system: str, path: Path, sizes: list[int], runs: int, tokens: int, threads: int, prompts) -> list:
-    ctx = max(sizes) + 256
+def start_system(system: str, path: Path, ctx: int, tokens: int, threads: int, stack: ExitStack):
+    """Start ``system``, stopped when ``stack`` closes: (ask(messages) -> figures, its pid)."""
+    if system == "llama-server":
+        server = LlamaServer(vendored_server(), path, ctx, threads, flash_attn=None)
+        stack.callback(server.stop)
+        return (lambda m: server_request(server.port, m, tokens)), server.proc.pid
+    args = ["--model", str(path), "--ctx-size", str(ctx), "--cache-bytes", "0", "--disk-cache-bytes", "0"]
+    args += ["--kernels", "fast"] if "fast" in system else []
+    args += ["--kernel-patch", "off"] if "stock" in system else []  # llama.cpp's CPU kernels as installed
+    args += ["--prompt-reader", "off"] if "no-reader" in system else []  # (its memory, its speed)
+    sock = temp_socket("tdm-long-")
+    daemon = start_daemon(sock, *args, timeout=900)
+    stack.callback(lambda: (daemon.terminate(), daemon.wait(30)))
+    client = stack.enter_context(Client(sock))
+    return (lambda m: tandem_request(client, m, tokens)), daemon.pid
+
+
+def run_systems(systems: list[str], path: Path, sizes: list[int], runs: int, tokens: int, threads: int, prompts):
+    """Every system started and resident together; each run of a size asks them one after another, the
+    order turned by one each run, so that the shared machine's drift falls on all of them alike."""
     rows = []
-    server = daemon = client = None
-    try:
-        if system == "llama-server":
-            server = LlamaServer(vendored_server(), path, ctx, threads, flash_attn=None)
-            pid = server.proc.pid
-
-            def ask(m):
-                return server_request(server.port, m, tokens)
-        else:
-            args = ["--model", str(path), "--ctx-size", str(ctx), "--cache-bytes", "0", "--disk-cache-bytes", "0"]
-            sock = temp_socket("tdm-long-")
-            args += ["--kernels", "fast"] if "fast" in system else []
-            args += ["--kernel-patch", "off"] if "stock" in system else []  # llama.cpp's CPU kernels as installed
-            args += ["--prompt-reader", "off"] if "no-reader" in system else []  # (its memory, its speed)
-            daemon = start_daemon(sock, *args, timeout=900)
-            client = Client(sock)
-            pid = daemon.pid
-
-            def ask(m):
-                return tandem_request(client, m, tokens)
-
-        ask([{"role": "user", "content": "Say hi."}])  # (warm-up: first-request costs are not compared)
+    with ExitStack() as stack:
+        asks = {}
+        for system in systems:
+            say(f"  starting {system}")
+            asks[system] = start_system(system, path, max(sizes) + 256, tokens, threads, stack)
+            asks[system][0]([{"role": "user", "content": "Say hi."}])  # (warm-up: first-request costs)
+        pids = [pid for _, pid in asks.values()]
         for size in sizes:
             for r in range(runs):
-                wait_quiet([pid])
-                s = ask(prompts[size][r])
-                s.update(system=system, size=size, run=r, **memory_mib(pid))
-                rows.append(s)
-                say(
-                    f"  {system:16s} {size:6d} run {r + 1}: prompt {s['prompt_tokens']} ttft {s['ttft']:.1f} s "
-                    f"prefill {s['prefill']:.0f} tok/s decode {s['decode'] or 0:.2f} tok/s "
-                    f"p99 gap {s['p99_gap_ms'] or 0:.0f} ms rss {s['rss_mib']:.0f} MiB pss {s['pss_mib'] or 0:.0f} MiB"
-                )
-    finally:
-        if client is not None:
-            client.close()
-        if server is not None:
-            server.stop()
-        if daemon is not None:
-            daemon.terminate()
-            daemon.wait(30)
+                turn = r % len(systems)
+                for system in systems[turn:] + systems[:turn]:
+                    ask, pid = asks[system]
+                    wait_quiet(pids)
+                    s = ask(prompts[size][r])
+                    s.update(system=system, size=size, run=r, **memory_mib(pid))
+                    rows.append(s)
+                    say(
+                        f"  {system:16s} {size:6d} run {r + 1}: prompt {s['prompt_tokens']} ttft {s['ttft']:.1f} s "
+                        f"prefill {s['prefill']:.0f} tok/s decode {s['decode'] or 0:.2f} tok/s "
+                        f"p99 gap {s['p99_gap_ms'] or 0:.0f} ms rss {s['rss_mib']:.0f} MiB "
+                        f"pss {s['pss_mib'] or 0:.0f} MiB"
+                    )
     return rows
 
 
@@ -277,10 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         finally:
             counter.terminate()
             counter.wait(30)
-        rows = []
-        for system in args.systems:
-            say(f"{model}: {system}")
-            rows += run_system(system, path, args.sizes, args.runs, args.tokens, args.threads, prompts)
+        say(f"{model}: {', '.join(args.systems)}")
+        rows = run_systems(args.systems, path, args.sizes, args.runs, args.tokens, args.threads, prompts)
         out = args.out or BENCH / "results" / f"{datetime.date.today()}-long-{Path(model).name.removesuffix('.gguf')}"
         say(f"report: {report(model, rows, out, command)}")
     return 0

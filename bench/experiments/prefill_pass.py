@@ -1,0 +1,87 @@
+"""Prompt reading against llama-server at two pass sizes: is tandem's prefill gap its pass size?
+
+    python -m bench.experiments.prefill_pass                  # Qwen2.5-Coder-0.5B, 4k prompts, 4 runs
+    python -m bench.experiments.prefill_pass --size 16384 --runs 3 --ubatch 256 512
+
+tandem reads a prompt in passes of up to 256 tokens (whole 64-token chunks, ``PREFILL_GROUP``),
+llama-server in passes of ``-ub`` tokens (512 by default). Here a tandem daemon with its defaults and
+one llama-server (vendored llama.cpp) per ``--ubatch`` stay resident together; each run sends every
+system a new prompt (Claude Code's recorded request with this repository's files up to ``--size``
+tokens, salted, cache off, as ``bench.long_context``), the order turned each run. Prefill tok/s is
+prompt tokens / TTFT; the ratios are to llama-server at its default pass (512) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Optional
+
+from bench.common import model_path, start_daemon, temp_socket, wait_quiet
+from bench.long_context import agent_prompt, med, say, server_request, tandem_request, write_report
+from bench.peer import vendored_server
+from bench.prefix_cache import LlamaServer
+from tandem.client import Client
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--size", type=int, default=4096, help="prompt tokens (default 4096)")
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--ubatch", type=int, nargs="+", default=[256, 512], help="llama-server passes (-ub)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None, help="write REPORT.md and results.json there")
+    args = ap.parse_args(argv)
+    path, ctx = model_path(args.model), args.size + 256
+    rows = []
+    with ExitStack() as stack:
+        sock = temp_socket("tdm-pass-")
+        daemon = start_daemon(
+            sock, "--model", str(path), "--ctx-size", str(ctx), "--cache-bytes", "0", "--disk-cache-bytes", "0"
+        )
+        stack.callback(lambda: (daemon.terminate(), daemon.wait(30)))
+        client = stack.enter_context(Client(sock))
+        asks = {"tandem": lambda m: tandem_request(client, m, 16)}
+        pids = [daemon.pid]
+        for ub in args.ubatch:
+            server = LlamaServer(vendored_server(), path, ctx, args.threads, None, ("-ub", str(ub)))
+            stack.callback(server.stop)
+            asks[f"llama-server -ub {ub}"] = lambda m, port=server.port: server_request(port, m, 16)
+            pids.append(server.proc.pid)
+        count = lambda m: client.count_tokens(messages=m)  # noqa: E731
+        prompts = [agent_prompt(count, args.size, f"{args.size}-{r}-{random.random()}") for r in range(args.runs)]
+        for ask in asks.values():
+            ask([{"role": "user", "content": "Say hi."}])  # (warm-up)
+        names = list(asks)
+        for r in range(args.runs):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                wait_quiet(pids)
+                figures = asks[name](prompts[r])
+                rows.append({"system": name, "run": r, **figures})
+                say(f"  run {r + 1} {name:20s} prompt {figures['prompt_tokens']} prefill {figures['prefill']:.1f}")
+    peer = {r["run"]: r["prefill"] for r in rows if r["system"] == "llama-server -ub 512"}
+    lines = [
+        f"# Prefill by pass size: {Path(path).name}, {args.size}-token prompts, {args.runs} runs",
+        "",
+        "    python -m bench.experiments.prefill_pass " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "",
+        "| system | prefill tok/s | / llama-server -ub 512 |",
+        "|---|---|---|",
+    ]
+    for name in names:
+        mine = [r for r in rows if r["system"] == name]
+        ratio = [r["prefill"] / peer[r["run"]] for r in mine if r["run"] in peer]
+        lines.append(f"| {name} | {med([r['prefill'] for r in mine], 1)} | {med(ratio)} |")
+    print("\n".join(lines))
+    if args.out is not None:
+        say(f"report: {write_report(args.out, rows, lines)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

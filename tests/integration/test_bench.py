@@ -263,3 +263,28 @@ def test_the_short_lane_benchmark_reports_both_lanes_and_equal_texts(tmp_path, s
     assert on["short_during_reading"] > 0 and off["paused_reading"] == 0
     table = (out / "REPORT.md").read_text()
     assert "| on |" in table and "| off |" in table and "1/1" in table
+
+
+def test_the_long_context_benchmark_asks_resident_systems_in_an_order_turned_each_run(tmp_path, smollm2_path):
+    out = tmp_path / "long"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.long_context", "--models", str(smollm2_path), "--sizes", "1024"]
+        + ["--runs", "2", "--tokens", "8", "--systems", "tandem", "tandem fast", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    # both started before the first measured request; run 1 asks tandem first, run 2 tandem fast first
+    assert [(r["run"], r["system"]) for r in rows] == [
+        (0, "tandem"),
+        (0, "tandem fast"),
+        (1, "tandem fast"),
+        (1, "tandem"),
+    ]
+    assert run.stderr.index("starting tandem fast") < run.stderr.index(" 1024 run 1:")
+    assert all(768 < r["prompt_tokens"] <= 1024 and r["decode"] and r["rss_mib"] > 0 for r in rows), rows
+    report = (out / "REPORT.md").read_text()
+    assert "| 1024 | tandem |" in report and "| 1024 | tandem fast |" in report

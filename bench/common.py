@@ -95,6 +95,16 @@ def start_daemon(socket: Path, *serve_args: str, timeout: float = 180, stderr=No
     return proc
 
 
+def stop_daemon(proc: subprocess.Popen, wait: float = 30.0) -> None:
+    """Stop a daemon ``start_daemon`` started: terminate, and kill it if it is not gone within ``wait`` s."""
+    proc.terminate()
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def seed_verdicts(state: Path) -> None:
     """Put the verdicts found so far (``VERDICTS``) into a daemon's state directory ``state``,
     unless it has its own file."""

@@ -19,7 +19,9 @@ takes ``tandem no-reader``: ``--prompt-reader off``, what the reader costs and
 gives). Per request: TTFT,
 prefill tok/s (prompt tokens / TTFT), decode tok/s after the first token, the
 P99 of the gaps between streamed tokens, and the memory of the system's
-processes after it (RSS summed, and PSS: what is mapped twice counted once).
+processes after it (RSS summed, and PSS: what is mapped twice counted once; the
+systems are resident together and map the same model file, so PSS shares its pages
+out among them: compare RSS across systems, PSS only within one report).
 Reported as medians (min-max) over runs, and the ratios to llama-server within
 each run and size.
 """
@@ -41,7 +43,7 @@ from typing import Callable, Optional
 
 import psutil
 
-from bench.common import cpu_model, model_path, start_daemon, temp_socket, wait_quiet
+from bench.common import cpu_model, model_path, start_daemon, stop_daemon, temp_socket, wait_quiet
 from bench.peer import vendored_server
 from bench.prefix_cache import LlamaServer
 from tandem.client import Client
@@ -171,7 +173,7 @@ def start_system(system: str, path: Path, ctx: int, tokens: int, threads: int, s
     args += ["--prompt-reader", "off"] if "no-reader" in system else []  # (its memory, its speed)
     sock = temp_socket("tdm-long-")
     daemon = start_daemon(sock, *args, timeout=900)
-    stack.callback(lambda: (daemon.terminate(), daemon.wait(30)))
+    stack.callback(stop_daemon, daemon)
     client = stack.enter_context(Client(sock))
     return (lambda m: tandem_request(client, m, tokens)), daemon.pid
 
@@ -187,9 +189,10 @@ def run_systems(systems: list[str], path: Path, sizes: list[int], runs: int, tok
             asks[system] = start_system(system, path, max(sizes) + 256, tokens, threads, stack)
             asks[system][0]([{"role": "user", "content": "Say hi."}])  # (warm-up: first-request costs)
         pids = [pid for _, pid in asks.values()]
+        turns = 0  # (counted across sizes: with runs a multiple of the systems, each is first as often)
         for size in sizes:
             for r in range(runs):
-                turn = r % len(systems)
+                turn, turns = turns % len(systems), turns + 1
                 for system in systems[turn:] + systems[:turn]:
                     ask, pid = asks[system]
                     wait_quiet(pids)

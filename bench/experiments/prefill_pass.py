@@ -21,7 +21,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
-from bench.common import model_path, start_daemon, temp_socket, wait_quiet
+import psutil
+
+from bench.common import model_path, start_daemon, stop_daemon, temp_socket, wait_quiet
 from bench.long_context import agent_prompt, med, say, server_request, tandem_request, write_report
 from bench.peer import vendored_server
 from bench.prefix_cache import LlamaServer
@@ -34,9 +36,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--size", type=int, default=4096, help="prompt tokens (default 4096)")
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--ubatch", type=int, nargs="+", default=[256, 512], help="llama-server passes (-ub)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=psutil.cpu_count() or 1, help="llama-server's (tandem: all cores)")
     ap.add_argument("--out", type=Path, default=None, help="write REPORT.md and results.json there")
     args = ap.parse_args(argv)
+    if 512 not in args.ubatch:
+        ap.error("--ubatch must include 512: the ratios are to llama-server's default pass")
     path, ctx = model_path(args.model), args.size + 256
     rows = []
     with ExitStack() as stack:
@@ -44,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         daemon = start_daemon(
             sock, "--model", str(path), "--ctx-size", str(ctx), "--cache-bytes", "0", "--disk-cache-bytes", "0"
         )
-        stack.callback(lambda: (daemon.terminate(), daemon.wait(30)))
+        stack.callback(stop_daemon, daemon)
         client = stack.enter_context(Client(sock))
         asks = {"tandem": lambda m: tandem_request(client, m, 16)}
         pids = [daemon.pid]

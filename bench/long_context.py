@@ -93,6 +93,22 @@ def agent_prompt(count: Callable[[list[dict]], int], size: int, salt: str) -> li
     return messages[:1] + [{"role": "user", "content": user + "\n\n" + "\n".join(shown) + ask}]
 
 
+def agent_prompts(path: Path, sizes: list[int], runs: int) -> dict[int, list[list[dict]]]:
+    """``runs`` new prompts (``agent_prompt``) of each size, counted by tandem's template for the
+    model at ``path`` (a daemon of its own, stopped after)."""
+    sock = temp_socket("tdm-count-")
+    counter = start_daemon(sock, "--model", str(path), "--ctx-size", str(max(sizes) + 256), timeout=900)
+    try:
+        with Client(sock) as client:
+            count = lambda m: client.count_tokens(messages=m)  # noqa: E731
+            return {
+                size: [agent_prompt(count, size, f"{size}-{r}-{random.random()}") for r in range(runs)]
+                for size in sizes
+            }
+    finally:
+        stop_daemon(counter)
+
+
 def timed(pieces) -> list[float]:
     """The times of a stream's non-empty pieces."""
     return [time.perf_counter() for piece in pieces if piece]
@@ -163,8 +179,8 @@ def say(line: str) -> None:
 
 def start_system(system: str, path: Path, ctx: int, tokens: int, threads: int, stack: ExitStack):
     """Start ``system``, stopped when ``stack`` closes: (ask(messages) -> figures, its pid)."""
-    if system == "llama-server":
-        server = LlamaServer(vendored_server(), path, ctx, threads, flash_attn=None)
+    if system.startswith("llama-server"):  # ("llama-server -ub 256": what follows are its own options)
+        server = LlamaServer(vendored_server(), path, ctx, threads, flash_attn=None, extra=tuple(system.split()[1:]))
         stack.callback(server.stop)
         return (lambda m: server_request(server.port, m, tokens)), server.proc.pid
     args = ["--model", str(path), "--ctx-size", str(ctx), "--cache-bytes", "0", "--disk-cache-bytes", "0"]
@@ -266,21 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     command = "python -m bench.long_context " + shlex.join(argv if argv is not None else sys.argv[1:])
     for model in args.models:
         path = model_path(model)
-        # the prompts, counted by tandem's template (a daemon without a drafter, cache off)
-        sock = temp_socket("tdm-count-")
-        counter = start_daemon(sock, "--model", str(path), "--ctx-size", str(max(args.sizes) + 256), timeout=900)
-        try:
-            with Client(sock) as client:
-                prompts = {
-                    size: [
-                        agent_prompt(lambda m: client.count_tokens(messages=m), size, f"{size}-{r}-{random.random()}")
-                        for r in range(args.runs)
-                    ]
-                    for size in args.sizes
-                }
-        finally:
-            counter.terminate()
-            counter.wait(30)
+        prompts = agent_prompts(path, args.sizes, args.runs)
         say(f"{model}: {', '.join(args.systems)}")
         rows = run_systems(args.systems, path, args.sizes, args.runs, args.tokens, args.threads, prompts)
         out = args.out or BENCH / "results" / f"{datetime.date.today()}-long-{Path(model).name.removesuffix('.gguf')}"

@@ -14,20 +14,15 @@ prompt tokens / TTFT; the ratios are to llama-server at its default pass (512) i
 from __future__ import annotations
 
 import argparse
-import random
 import shlex
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
 import psutil
 
-from bench.common import model_path, start_daemon, stop_daemon, temp_socket, wait_quiet
-from bench.long_context import agent_prompt, med, say, server_request, tandem_request, write_report
-from bench.peer import vendored_server
-from bench.prefix_cache import LlamaServer
-from tandem.client import Client
+from bench.common import model_path
+from bench.long_context import agent_prompts, med, run_systems, say, write_report
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -41,33 +36,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if 512 not in args.ubatch:
         ap.error("--ubatch must include 512: the ratios are to llama-server's default pass")
-    path, ctx = model_path(args.model), args.size + 256
-    rows = []
-    with ExitStack() as stack:
-        sock = temp_socket("tdm-pass-")
-        daemon = start_daemon(
-            sock, "--model", str(path), "--ctx-size", str(ctx), "--cache-bytes", "0", "--disk-cache-bytes", "0"
-        )
-        stack.callback(stop_daemon, daemon)
-        client = stack.enter_context(Client(sock))
-        asks = {"tandem": lambda m: tandem_request(client, m, 16)}
-        pids = [daemon.pid]
-        for ub in args.ubatch:
-            server = LlamaServer(vendored_server(), path, ctx, args.threads, None, ("-ub", str(ub)))
-            stack.callback(server.stop)
-            asks[f"llama-server -ub {ub}"] = lambda m, port=server.port: server_request(port, m, 16)
-            pids.append(server.proc.pid)
-        count = lambda m: client.count_tokens(messages=m)  # noqa: E731
-        prompts = [agent_prompt(count, args.size, f"{args.size}-{r}-{random.random()}") for r in range(args.runs)]
-        for ask in asks.values():
-            ask([{"role": "user", "content": "Say hi."}])  # (warm-up)
-        names = list(asks)
-        for r in range(args.runs):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                wait_quiet(pids)
-                figures = asks[name](prompts[r])
-                rows.append({"system": name, "run": r, **figures})
-                say(f"  run {r + 1} {name:20s} prompt {figures['prompt_tokens']} prefill {figures['prefill']:.1f}")
+    path = model_path(args.model)
+    names = ["tandem"] + [f"llama-server -ub {ub}" for ub in args.ubatch]
+    prompts = agent_prompts(path, [args.size], args.runs)
+    rows = run_systems(names, path, [args.size], args.runs, 16, args.threads, prompts)
     peer = {r["run"]: r["prefill"] for r in rows if r["system"] == "llama-server -ub 512"}
     lines = [
         f"# Prefill by pass size: {Path(path).name}, {args.size}-token prompts, {args.runs} runs",

@@ -117,12 +117,13 @@ def test_the_structured_output_benchmark_runs_and_every_constrained_output_valid
 
 def bench(experiment: str, *args: str) -> subprocess.CompletedProcess:
     """`python -m bench.experiments.EXPERIMENT ARGS...` from the repository root"""
+    return run_module(f"bench.experiments.{experiment}", *args)
+
+
+def run_module(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS...` from the repository root; it must exit 0"""
     run = subprocess.run(
-        [sys.executable, "-m", f"bench.experiments.{experiment}", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return run
@@ -248,14 +249,7 @@ def test_the_lookup_drafter_benchmark_adds_the_fast_systems(smollm2_path):
 def test_the_short_lane_benchmark_reports_both_lanes_and_equal_texts(tmp_path, smollm2_path):
     out = tmp_path / "lane"
     args = ["--model", str(smollm2_path), "--size", "1024", "--long-tokens", "64", "--short-tokens", "4"]
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.short_lane", *args, "--runs", "1", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_module("bench.short_lane", *args, "--runs", "1", "--out", str(out))
     rows = json.loads((out / "results.json").read_text())
     assert [r["lane"] for r in rows] == ["on", "off"] and all(r["same_text"] for r in rows), rows
     on, off = rows
@@ -267,15 +261,8 @@ def test_the_short_lane_benchmark_reports_both_lanes_and_equal_texts(tmp_path, s
 
 def test_the_long_context_benchmark_asks_resident_systems_in_an_order_turned_each_run(tmp_path, smollm2_path):
     out = tmp_path / "long"
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.long_context", "--models", str(smollm2_path), "--sizes", "1024"]
-        + ["--runs", "2", "--tokens", "8", "--systems", "tandem", "tandem fast", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    args = ["--models", str(smollm2_path), "--sizes", "1024", "--runs", "2", "--tokens", "8"]
+    run = run_module("bench.long_context", *args, "--systems", "tandem", "tandem fast", "--out", str(out), timeout=900)
     rows = json.loads((out / "results.json").read_text())
     # both started before the first measured request; run 1 asks tandem first, run 2 tandem fast first
     assert [(r["run"], r["system"]) for r in rows] == [

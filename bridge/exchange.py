@@ -44,6 +44,7 @@ class Served(Protocol):
     model: str
     idle_timeout: float
     api_key: Optional[str]
+    sampling: dict
 
 
 Start = Callable[[AsyncClient], Awaitable[AsyncStream]]

@@ -217,6 +217,7 @@ def parse_responses(body: dict) -> GenRequest:
         max_tokens=read(body, "max_output_tokens", (int,), MAX_TOKENS_LIMIT),
         temperature=read(body, "temperature", (int, float)),
         top_p=read(body, "top_p", (int, float)),
+        top_k=read(body, "top_k", (int,)),  # (tandem's, as in chat completions)
     ).normalised()
     req = GenRequest(
         messages=input_messages(body),

@@ -61,7 +61,8 @@ async def route(ex: "Exchange") -> None:
     if path.startswith("/api/"):
         ollama = {"/api/generate": ollama_api.generate, "/api/chat": ollama_api.chat, "/api/show": ollama_api.show}
         if path in ollama:
-            return await ollama[path](ex, await ex.body())
+            body = await ex.body()
+            return await ollama[path](ex, with_sampling(ex, body) if path != "/api/show" else body)
         if path == "/api/embed":
             return await embeddings.ollama_embed(ex, await ex.body())
         if path == "/api/embeddings":
@@ -73,9 +74,9 @@ async def route(ex: "Exchange") -> None:
                 f"({_MANAGE.get(path, 'tandem models --help')})",
             )
     if path == "/v1/messages":
-        return await anthropic_api.messages(ex, await ex.body())
+        return await anthropic_api.messages(ex, with_sampling(ex, await ex.body()))
     if path == "/v1/responses":
-        return await responses_api.responses(ex, await ex.body())
+        return await responses_api.responses(ex, with_sampling(ex, await ex.body()))
     if path == "/v1/embeddings":
         return await embeddings.openai_embeddings(ex, await ex.body())
     if path == "/v1/messages/count_tokens":
@@ -83,7 +84,25 @@ async def route(ex: "Exchange") -> None:
     if path in ("/tokenize", "/detokenize", "/v1/tokenize"):
         return await openai_bridge.tokens(ex, path, await ex.body())
     parse = {"/v1/completions": openai_bridge.parse_completions, "/v1/chat/completions": openai_bridge.parse_chat}
-    await openai_bridge.generate(ex, parse[path](await ex.body()))
+    await openai_bridge.generate(ex, parse[path](with_sampling(ex, await ex.body())))
+
+
+def with_sampling(ex: "Exchange", body: dict) -> dict:
+    """``body`` with the bridge's sampling (``tandem http --temperature`` ...) where it sets none (or null):
+    at its top, or in Ollama's ``options``. What it sets itself holds, as with llama-server's --temp."""
+    if not ex.server.sampling:
+        return body
+    where = body
+    if ex.dialect == "ollama":
+        if body.get("options") is None:
+            body["options"] = {}
+        where = body["options"]
+        if not isinstance(where, dict):
+            return body  # (the dialect refuses it)
+    for key, value in ex.server.sampling.items():
+        if where.get(key) is None:
+            where[key] = value
+    return body
 
 
 async def _get(ex: "Exchange", path: str) -> None:

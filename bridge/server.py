@@ -188,14 +188,17 @@ class BridgeServer:
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         api_key: Optional[str] = None,
+        sampling: Optional[dict] = None,
     ):
-        """``address``: from parse_listen (loopback). ``api_key``: required of every request (None: not)."""
+        """``address``: from parse_listen (loopback). ``api_key``: required of every request (None: not).
+        ``sampling``: temperature, top_k, top_p for the requests that do not set them (see routes)."""
         self.socket_path = socket_path
         self.model = model  # the daemon's model when the bridge started (refreshed by each hello)
         self.verbose = verbose  # log every HTTP request
         self.idle_timeout = idle_timeout  # a connection silent this long (or this slow to read or write) is closed
         self.max_connections = max_connections
         self.api_key = api_key  # every request must carry it (None: not required; see api_key.py)
+        self.sampling = dict(sampling or {})  # field -> value, for a request that sends no value of its own
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:

@@ -34,6 +34,42 @@ def positive(kind):
     return parse
 
 
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    """For the commands that serve the HTTP bridge: sampling for the requests that do not set their own (as
+    llama-server's --temp, --top-k and --top-p; Claude Code sends no temperature, so Anthropic's default of 1
+    holds there without --temperature)."""
+    p.add_argument(
+        "--temperature",
+        type=bounded(float, 0.0, 100.0),
+        metavar="T",
+        help="temperature of a request that sets none (0 = greedy; default: the dialect's own, e.g. 1 for "
+        "OpenAI and Anthropic, 0.8 for Ollama)",
+    )
+    p.add_argument(
+        "--top-k", type=bounded(int, 0, None), metavar="K", help="top-k of a request that sets none (0 = off)"
+    )
+    p.add_argument("--top-p", type=bounded(float, 0.0, 1.0), metavar="P", help="top-p of a request that sets none")
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict:
+    """The sampling ``sampling_args`` gave, by field name (those not given: left out)."""
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def bounded(kind, low, high):
+    """An argparse type: ``kind`` (int, float) from ``low`` to ``high`` (None: no bound)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not (low <= value and (high is None or value <= high)):  # (NaN is neither)
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high if high is not None else 'any'}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def serve_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ("socket",)) -> None:
     """One flag per option of the settings schema (tandem.daemon.config); a flag
     not given is left out, so the environment and the config file can supply it."""

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from .common import autostart_args, connect, say
+from .common import autostart_args, connect, sampling_args, sampling_defaults, say
 
 KEY_WHEN_NONE = "tandem"  # agents insist on a key; the bridge asks for none unless `--api-key on`
 ROOM = 8192  # tokens of a session beyond an agent's first request, below which launch warns
@@ -145,6 +145,7 @@ def add_launch(sub) -> None:
     p.add_argument("agent", choices=sorted(AGENTS), help="the agent to run (it must be installed: see its error)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the agent")
     autostart_args(p)
+    sampling_args(p)
     p.add_argument("--verbose", action="store_true", help="log every HTTP request the agent makes to stderr")
 
 
@@ -173,7 +174,9 @@ def cmd_launch(args) -> int:
             f"about {agent.first_prompt:,}: it will soon run out of room. Serve a longer context: `tandem stop`, "
             "then a model trained on one (Qwen2.5-Coder: 32k) with --ctx-size, --kv-budget or --kv-type q8_0"
         )
-    server = bridge_server.BridgeServer(("127.0.0.1", 0), args.socket, model, verbose=args.verbose, api_key=api_key)
+    server = bridge_server.BridgeServer(
+        ("127.0.0.1", 0), args.socket, model, verbose=args.verbose, api_key=api_key, sampling=sampling_defaults(args)
+    )
     thread = threading.Thread(target=server.serve_forever, name="tandem-bridge", daemon=True)
     thread.start()
     url = bridge_server.url_of(server).removesuffix("/v1")

@@ -9,7 +9,7 @@ import time
 from tandem.client import Client, TandemError
 from tandem.daemon import config
 
-from .common import autostart_args, connect, positive, say, serve_options
+from .common import autostart_args, connect, positive, sampling_args, sampling_defaults, say, serve_options
 
 
 def add_serve(sub) -> None:
@@ -51,6 +51,7 @@ def add_http(sub) -> None:
         "(default $TANDEM_OPENAI_LISTEN, else 127.0.0.1:8642)",
     )
     autostart_args(p)
+    sampling_args(p)
     p.add_argument("--verbose", action="store_true", help="log every HTTP request to stderr")
     p.add_argument(
         "--idle-timeout",
@@ -156,6 +157,7 @@ def cmd_http(args) -> int:
             idle_timeout=args.idle_timeout,
             max_connections=args.max_connections,
             api_key=api_key,
+            sampling=sampling_defaults(args),
         )
     except OSError as exc:
         say(

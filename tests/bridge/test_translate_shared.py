@@ -202,3 +202,25 @@ def test_the_bridge_has_no_import_cycle_and_translation_needs_no_http_side():
         return False
 
     assert [m for m in graph if reaches(m, m, set())] == []
+
+
+# --------------------------------------------------------------------------- the bridge's own sampling
+
+
+def _exchange(dialect: str, sampling: dict):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(dialect=dialect, server=SimpleNamespace(sampling=sampling))
+
+
+def test_the_bridges_sampling_fills_what_a_request_leaves_out_and_null():
+    from tandem.bridge.routes import with_sampling
+
+    ex = _exchange("openai", {"temperature": 0.0, "top_k": 20})
+    body = with_sampling(ex, {"messages": [], "temperature": None, "top_k": 5})
+    assert body == {"messages": [], "temperature": 0.0, "top_k": 5}  # its own top_k holds
+    assert with_sampling(_exchange("openai", {}), {"x": 1}) == {"x": 1}  # none set: the dialect's defaults
+    # Ollama's sit in options, made if there are none; options of another type are the dialect's to refuse
+    assert with_sampling(_exchange("ollama", {"top_p": 0.5}), {"model": "m"})["options"] == {"top_p": 0.5}
+    assert with_sampling(_exchange("ollama", {"top_p": 0.5}), {"options": {"top_p": 0.9}})["options"] == {"top_p": 0.9}
+    assert with_sampling(_exchange("ollama", {"top_p": 0.5}), {"options": [1]})["options"] == [1]

@@ -266,8 +266,10 @@ async def show(ex: "Exchange", body: dict) -> None:
 
 def _options(body: dict, n_ctx: int) -> Sampling:
     """Ollama's options as the daemon's sampling; its defaults where none is given."""
-    options = body.get("options") or {}
-    if not isinstance(options, dict):
+    options = body.get("options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):  # (as Ollama's: [] or false is not "no options")
         raise bad_request("'options' must be an object")
     num_ctx = options.get("num_ctx")
     if num_ctx is not None:

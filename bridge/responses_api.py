@@ -8,7 +8,7 @@ system and developer, rendered where they stand; ``function_call`` and
 again); ``function`` tools (other tool types, such as Codex's ``web_search`` and
 ``namespace`` entries, are left out with a warning in the bridge's log: the model
 is offered only what it can call); ``tool_choice``, ``parallel_tool_calls``,
-``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (structured
+``max_output_tokens``, ``temperature``, ``top_p`` (and tandem's ``top_k``, as in chat), ``text.format`` (structured
 output through the daemon's constraints); ``reasoning``, ``include``, ``store``,
 ``prompt_cache_key``, ``metadata`` and ``client_metadata`` accepted (the served
 models have no reasoning controls, and the prefix cache needs no key). No response

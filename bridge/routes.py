@@ -98,7 +98,7 @@ def with_sampling(ex: "Exchange", body: dict) -> dict:
             body["options"] = {}
         where = body["options"]
         if not isinstance(where, dict):
-            return body  # (the dialect refuses it)
+            return body  # (the dialect refuses it: ollama_api._options)
     for key, value in ex.server.sampling.items():
         if where.get(key) is None:
             where[key] = value

@@ -42,13 +42,18 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
         "--temperature",
         type=bounded(float, 0.0, 100.0),
         metavar="T",
-        help="temperature of a request that sets none (0 = greedy; default: the dialect's own, e.g. 1 for "
-        "OpenAI and Anthropic, 0.8 for Ollama)",
+        help="temperature of a request that sets none (0 = greedy; default: the dialect's own: 1 for OpenAI chat "
+        "and Anthropic, 0.8 for Ollama, else the daemon's 0.8)",
     )
     p.add_argument(
         "--top-k", type=bounded(int, 0, None), metavar="K", help="top-k of a request that sets none (0 = off)"
     )
-    p.add_argument("--top-p", type=bounded(float, 0.0, 1.0), metavar="P", help="top-p of a request that sets none")
+    p.add_argument(
+        "--top-p",
+        type=bounded(float, 0.0, 1.0, low_included=False),
+        metavar="P",
+        help="top-p of a request that sets none (0 < P <= 1)",
+    )
 
 
 def sampling_defaults(args: argparse.Namespace) -> dict:
@@ -57,13 +62,16 @@ def sampling_defaults(args: argparse.Namespace) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def bounded(kind, low, high):
-    """An argparse type: ``kind`` (int, float) from ``low`` to ``high`` (None: no bound)."""
+def bounded(kind, low, high, low_included: bool = True):
+    """An argparse type: ``kind`` (int, float) from ``low`` (or above it) to ``high`` (None: no bound)."""
 
     def parse(text: str):
         value = kind(text)
-        if not (low <= value and (high is None or value <= high)):  # (NaN is neither)
-            raise argparse.ArgumentTypeError(f"must be from {low} to {high if high is not None else 'any'}, got {text}")
+        above = low <= value if low_included else low < value
+        if not (above and (high is None or value <= high)):  # (NaN is neither)
+            lower = f"{low} or more" if low_included else f"more than {low}"
+            upper = f" and {high} at most" if high is not None else ""
+            raise argparse.ArgumentTypeError(f"must be {lower}{upper}, got {text}")
         return value
 
     parse.__name__ = kind.__name__

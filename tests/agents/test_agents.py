@@ -46,7 +46,9 @@ from tandem.cli.launch import AGENTS
 
 CTX = 32768
 MAIN_PROMPT = 3000  # tokens: an agent's own requests carry its system prompt and tools (7k and more)
-AGENT_TIMEOUT = 900  # seconds for one agent session (a cold first prompt: 2-4 minutes here)
+# seconds for one agent session: Qwen Code's 17.7k-token first prompt read cold took 490-680 s here, and its
+# turns after it more (killed at 900 s once, with other work on the machine); a limit for a hang, not for speed
+AGENT_TIMEOUT = 1500
 ATTEMPTS = 3
 CHUNK = 64  # tokens: exact mode reads a prompt in 64-token chunks, and the cache keeps whole chunks
 # Qwen Code's 17.8k-token prompt: the 0.5B model called the tool in one session of four measured here

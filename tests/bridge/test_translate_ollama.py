@@ -90,6 +90,7 @@ def test_format_constrains_the_output():
         ({"prompt": "x", "context": [1, 2]}, "'context' (deprecated) is not supported: send the whole history"),
         ({"prompt": 5}, "'prompt' must be a string"),
         ({"prompt": "x", "options": 5}, "'options' must be an object"),
+        ({"prompt": "x", "options": []}, "'options' must be an object"),  # (not "no options": as Ollama's)
         ({"prompt": "x", "options": {"num_ctx": 0}}, "options.num_ctx must be a positive integer, got 0"),
         (
             {"prompt": "x", "options": {"num_ctx": 100000}},

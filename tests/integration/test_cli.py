@@ -10,8 +10,12 @@ import time
 
 import pytest
 
+# seconds for one command; one that starts a daemon loads a model (27 s alone here; 126 s once, with a compiler
+# running beside the suite): the limit catches a hang, not a slow machine
+TIMEOUT = 300
 
-def tandem(*args: str, socket=None, env=None, input=None, timeout=120) -> subprocess.CompletedProcess:
+
+def tandem(*args: str, socket=None, env=None, input=None, timeout=TIMEOUT) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     full_env.pop("TANDEM_SOCKET", None)
     if socket is not None:

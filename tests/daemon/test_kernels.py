@@ -86,6 +86,72 @@ def test_patched_attention_gives_every_row_of_a_verify_pass_the_bits_of_a_step(w
     assert out["same"] == {str(w): True for w in (2, 3, 5, 8, 9, 12)}, out
 
 
+# In a fresh process, with tandem's kernels loaded ("on") or llama.cpp's own ("off"): read a prompt with
+# the fast kernels, as a prefill does, in passes of 256 rows and then one of 100 (two tiles of query rows
+# for flash attention's tiled path, the second one partial), and keep every position's logits.
+PREFILL = textwrap.dedent(
+    """
+    import ctypes, json, sys
+    from tandem.daemon import kernels
+    loaded = kernels.preload(sys.argv[2])
+    import numpy as np
+    from tandem.daemon.worker.llama_model import LlamaModel
+
+    model = LlamaModel(sys.argv[1], n_ctx=2048, fast_prefill=True)
+    text = " ".join(f"line {i}: def f{i}(x): return x * {i % 9} + {i * 5 % 11}" for i in range(200))
+    tokens = model.tokenize(text, add_special=True)[:868]
+    assert len(tokens) == 868
+    model.use_reference(False)
+    passes = ((0, 256), (256, 256), (512, 256), (768, 100))
+    rows = [model.decode(tokens[at : at + n], logits_for=list(range(n))) for at, n in passes]
+    np.save(sys.argv[3], np.concatenate(rows))
+    heads = {}
+    if loaded is not None:  # the heads a task of the patched tiled path takes: (rows, q heads, kv heads, threads)
+        fn = ctypes.CDLL(str(loaded)).ggml_tandem_fa_gqa_heads
+        fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64] * 4 + [ctypes.c_int]
+        shapes = [(256, 14, 2, 2), (256, 14, 2, 8), (64, 14, 2, 2), (256, 9, 3, 2), (256, 14, 14, 2), (256, 64, 2, 2)]
+        heads = {repr(s): fn(s[0], s[1], 1, s[2], s[3]) for s in shapes}
+    print(json.dumps({"in_use": kernels.in_use(), "threads": model.n_threads, "heads": heads}))
+    """
+)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "coder"])
+def test_patched_tiled_attention_reads_a_prompt_in_llama_cpps_own_bits(which, smollm2_path, coder_path, tmp_path):
+    """Prompts are read with ggml's fast kernels, whose tiled flash attention converts each 64-position
+    tile of K, V and the mask to F32 for every query head; tandem's converts them once for the heads
+    that share a KV head (SmolLM2: 3, Qwen2.5-Coder-0.5B: 7) and gives every row the stock tile's
+    arithmetic. Over 868 positions in passes of 256 and 100 rows, every position's logits are those of
+    llama.cpp's own kernels, bit for bit: what a prompt's KV is does not change with tandem's kernels."""
+    path = smollm2_path if which == "smollm2" else coder_path
+    outs = {}
+    for setting in ("on", "off"):
+        done = subprocess.run(
+            [sys.executable, "-c", PREFILL, str(path), setting, str(tmp_path / f"{setting}.npy")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[setting] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outs["on"]["in_use"].startswith("tandem-") and outs["off"]["in_use"] == "llama.cpp", outs
+    # the query heads per task: all that share a KV head (at most 16), fewer where that leaves under two
+    # tasks a thread, 1 (the stock path) where no KV head is shared
+    assert outs["on"]["heads"] == {
+        "(256, 14, 2, 2)": 7,
+        "(256, 14, 2, 8)": 4,
+        "(64, 14, 2, 2)": 4,
+        "(256, 9, 3, 2)": 3,
+        "(256, 14, 14, 2)": 1,
+        "(256, 64, 2, 2)": 1,
+    }, outs
+    import numpy as np
+
+    ours, theirs = np.load(tmp_path / "on.npy"), np.load(tmp_path / "off.npy")
+    assert ours.shape[0] == 868
+    assert np.array_equal(ours, theirs), f"{int((ours != theirs).any(axis=1).sum())} positions differ"
+
+
 @pytest.mark.model  # (it loads llama.cpp, if not a model)
 def test_a_fresh_process_without_preload_runs_llama_cpps_own_kernels(cpu_kernels):
     code = "import llama_cpp; from tandem.daemon import kernels; print(kernels.in_use())"

@@ -2,8 +2,9 @@
 sources vendored in the installed llama-cpp-python, with ``ggml_cpu.patch``.
 
 The patch changes two of ggml's reference (``use_ref``) kernels, those every
-decoding step runs with ``--kernels mixed`` (docs/exact-output.md, "tandem's
-CPU kernels"):
+decoding step runs with ``--kernels mixed``, and the fast flash attention that
+reads prompts, whose bits it keeps (docs/exact-output.md, "tandem's CPU
+kernels"):
 
 - flash attention: the stock one reads a query row's whole KV in one go and
   splits a pass over threads by query head (in chunks of two heads, so 14 heads
@@ -21,7 +22,12 @@ CPU kernels"):
   On x86 with AVX2, Q4_K (repacked or not) and Q6_K weights are multiplied with
   up to 8 rows at once, each row's integer sums and float operations those of
   the one-row kernel, the weights unpacked once for all of them: a verify pass
-  over w tokens then costs well under w steps.
+  over w tokens then costs well under w steps;
+- prompts' flash attention (ggml's tiled path): the stock one converts each
+  tile of K, V and the mask to F32 again for every query head that shares a
+  KV head; the patched one converts it once for them, and each head's rows go
+  through the stock tile's arithmetic: llama.cpp's own bits, faster where the
+  context is long.
 
 A daemon's start (``--kernel-patch auto``, the default), or ``tandem kernels build``, downloads the
 llama-cpp-python sdist of the installed version from PyPI (pip checks its

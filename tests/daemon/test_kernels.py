@@ -97,7 +97,7 @@ PREFILL = textwrap.dedent(
     import numpy as np
     from tandem.daemon.worker.llama_model import LlamaModel
 
-    model = LlamaModel(sys.argv[1], n_ctx=2048, fast_prefill=True)
+    model = LlamaModel(sys.argv[1], n_ctx=2048, fast_prefill=True, n_threads=2)  # (a split any machine takes)
     text = " ".join(f"line {i}: def f{i}(x): return x * {i % 9} + {i * 5 % 11}" for i in range(200))
     tokens = model.tokenize(text, add_special=True)[:868]
     assert len(tokens) == 868
@@ -105,13 +105,17 @@ PREFILL = textwrap.dedent(
     passes = ((0, 256), (256, 256), (512, 256), (768, 100))
     rows = [model.decode(tokens[at : at + n], logits_for=list(range(n))) for at, n in passes]
     np.save(sys.argv[3], np.concatenate(rows))
-    heads = {}
+    heads, passes_heads = {}, []
     if loaded is not None:  # the heads a task of the patched tiled path takes: (rows, q heads, kv heads, threads)
+        import llama_cpp
+
         fn = ctypes.CDLL(str(loaded)).ggml_tandem_fa_gqa_heads
         fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64] * 4 + [ctypes.c_int]
         shapes = [(256, 14, 2, 2), (256, 14, 2, 8), (64, 14, 2, 2), (256, 9, 3, 2), (256, 14, 14, 2), (256, 64, 2, 2)]
         heads = {repr(s): fn(s[0], s[1], 1, s[2], s[3]) for s in shapes}
-    print(json.dumps({"in_use": kernels.in_use(), "threads": model.n_threads, "heads": heads}))
+        n_head, n_kv = llama_cpp.llama_model_n_head(model.model), llama_cpp.llama_model_n_head_kv(model.model)
+        passes_heads = [fn(n, n_head, 1, n_kv, model.n_threads) for _, n in passes]  # (this model's passes)
+    print(json.dumps({"in_use": kernels.in_use(), "heads": heads, "passes_heads": passes_heads}))
     """
 )
 
@@ -121,8 +125,9 @@ def test_patched_tiled_attention_reads_a_prompt_in_llama_cpps_own_bits(which, sm
     """Prompts are read with ggml's fast kernels, whose tiled flash attention converts each 64-position
     tile of K, V and the mask to F32 for every query head; tandem's converts them once for the heads
     that share a KV head (SmolLM2: 3, Qwen2.5-Coder-0.5B: 7) and gives every row the stock tile's
-    arithmetic. Over 868 positions in passes of 256 and 100 rows, every position's logits are those of
-    llama.cpp's own kernels, bit for bit: what a prompt's KV is does not change with tandem's kernels."""
+    arithmetic. Over 868 positions in passes of 256 and 100 rows, on 2 threads (where every pass takes
+    that path, on any machine), every position's logits are those of llama.cpp's own kernels, bit for
+    bit: what a prompt's KV is does not change with tandem's kernels."""
     path = smollm2_path if which == "smollm2" else coder_path
     outs = {}
     for setting in ("on", "off"):
@@ -145,6 +150,8 @@ def test_patched_tiled_attention_reads_a_prompt_in_llama_cpps_own_bits(which, sm
         "(256, 14, 14, 2)": 1,
         "(256, 64, 2, 2)": 1,
     }, outs
+    # every pass here went through it: the heads of a KV head together (SmolLM2 3, Qwen2.5-Coder-0.5B 7)
+    assert outs["on"]["passes_heads"] == [3 if which == "smollm2" else 7] * 4, outs
     import numpy as np
 
     ours, theirs = np.load(tmp_path / "on.npy"), np.load(tmp_path / "off.npy")

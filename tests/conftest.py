@@ -254,8 +254,8 @@ def start_daemon(smollm2_path):
     ) -> DaemonProcess:
         d = DaemonProcess(model or smollm2_path, *args, env=env, fresh_probe=fresh_probe)
         started.append(d)
-        if wait:
-            d.wait_ready()
+        if wait:  # (a larger model's first start on a machine, or with new kernels, runs its load checks: 60 s+)
+            d.wait_ready(60 if model is None else 180)
         return d
 
     yield start

@@ -50,12 +50,15 @@ CHECK = textwrap.dedent(
 )
 
 
-def run_check(model, extra_buffers: str = "default") -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", CHECK, str(model), extra_buffers], capture_output=True, text=True, timeout=600
-    )
+def run_script(script: str, *args: str) -> dict:
+    """Run ``script`` in a fresh Python with ``args``; the JSON of its last line."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_check(model, extra_buffers: str = "default") -> dict:
+    return run_script(CHECK, str(model), extra_buffers)
 
 
 @pytest.mark.parametrize("which", ["smollm2", "coder", "coder-1.5b", "coder-1.5b-not-repacked"])
@@ -129,16 +132,9 @@ def test_patched_tiled_attention_reads_a_prompt_in_llama_cpps_own_bits(which, sm
     that path, on any machine), every position's logits are those of llama.cpp's own kernels, bit for
     bit: what a prompt's KV is does not change with tandem's kernels."""
     path = smollm2_path if which == "smollm2" else coder_path
-    outs = {}
-    for setting in ("on", "off"):
-        done = subprocess.run(
-            [sys.executable, "-c", PREFILL, str(path), setting, str(tmp_path / f"{setting}.npy")],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        outs[setting] = json.loads(done.stdout.strip().splitlines()[-1])
+    outs = {
+        setting: run_script(PREFILL, str(path), setting, str(tmp_path / f"{setting}.npy")) for setting in ("on", "off")
+    }
     assert outs["on"]["in_use"].startswith("tandem-") and outs["off"]["in_use"] == "llama.cpp", outs
     # the query heads per task: all that share a KV head (at most 16), fewer where that leaves under two
     # tasks a thread, 1 (the stock path) where no KV head is shared
